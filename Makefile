@@ -1,0 +1,46 @@
+# Two entry points for a fresh machine: `make train` and `make test`.
+# Both create .venv (Python >= 3.12, found by tools/find_python.sh) when missing.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+ORACLE := .venv-oracle
+ORACLE_PY := $(ORACLE)/bin/python
+CONFIG ?= configs/tiny.py
+ARGS ?=
+PYTEST_ARGS ?=
+export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
+
+.PHONY: train test venv oracle lint clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	@set -e; if [ ! -x $(PY) ]; then \
+	  py=$$(tools/find_python.sh); echo "creating $(VENV) with $$py"; \
+	  $$py -m venv $(VENV); fi
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev,hf]'
+	@touch $@
+
+# The transformers/torch oracle used only by parity tests (Python 3.11: the CPU torch wheel).
+oracle: $(ORACLE)/.installed
+
+$(ORACLE)/.installed: tools/oracle-requirements.txt
+	@set -e; if [ ! -x $(ORACLE_PY) ]; then \
+	  py=$$(tools/find_python.sh --oracle); echo "creating $(ORACLE) with $$py"; \
+	  $$py -m venv $(ORACLE); fi
+	$(ORACLE_PY) -m pip install -q --upgrade pip
+	$(ORACLE_PY) -m pip install -q -r tools/oracle-requirements.txt
+	@touch $@
+
+train: venv
+	XLA_FLAGS= $(PY) -m olmo_jax.train --config=$(CONFIG) $(ARGS)
+
+test: venv oracle
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: venv
+	$(PY) -m ruff check olmo_jax tests tools configs
+
+clean:
+	rm -rf $(VENV) $(ORACLE) runs .pytest_cache

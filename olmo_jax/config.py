@@ -1,0 +1,167 @@
+"""The configuration schema: every field, its default, and validation with clear errors.
+
+A run's config is an `ml_collections.ConfigDict` with five sections: `model`, `parallel`,
+`optim`, `data`, `trainer`. `default_config()` returns it with every field present (types
+are locked by ml_collections, so `--config.x=y` overrides are type-checked); files in
+configs/ derive from it. `validate(cfg)` checks cross-field consistency and returns the
+typed model config; each error names the field and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+
+import ml_collections
+
+from olmo_jax.model.config import ConfigError, MoEConfig, TransformerConfig
+
+
+def default_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+
+    c.model = m = ml_collections.ConfigDict()
+    m.vocab_size = 0  # 0 = the tokenizer's padded vocabulary
+    m.d_model = 256
+    m.n_layers = 4
+    m.n_heads = 4
+    m.n_kv_heads = 0  # 0 = n_heads
+    m.head_dim = 0  # 0 = d_model // n_heads
+    m.n_dense_layers = 0
+    m.dense_hidden = 0  # 0 = 4 * d_model
+    m.rope_theta = 500_000.0
+    m.norm_eps = 1e-5
+    m.qk_norm = True
+    m.clip_qkv = 0.0
+    m.tie_embeddings = False
+    m.init_std = 0.02
+    m.dtype = "float32"  # compute dtype: float32 | bfloat16 (params stay float32)
+    m.remat = "none"  # none | block | attention
+    m.moe = e = ml_collections.ConfigDict()
+    e.num_experts = 8
+    e.top_k = 2
+    e.expert_hidden = 512
+    e.gating = "softmax"
+    e.norm_topk_prob = False
+    e.router_weight_scale = 1.0
+    e.n_shared_experts = 0
+    e.shared_hidden = 0
+    e.capacity_factor = 0.0  # 0 = dropless
+    e.gmm_impl = "auto"
+    e.lb_loss_coef = 0.01
+    e.z_loss_coef = 0.001
+    e.lb_loss_type = "per_layer"
+
+    c.parallel = p = ml_collections.ConfigDict()
+    p.pipe = 1
+    p.data = -1  # -1 = fill the remaining devices
+    p.expert = 1
+    p.strategy = "ddp"  # ddp (experts resident, tokens travel) | fsdp (baseline)
+    p.dispatch = "rowwise"  # rowwise | ragged | allgather (expert-parallel dispatch)
+    p.capacity_factor = 1.25  # per receiving rank, rowwise dispatch
+    p.zero1 = True
+
+    c.optim = o = ml_collections.ConfigDict()
+    o.lr = 3e-3
+    o.schedule = "cosine"  # cosine | wsd | constant
+    o.warmup_steps = 20
+    o.min_lr_ratio = 0.1  # final lr / peak lr
+    o.decay_fraction = 0.2  # wsd: fraction of steps spent decaying
+    o.weight_decay = 0.1
+    o.b1 = 0.9
+    o.b2 = 0.95
+    o.eps = 1e-8
+    o.clip_grad_norm = 1.0  # 0 = no clipping
+
+    c.data = d = ml_collections.ConfigDict()
+    d.paths = ""  # comma-separated token files; "" = the embedded stdlib corpus
+    d.tokenizer = "bytes"  # bytes | path to a tokenizer.json
+    d.vocab_size = 0  # vocab of the token files (0 = the tokenizer's padded vocab)
+    d.dtype = ""  # "" = from the vocab size; uint16 | uint32
+    d.eval_fraction = 0.01
+
+    c.trainer = t = ml_collections.ConfigDict()
+    t.max_steps = 100
+    t.seed = 0
+    t.run_dir = "runs/default"
+    t.cache_dir = ".cache/olmo_jax"
+    t.global_batch_size = 32
+    t.seq_len = 256
+    t.grad_accum = 1  # microbatches accumulated per step
+    t.log_every = 10
+    t.eval_every = 50  # 0 = only at the end
+    t.eval_batches = 4
+    t.sample_prompt = "def main():\n    "
+    t.sample_tokens = 120
+    return c
+
+
+_CHOICES = {
+    "model.dtype": ("float32", "bfloat16"),
+    "model.remat": ("none", "block", "attention"),
+    "parallel.strategy": ("ddp", "fsdp"),
+    "parallel.dispatch": ("rowwise", "ragged", "allgather"),
+    "optim.schedule": ("cosine", "wsd", "constant"),
+}
+
+
+def _get(cfg, dotted: str):
+    node = cfg
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+def unknown_key_error(cfg: ml_collections.ConfigDict, dotted: str) -> ConfigError:
+    """A ConfigError for an override of a field that does not exist, with suggestions."""
+    parts = dotted.split(".")
+    node, path = cfg, []
+    for part in parts:
+        if isinstance(node, ml_collections.ConfigDict) and part in node:
+            node, path = node[part], path + [part]
+            continue
+        options = list(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+        near = difflib.get_close_matches(part, options, n=3)
+        where = ".".join(path) or "the top level"
+        hint = f"; did you mean {', '.join('.'.join(path + [n]) for n in near)}?" if near else ""
+        return ConfigError(f"unknown config field '{dotted}': {where} has no field '{part}'{hint}")
+    return ConfigError(f"config field '{dotted}' is not overridable")
+
+
+def model_config(cfg: ml_collections.ConfigDict, vocab_size: int | None = None) -> TransformerConfig:
+    """The typed model config for a run (vocab from the data when model.vocab_size is 0)."""
+    m = cfg.model.to_dict()
+    moe = MoEConfig(**m.pop("moe"))
+    if not m["vocab_size"]:
+        if vocab_size is None:
+            raise ConfigError("model.vocab_size is 0 (= from the tokenizer) but no tokenizer vocab is known")
+        m["vocab_size"] = vocab_size
+    return TransformerConfig(**m, moe=moe).validate()
+
+
+def validate(cfg: ml_collections.ConfigDict) -> None:
+    """Checks the non-model sections (the model is checked by `model_config`)."""
+    for dotted, choices in _CHOICES.items():
+        if _get(cfg, dotted) not in choices:
+            raise ConfigError(f"{dotted}={_get(cfg, dotted)!r}: choose one of {', '.join(choices)}")
+    t, o = cfg.trainer, cfg.optim
+    for name in ("max_steps", "global_batch_size", "seq_len", "grad_accum", "log_every"):
+        if t[name] < 1:
+            raise ConfigError(f"trainer.{name} must be >= 1, got {t[name]}")
+    if t.global_batch_size % t.grad_accum:
+        raise ConfigError(
+            f"trainer.grad_accum={t.grad_accum} must divide trainer.global_batch_size="
+            f"{t.global_batch_size}"
+        )
+    if o.lr <= 0:
+        raise ConfigError(f"optim.lr must be > 0, got {o.lr}")
+    if not 0 <= o.min_lr_ratio <= 1:
+        raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
+    if o.warmup_steps < 0:
+        raise ConfigError(f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
+    if not 0 < o.decay_fraction <= 1:
+        raise ConfigError(f"optim.decay_fraction must be in (0, 1], got {o.decay_fraction}")
+    if cfg.model.vocab_size and cfg.data.vocab_size and cfg.model.vocab_size < cfg.data.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than data.vocab_size="
+            f"{cfg.data.vocab_size}; raise model.vocab_size (or set it to 0 = from the data)"
+        )

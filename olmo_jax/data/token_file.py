@@ -1,0 +1,128 @@
+"""OLMo-core token files: flat, headerless arrays of token ids (the name usually ends in
+`.npy`, but there is no NumPy header), uint16 when the vocabulary fits in 65,536 ids and
+uint32 above. Documents inside a file are separated by EOS.
+
+`TokenFile` memory-maps one read-only and checks it: size against the dtype on open, token
+ids against the vocabulary on every read (and over the whole file on open for files under
+`FULL_CHECK_BYTES`). `write_token_file` writes one atomically.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from olmo_jax.data.errors import DataError
+
+TOKEN_DTYPES = (np.dtype(np.uint16), np.dtype(np.uint32))
+FULL_CHECK_BYTES = 64 * 2**20  # files smaller than this are range-checked in full on open
+
+
+def dtype_for_vocab(vocab_size: int) -> np.dtype:
+    """uint16 when every id of a `vocab_size` vocabulary fits in 16 bits, else uint32."""
+    if vocab_size <= 0:
+        raise DataError(f"vocab_size={vocab_size} must be positive")
+    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+def token_dtype(dtype: str | np.dtype | type) -> np.dtype:
+    """The token dtype named by `dtype`, which must be uint16 or uint32."""
+    try:
+        resolved = np.dtype(dtype)
+    except TypeError as e:
+        raise DataError(f"data.dtype={dtype!r} is not a dtype; use 'uint16' or 'uint32'") from e
+    if resolved not in TOKEN_DTYPES:
+        raise DataError(f"data.dtype={dtype!r}: token files are 'uint16' or 'uint32'")
+    return resolved
+
+
+class TokenFile:
+    """A read-only memory map of one token file; `len()` tokens, `file[a:b]` reads int32."""
+
+    def __init__(self, path: str | Path, dtype: str | np.dtype, vocab_size: int):
+        self.path = Path(path)
+        self.dtype = token_dtype(dtype)
+        self.vocab_size = vocab_size
+        if not self.path.is_file():
+            raise DataError(
+                f"token file {self.path} does not exist; make one from text files with "
+                "`python tools/tokenize_files.py INPUTS -o OUTPUT`"
+            )
+        n_bytes = self.path.stat().st_size
+        if n_bytes == 0:
+            raise DataError(f"token file {self.path} is empty; re-create it or remove it")
+        if n_bytes % self.dtype.itemsize:
+            other = next(d for d in TOKEN_DTYPES if d != self.dtype)
+            hint = (
+                f"if it was written as {other.name}, set data.dtype='{other.name}'"
+                if n_bytes % other.itemsize == 0
+                else "it is truncated or not a token file; re-create it"
+            )
+            raise DataError(
+                f"token file {self.path} has {n_bytes} bytes, not a whole number of "
+                f"{self.dtype.name} tokens ({self.dtype.itemsize} bytes each); {hint}"
+            )
+        self.tokens = np.memmap(self.path, dtype=self.dtype, mode="r")
+        if n_bytes < FULL_CHECK_BYTES:
+            self._check_vocab(self.tokens, offset=0)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, span: slice) -> np.ndarray:
+        """Tokens `span` (a slice with step 1) as int32, checked against the vocabulary."""
+        start, stop, step = span.indices(len(self.tokens))
+        if step != 1:
+            raise ValueError(f"TokenFile reads contiguous slices; got step {step}")
+        tokens_N = np.asarray(self.tokens[start:stop])
+        self._check_vocab(tokens_N, offset=start)
+        return tokens_N.astype(np.int32)
+
+    def _check_vocab(self, tokens_N: np.ndarray, offset: int) -> None:
+        if len(tokens_N) == 0 or tokens_N.max() < self.vocab_size:
+            return
+        first_bad = int(np.argmax(tokens_N >= self.vocab_size))
+        raise DataError(
+            f"token file {self.path}: token {int(tokens_N[first_bad])} at offset "
+            f"{offset + first_bad} is >= vocab_size {self.vocab_size}; the file was made with "
+            f"a larger vocabulary (set data.vocab_size / data.tokenizer to match it) or is not "
+            f"{self.dtype.name} (set data.dtype)"
+        )
+
+    def __repr__(self) -> str:
+        return f"TokenFile({str(self.path)!r}, {self.dtype.name}, {len(self)} tokens)"
+
+
+def write_token_file(
+    path: str | Path, tokens: np.ndarray | Iterable[np.ndarray], dtype: str | np.dtype
+) -> int:
+    """Writes `tokens` (one array, or an iterable of arrays written back to back) to `path`
+    as a headerless `dtype` array, atomically (a temp file in the same folder, then
+    `os.replace`). Returns the number of tokens written."""
+    path = Path(path)
+    dtype = token_dtype(dtype)
+    chunks = [tokens] if isinstance(tokens, np.ndarray) else tokens
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    n_tokens = 0
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide a shared cache from other users
+        with os.fdopen(fd, "wb") as f:
+            for chunk in chunks:
+                chunk_N = np.asarray(chunk)
+                if chunk_N.size and (chunk_N.min() < 0 or chunk_N.max() > np.iinfo(dtype).max):
+                    raise DataError(
+                        f"writing {path}: token ids span [{chunk_N.min()}, {chunk_N.max()}], "
+                        f"which does not fit {dtype.name}; use uint32"
+                    )
+                chunk_N.astype(dtype, copy=False).tofile(f)
+                n_tokens += chunk_N.size
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    return n_tokens

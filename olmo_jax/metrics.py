@@ -1,0 +1,101 @@
+"""Throughput accounting: FLOPs per token (OLMo-core's formula), peak FLOP/s per device,
+MFU, and parameter counts.
+
+FLOPs per token, training (forward + backward), DESIGN §6:
+  attention  6 * attn_params + 12 * heads * head_dim * (s + 1) / 2   (causal)
+  router     6 * d * E
+  routed     18 * d * h * k
+  shared     18 * d * h_s * n_s
+  dense MLP  18 * d * h_dense   (blocks before the first MoE block)
+  LM head    6 * d * V
+The input embedding is not counted; norm weights are negligible and not counted.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+
+from olmo_jax.model.config import TransformerConfig
+
+# Dense peak FLOP/s per device by kind and dtype (vendor datasheets, dense, no sparsity).
+PEAK_FLOPS = {
+    "b300": {"bfloat16": 2.25e15, "float32": 75e12},  # DESIGN §6
+    "b200": {"bfloat16": 2.25e15, "float32": 75e12},
+    "h200": {"bfloat16": 0.989e15, "float32": 67e12},  # same SXM die as H100
+    "h100": {"bfloat16": 0.989e15, "float32": 67e12},
+    "a100": {"bfloat16": 312e12, "float32": 19.5e12},
+}
+
+
+def attention_params(cfg: TransformerConfig) -> int:
+    D, N, K, H = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_size
+    return D * N * H * 2 + D * K * H * 2
+
+
+def flops_per_token(cfg: TransformerConfig, seq_len: int) -> float:
+    D, m = cfg.d_model, cfg.moe
+    attn = 6 * attention_params(cfg) + 12 * cfg.n_heads * cfg.head_size * (seq_len + 1) / 2
+    moe = 6 * D * m.num_experts + 18 * D * m.expert_hidden * m.top_k
+    moe += 18 * D * m.shared_hidden * m.n_shared_experts
+    dense = 18 * D * cfg.dense_hidden_size
+    head = 6 * D * cfg.vocab_size
+    return cfg.n_layers * attn + cfg.n_moe_layers * moe + cfg.n_dense_layers * dense + head
+
+
+def param_counts(cfg: TransformerConfig) -> tuple[int, int]:
+    """(total, active) parameters. Active counts the top-k routed experts per token."""
+    D, V, m = cfg.d_model, cfg.vocab_size, cfg.moe
+    attn = attention_params(cfg) + (cfg.n_heads + cfg.kv_heads) * cfg.head_size * cfg.qk_norm
+    norms = 2 * D
+    expert = 3 * D * m.expert_hidden
+    shared = 3 * D * m.shared_hidden * m.n_shared_experts
+    moe_common = attn + norms + D * m.num_experts + shared
+    dense_block = attn + norms + 3 * D * cfg.dense_hidden_size
+    embed = V * D * (1 if cfg.tie_embeddings else 2) + D
+    total = embed + cfg.n_dense_layers * dense_block
+    total += cfg.n_moe_layers * (moe_common + m.num_experts * expert)
+    active = embed + cfg.n_dense_layers * dense_block
+    active += cfg.n_moe_layers * (moe_common + m.top_k * expert)
+    return total, active
+
+
+@functools.cache
+def measured_cpu_peak(n: int = 1024, repeats: int = 8) -> float:
+    """Dense float32 matmul FLOP/s of one CPU device, measured once (best of `repeats`)."""
+    cpu = jax.devices("cpu")[0]
+    a = jax.device_put(jnp.ones((n, n), jnp.float32), cpu)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def device_kind() -> str:
+    d = jax.devices()[0]
+    if d.platform == "cpu":
+        return "cpu"
+    kind = d.device_kind.lower()
+    for name in PEAK_FLOPS:
+        if name in kind:
+            return name
+    return kind
+
+
+def peak_flops_per_device(dtype: str = "bfloat16", kind: str | None = None) -> float:
+    """Peak dense FLOP/s of one device: from the table, or measured for the CPU (the fake
+    CPU devices of a simulated mesh share the host's cores, so the host peak is split)."""
+    kind = kind or device_kind()
+    if kind == "cpu":
+        return measured_cpu_peak() / max(1, len(jax.devices("cpu")))
+    if kind not in PEAK_FLOPS:
+        raise KeyError(f"no peak FLOP/s known for device kind {kind!r}; known: {sorted(PEAK_FLOPS)}")
+    table = PEAK_FLOPS[kind]
+    return table.get(dtype, table["bfloat16"])

@@ -1,0 +1,143 @@
+"""The model's hyperparameters: plain frozen dataclasses, usable without the trainer.
+
+`TransformerConfig` owns the architecture (an OLMoE-style decoder); `MoEConfig` owns the
+routed feed-forward. Validation lives here so research code that builds a model by hand
+gets the same clear errors as the command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import jax.numpy as jnp
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names the field and the fix."""
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int = 8
+    top_k: int = 2
+    expert_hidden: int = 512
+    # Router.
+    gating: str = "softmax"  # softmax | sigmoid | topk_softmax (see model/moe/router.py)
+    norm_topk_prob: bool = False
+    router_weight_scale: float = 1.0
+    # Shared experts (always applied, added to the routed output).
+    n_shared_experts: int = 0
+    shared_hidden: int = 0
+    # Dispatch: capacity_factor 0 = dropless; > 0 = per-expert capacity, overflow dropped.
+    capacity_factor: float = 0.0
+    gmm_impl: str = "auto"  # auto | ragged_dot | einsum | blocked (see model/moe/experts.py)
+    # Auxiliary losses.
+    lb_loss_coef: float = 0.01
+    z_loss_coef: float = 0.001
+    lb_loss_type: str = "per_layer"  # per_layer (OLMo-core) | pooled (Hugging Face)
+
+    def validate(self, prefix: str = "model.moe") -> None:
+        if self.num_experts < 1:
+            raise ConfigError(f"{prefix}.num_experts must be >= 1, got {self.num_experts}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ConfigError(
+                f"{prefix}.top_k={self.top_k} must be between 1 and "
+                f"{prefix}.num_experts={self.num_experts}"
+            )
+        if self.expert_hidden < 1:
+            raise ConfigError(f"{prefix}.expert_hidden must be >= 1, got {self.expert_hidden}")
+        if self.gating not in ("softmax", "sigmoid", "topk_softmax"):
+            raise ConfigError(
+                f"{prefix}.gating={self.gating!r}: choose softmax, sigmoid or topk_softmax"
+            )
+        if self.n_shared_experts < 0 or (self.n_shared_experts > 0 and self.shared_hidden < 1):
+            raise ConfigError(
+                f"{prefix}.n_shared_experts={self.n_shared_experts} needs "
+                f"{prefix}.shared_hidden >= 1 (got {self.shared_hidden})"
+            )
+        if self.capacity_factor < 0:
+            raise ConfigError(
+                f"{prefix}.capacity_factor must be >= 0 (0 = dropless), got {self.capacity_factor}"
+            )
+        if self.gmm_impl not in ("auto", "ragged_dot", "einsum", "blocked"):
+            raise ConfigError(
+                f"{prefix}.gmm_impl={self.gmm_impl!r}: choose auto, ragged_dot, einsum or blocked"
+            )
+        if self.lb_loss_type not in ("per_layer", "pooled"):
+            raise ConfigError(
+                f"{prefix}.lb_loss_type={self.lb_loss_type!r}: choose per_layer or pooled"
+            )
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    vocab_size: int = 384
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 0  # 0 = n_heads (no grouping)
+    head_dim: int = 0  # 0 = d_model // n_heads
+    n_dense_layers: int = 0  # the first blocks use a dense SwiGLU MLP instead of MoE
+    dense_hidden: int = 0  # hidden size of those dense MLPs (0 = 4 * d_model)
+    rope_theta: float = 500_000.0
+    norm_eps: float = 1e-5
+    qk_norm: bool = True
+    clip_qkv: float = 0.0  # 0 = off; else clamp q, k, v to [-clip_qkv, clip_qkv]
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    dtype: str = "float32"  # compute dtype; parameters are always float32
+    remat: str = "none"  # none | block | attention
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def dense_hidden_size(self) -> int:
+        return self.dense_hidden or 4 * self.d_model
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.n_layers - self.n_dense_layers
+
+    @property
+    def compute_dtype(self):
+        return DTYPES[self.dtype]
+
+    def replace(self, **kw) -> TransformerConfig:
+        return dataclasses.replace(self, **kw)
+
+    def validate(self, prefix: str = "model") -> TransformerConfig:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{prefix}.{name} must be >= 1, got {getattr(self, name)}")
+        if self.head_dim == 0 and self.d_model % self.n_heads:
+            raise ConfigError(
+                f"{prefix}.n_heads={self.n_heads} does not divide {prefix}.d_model={self.d_model}; "
+                f"change one of them or set {prefix}.head_dim explicitly"
+            )
+        if self.head_size % 2:
+            raise ConfigError(f"head size {self.head_size} must be even for RoPE")
+        if self.n_heads % self.kv_heads:
+            raise ConfigError(
+                f"{prefix}.n_kv_heads={self.kv_heads} must divide {prefix}.n_heads={self.n_heads}"
+            )
+        if not 0 <= self.n_dense_layers <= self.n_layers:
+            raise ConfigError(
+                f"{prefix}.n_dense_layers={self.n_dense_layers} must be in [0, "
+                f"{prefix}.n_layers={self.n_layers}]"
+            )
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"{prefix}.dtype={self.dtype!r}: choose one of {sorted(DTYPES)}")
+        if self.remat not in ("none", "block", "attention"):
+            raise ConfigError(f"{prefix}.remat={self.remat!r}: choose none, block or attention")
+        self.moe.validate(prefix + ".moe")
+        return self

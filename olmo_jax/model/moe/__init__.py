@@ -1,0 +1,1 @@
+"""Mixture-of-experts feed-forward: router -> dispatch -> experts -> combine, plus losses."""

@@ -1,0 +1,106 @@
+"""Dispatch and combine as pure functions: (token, choice) assignments -> rows of an
+expert-grouped buffer -> back.
+
+Every layout answers one question per assignment: which row of a static-size buffer
+does it go to, and is it kept? Rows of the buffer belong to experts in order (expert 0's
+rows first). Three layouts:
+  sorted    dropless, R = S*k rows, expert e owns a contiguous run of group_sizes[e] rows
+            (for jax.lax.ragged_dot / grouped-matmul kernels);
+  capacity  E * C rows, expert e owns rows [e*C, (e+1)*C); an assignment whose rank within
+            its expert is >= C is dropped;
+  blocked   dropless, each expert's run padded to a multiple of `block` rows, so every
+            block of rows belongs to one expert (a batched matmul over blocks; fastest
+            dropless layout on CPU).
+Priority (who is dropped at capacity): assignments are ranked within their expert in
+choice-major order: every token's first choice, in token order, before any token's
+second choice, and so on. Deterministic, and the same rule the expert-parallel rowwise
+dispatcher uses.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class BufferPlan(NamedTuple):
+    row_Sk: jax.Array  # int32 destination row of each assignment (== n_rows when dropped)
+    keep_Sk: jax.Array  # bool, False where dropped at capacity
+    group_sizes_E: jax.Array  # int32 kept assignments per expert
+    n_rows: int  # static buffer size
+
+
+def rank_within_expert(idx_Sk: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """(rank_Sk, counts_E): the position of each assignment among all assignments to the
+    same expert, in choice-major order, and the number of assignments per expert."""
+    S, k = idx_Sk.shape
+    flat_R = idx_Sk.T.reshape(-1)  # choice-major: a = j * S + s
+    order_R = jnp.argsort(flat_R, stable=True)
+    counts_E = jnp.bincount(flat_R, length=num_experts).astype(jnp.int32)
+    starts_E = jnp.cumsum(counts_E) - counts_E
+    rank_sorted_R = jnp.arange(S * k, dtype=jnp.int32) - starts_E[flat_R[order_R]]
+    rank_R = jnp.zeros((S * k,), jnp.int32).at[order_R].set(rank_sorted_R)
+    return rank_R.reshape(k, S).T, counts_E
+
+
+def sorted_plan(idx_Sk: jax.Array, num_experts: int) -> BufferPlan:
+    rank_Sk, counts_E = rank_within_expert(idx_Sk, num_experts)
+    starts_E = jnp.cumsum(counts_E) - counts_E
+    row_Sk = starts_E[idx_Sk] + rank_Sk
+    return BufferPlan(row_Sk, jnp.ones_like(row_Sk, bool), counts_E, idx_Sk.size)
+
+
+def capacity_plan(idx_Sk: jax.Array, num_experts: int, capacity: int) -> BufferPlan:
+    rank_Sk, counts_E = rank_within_expert(idx_Sk, num_experts)
+    keep_Sk = rank_Sk < capacity
+    n_rows = num_experts * capacity
+    row_Sk = jnp.where(keep_Sk, idx_Sk * capacity + rank_Sk, n_rows)
+    return BufferPlan(row_Sk, keep_Sk, jnp.minimum(counts_E, capacity), n_rows)
+
+
+def blocked_rows(n_assignments: int, num_experts: int, block: int) -> int:
+    """Static row count that fits any routing once each expert is padded to `block`."""
+    return (-(-n_assignments // block) + num_experts - 1) * block
+
+
+def blocked_plan(idx_Sk: jax.Array, num_experts: int, block: int) -> tuple[BufferPlan, jax.Array]:
+    """Returns the plan and block_expert_B: the expert that owns each block of rows
+    (blocks past the last expert's run are padding owned by the last expert)."""
+    rank_Sk, counts_E = rank_within_expert(idx_Sk, num_experts)
+    padded_E = (counts_E + block - 1) // block * block
+    starts_E = jnp.cumsum(padded_E) - padded_E
+    row_Sk = starts_E[idx_Sk] + rank_Sk
+    n_rows = blocked_rows(idx_Sk.size, num_experts, block)
+    block_start_B = jnp.arange(n_rows // block, dtype=jnp.int32) * block
+    ends_E = starts_E + padded_E
+    block_expert_B = jnp.searchsorted(ends_E, block_start_B, side="right").astype(jnp.int32)
+    block_expert_B = jnp.minimum(block_expert_B, num_experts - 1)
+    plan = BufferPlan(row_Sk, jnp.ones_like(row_Sk, bool), counts_E, n_rows)
+    return plan, block_expert_B
+
+
+def source_tokens(plan: BufferPlan, n_tokens: int) -> jax.Array:
+    """src_P: for each buffer row, the token that fills it (n_tokens = an empty row)."""
+    S, k = plan.row_Sk.shape
+    token_Sk = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[:, None], (S, k))
+    src_P = jnp.full((plan.n_rows,), n_tokens, jnp.int32)
+    return src_P.at[plan.row_Sk.reshape(-1)].set(token_Sk.reshape(-1), mode="drop")
+
+
+def gather_rows(x_SD: jax.Array, plan: BufferPlan) -> jax.Array:
+    """x_PD: the buffer, each row a copy of its assignment's token (zeros where empty)."""
+    S, D = x_SD.shape
+    x_padded = jnp.concatenate([x_SD, jnp.zeros((1, D), x_SD.dtype)], axis=0)
+    return x_padded[source_tokens(plan, S)]
+
+
+def combine_rows(y_PD: jax.Array, plan: BufferPlan, weights_Sk: jax.Array) -> jax.Array:
+    """y_SD = sum_j weights[s, j] * y[row[s, j]], weights applied in float32; dropped
+    assignments contribute zero. Returns float32."""
+    D = y_PD.shape[-1]
+    y_padded = jnp.concatenate([y_PD, jnp.zeros((1, D), y_PD.dtype)], axis=0)
+    y_SkD = y_padded[plan.row_Sk].astype(jnp.float32)
+    w_Sk = jnp.where(plan.keep_Sk, weights_Sk.astype(jnp.float32), 0.0)
+    return jnp.einsum("skd,sk->sd", y_SkD, w_Sk)

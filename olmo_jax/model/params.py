@@ -1,0 +1,28 @@
+"""Parameter creation: every parameter is float32 and carries logical axis names.
+
+The names (`embed`, `mlp`, `expert`, `vocab`, ...) are the only sharding information in
+model code; `olmo_jax.parallel.rules` maps them to mesh axes in one table.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def normal_param(key: jax.Array, shape: tuple[int, ...], axes: tuple[str | None, ...], std: float):
+    """A float32 parameter drawn from N(0, std^2), truncated at 3 std (OLMo-core's init)."""
+    assert len(shape) == len(axes), (shape, axes)
+    value = std * jax.random.truncated_normal(key, -3.0, 3.0, shape, jnp.float32)
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+def ones_param(shape: tuple[int, ...], axes: tuple[str | None, ...]):
+    assert len(shape) == len(axes), (shape, axes)
+    return nnx.Param(jnp.ones(shape, jnp.float32), out_sharding=axes, eager_sharding=False)
+
+
+def logical_axes(variable: nnx.Variable) -> tuple[str | None, ...]:
+    """The logical axis names a parameter was created with (plus any stacking axes)."""
+    return tuple(variable.get_metadata().get("out_sharding") or (None,) * variable.ndim)

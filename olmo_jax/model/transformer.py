@@ -1,0 +1,122 @@
+"""The decoder LM (Hugging Face `OlmoeForCausalLM` architecture, OLMo-core options).
+
+embed -> [dense blocks] -> [MoE blocks] -> final RMSNorm -> LM head. Each group of blocks
+is created stacked (parameters get a leading `layers` axis) and run with `lax.scan`, so
+compile time does not grow with depth. The pieces (`embed`, `run_blocks`, `head`) are
+public so that pipeline stages can call them separately.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from olmo_jax.model.attention import Attention
+from olmo_jax.model.config import TransformerConfig
+from olmo_jax.model.mlp import MLP
+from olmo_jax.model.moe.layer import Dispatcher, MoELayer
+from olmo_jax.model.moe.losses import RouterStats
+from olmo_jax.model.norm import RMSNorm
+from olmo_jax.model.params import normal_param
+from olmo_jax.model.rope import rope_tables
+
+
+class Block(nnx.Module):
+    """Pre-norm block: x + attn(norm(x)), then + ffn(norm(x)); ffn is MoE or dense."""
+
+    def __init__(self, cfg: TransformerConfig, moe: bool, *, rngs: nnx.Rngs, dispatcher=None):
+        D = cfg.d_model
+        self.attn_norm = RMSNorm((D,), ("embed",), cfg.norm_eps)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.ffn_norm = RMSNorm((D,), ("embed",), cfg.norm_eps)
+        if moe:
+            self.ffn = MoELayer(cfg, rngs=rngs, dispatcher=dispatcher)
+        else:
+            self.ffn = MLP(D, cfg.dense_hidden_size, cfg.init_std, cfg.compute_dtype, rngs=rngs)
+        self.is_moe = moe
+        self.remat_attention = cfg.remat == "attention"
+
+    def __call__(self, x_BTD, cos_TH, sin_TH):
+        attn = self.attn
+        if self.remat_attention:
+            attn = nnx.remat(attn)
+        h_BTD = x_BTD + attn(self.attn_norm(x_BTD), cos_TH, sin_TH).astype(x_BTD.dtype)
+        if self.is_moe:
+            f_BTD, stats = self.ffn(self.ffn_norm(h_BTD))
+        else:
+            f_BTD, stats = self.ffn(self.ffn_norm(h_BTD)), None
+        return h_BTD + f_BTD.astype(h_BTD.dtype), stats
+
+
+def _stacked_blocks(cfg: TransformerConfig, n: int, moe: bool, rngs: nnx.Rngs, dispatcher):
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(rngs: nnx.Rngs):
+        return Block(cfg, moe, rngs=rngs, dispatcher=dispatcher)
+
+    return make(rngs)
+
+
+def run_blocks(blocks: Block, x_BTD, cos_TH, sin_TH, remat: str = "none"):
+    """Scan x through stacked blocks; returns (x, per-layer stats stacked on axis 0)."""
+    graphdef, state = nnx.split(blocks)
+
+    def body(x, layer_state):
+        y, stats = nnx.merge(graphdef, layer_state)(x, cos_TH, sin_TH)
+        return y, stats
+
+    if remat == "block":
+        body = jax.checkpoint(body)
+    return jax.lax.scan(body, x_BTD, state)
+
+
+class Output(NamedTuple):
+    logits_BTV: jax.Array  # float32
+    router_stats: RouterStats | None  # fields stacked over MoE layers [L_moe, ...]
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs, dispatcher: Dispatcher | None = None):
+        cfg.validate()
+        self.cfg = cfg
+        V, D = cfg.vocab_size, cfg.d_model
+        self.embedding = normal_param(rngs.params(), (V, D), ("vocab", "embed"), cfg.init_std)
+        self.dense_blocks = (
+            _stacked_blocks(cfg, cfg.n_dense_layers, False, rngs, None) if cfg.n_dense_layers else None
+        )
+        self.moe_blocks = (
+            _stacked_blocks(cfg, cfg.n_moe_layers, True, rngs, dispatcher) if cfg.n_moe_layers else None
+        )
+        self.final_norm = RMSNorm((D,), ("embed",), cfg.norm_eps)
+        self.lm_head = (
+            None if cfg.tie_embeddings
+            else normal_param(rngs.params(), (D, V), ("embed", "vocab"), cfg.init_std)
+        )
+
+    def embed(self, tokens_BT: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding[...], tokens_BT, axis=0).astype(self.cfg.compute_dtype)
+
+    def blocks(self, x_BTD: jax.Array, positions_T: jax.Array | None = None):
+        cfg = self.cfg
+        T = x_BTD.shape[1]
+        positions_T = jnp.arange(T) if positions_T is None else positions_T
+        cos_TH, sin_TH = rope_tables(positions_T, cfg.head_size, cfg.rope_theta)
+        stats = None
+        if self.dense_blocks is not None:
+            x_BTD, _ = run_blocks(self.dense_blocks, x_BTD, cos_TH, sin_TH, cfg.remat)
+        if self.moe_blocks is not None:
+            x_BTD, stats = run_blocks(self.moe_blocks, x_BTD, cos_TH, sin_TH, cfg.remat)
+        return x_BTD, stats
+
+    def head(self, x_BTD: jax.Array) -> jax.Array:
+        dt = self.cfg.compute_dtype
+        h_BTD = self.final_norm(x_BTD).astype(dt)
+        w_DV = self.embedding[...].T if self.lm_head is None else self.lm_head[...]
+        return jnp.einsum("btd,dv->btv", h_BTD, w_DV.astype(dt), preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens_BT: jax.Array) -> Output:
+        x_BTD, stats = self.blocks(self.embed(tokens_BT))
+        return Output(self.head(x_BTD), stats)

@@ -1,0 +1,1 @@
+"""Device meshes, the logical-axis -> mesh-axis table, and parallel execution strategies."""

@@ -1,0 +1,88 @@
+"""Entry point: python -m olmo_jax.train --config=configs/X.py --config.a.b=c
+
+Overrides are type-checked against the config file's fields (`lock_config=True`); an
+override of a field that does not exist fails before anything runs, naming the field and
+the nearest existing ones.
+"""
+
+from __future__ import annotations
+
+import runpy
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from olmo_jax.config import unknown_key_error
+from olmo_jax.data.errors import DataError
+from olmo_jax.model.config import ConfigError
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Path to a config file (configs/*.py).", lock_config=True
+)
+
+
+def _fail(msg: str) -> None:
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _config_path(argv: list[str]) -> str | None:
+    for i, a in enumerate(argv):
+        if a.startswith("--config="):
+            return a.split("=", 1)[1]
+        if a == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
+def _explain_parse_error(argv: list[str], err: Exception) -> str:
+    """Name the override that does not exist in the config file, if that is the cause."""
+    path = _config_path(argv)
+    if path is None:
+        return f"{err}; pass --config=configs/<name>.py"
+    try:
+        cfg = runpy.run_path(path.split(":", 1)[0])["get_config"]()
+    except Exception as load_err:  # the config file itself is broken
+        return f"cannot load config file {path}: {load_err}"
+    for a in argv:
+        if a.startswith("--config.") and "=" in a:
+            dotted = a[len("--config."):].split("=", 1)[0]
+            node = cfg
+            try:
+                for part in dotted.split("."):
+                    node = node[part]
+            except (KeyError, AttributeError, TypeError):
+                return f"{unknown_key_error(cfg, dotted)} (from {a})"
+    return f"invalid command line: {err}"
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        _fail(str(e) if not isinstance(e, flags.UnrecognizedFlagError) else _explain_parse_error(argv, e))
+    except (KeyError, AttributeError, TypeError, ValueError) as e:
+        _fail(_explain_parse_error(argv, e))
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    if _CONFIG.value is None:
+        raise app.UsageError("--config=configs/<name>.py is required")
+    logging.set_verbosity(logging.WARNING)  # jax's backend-probing INFO lines
+    from olmo_jax.trainer.loop import train
+
+    try:
+        train(_CONFIG.value)
+    except (ConfigError, DataError) as e:
+        _fail(str(e))
+
+
+def run() -> None:
+    app.run(main, flags_parser=_parse_flags)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,60 @@
+"""Where metrics go: one JSON object per line in {run_dir}/metrics.jsonl, and a rich
+progress bar on the terminal (loss, tokens/s, MFU, ETA)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+
+def _jsonable(v):
+    if hasattr(v, "tolist"):
+        v = v.tolist()
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+class MetricsLog:
+    def __init__(self, path: Path, append: bool = False):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "a" if append else "w", buffering=1)
+
+    def write(self, record: dict) -> None:
+        self._f.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class ProgressBar:
+    def __init__(self, total_steps: int, start_step: int = 0, console: Console | None = None):
+        self.console = console or Console()
+        self.progress = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[status]}"),
+            TimeRemainingColumn(),
+            console=self.console,
+        )
+        self.task = self.progress.add_task("train", total=total_steps, completed=start_step, status="")
+
+    def __enter__(self):
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.progress.stop()
+
+    def update(self, step: int, m: dict) -> None:
+        status = (
+            f"loss {m['loss']:.3f}  {m['tokens_per_s']:,.0f} tok/s  MFU {100 * m['mfu']:.1f}%"
+            + (f"  eval {m['eval_loss']:.3f}" if "eval_loss" in m else "")
+        )
+        self.progress.update(self.task, completed=step, status=status)

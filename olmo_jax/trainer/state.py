@@ -1,0 +1,48 @@
+"""The training state: one pytree holding everything a step reads and writes.
+
+    TrainState(step, params, opt_state, model_state, rng)
+
+`params` are the model's float32 `nnx.Param`s; `model_state` holds its other variables
+(e.g. router biases, which the optimizer never touches); the model's structure (its
+`nnx.GraphDef`) is static and kept outside the state.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from olmo_jax.model import Transformer, TransformerConfig
+
+
+class TrainState(NamedTuple):
+    step: jax.Array  # int32 scalar: number of completed optimizer steps
+    params: nnx.State
+    opt_state: Any
+    model_state: nnx.State
+    rng: jax.Array  # a key for stochastic parts of the step (router jitter, random routing)
+
+
+def abstract_model(model_cfg: TransformerConfig, dispatcher=None):
+    """(graphdef, abstract params, abstract model_state) without allocating."""
+    abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0), dispatcher=dispatcher))
+    return nnx.split(abstract, nnx.Param, ...)
+
+
+def init_state(model_cfg: TransformerConfig, tx: optax.GradientTransformation, seed: int, dispatcher=None):
+    """Builds the model from `seed` and returns (graphdef, TrainState). Parameter values
+    depend only on the seed, never on the sharding they are later placed with."""
+    model = Transformer(model_cfg, rngs=nnx.Rngs(params=seed), dispatcher=dispatcher)
+    graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
+    state = TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=tx.init(params),
+        model_state=model_state,
+        rng=jax.random.key_data(jax.random.key(seed + 1)),
+    )
+    return graphdef, state
