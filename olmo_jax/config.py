@@ -36,6 +36,7 @@ def default_config() -> ml_collections.ConfigDict:
     m.init_std = 0.02
     m.dtype = "float32"  # compute dtype: float32 | bfloat16 (params stay float32)
     m.remat = "none"  # none | block | attention
+    m.scan_unroll = 1  # blocks per layer-scan iteration; = n_layers unrolls fully
     m.moe = e = ml_collections.ConfigDict()
     e.num_experts = 8
     e.top_k = 2

@@ -44,3 +44,17 @@ def naive_moe(x_SD, router_DE, w_gate, w_up, w_down, top_k, norm_topk_prob=False
         gate_S = jnp.sum(jnp.where((idx_Sk == e) & keep, w_Sk, 0.0), axis=-1)
         y = y + gate_S[:, None] * out_e
     return y
+
+
+def naive_attention(q_BTNH, k_BTKH, v_BTKH):
+    """Causal attention one head at a time, kv heads repeated for grouped queries."""
+    B, T, N, H = q_BTNH.shape
+    G = N // k_BTKH.shape[2]
+    mask = jnp.tril(jnp.ones((T, T), bool))
+    outs = []
+    for n in range(N):
+        q, k, v = q_BTNH[:, :, n], k_BTKH[:, :, n // G], v_BTKH[:, :, n // G]
+        s = jnp.einsum("bth,bsh->bts", q, k) / np.sqrt(H)
+        p = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1)
+        outs.append(jnp.einsum("bts,bsh->bth", p, v))
+    return jnp.stack(outs, axis=2)

@@ -18,7 +18,8 @@ def test_flops_per_token_hand_count():
         moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=32, n_shared_experts=1, shared_hidden=24),
     )
     attn_params = 64 * 64 + 64 * 32 + 64 * 32 + 64 * 64  # q, k, v, o = 12288
-    attention = 6 * 12288 + 12 * 4 * 16 * (128 + 1) / 2  # 73728 + 49536
+    assert attn_params == 12288
+    attention = 6 * attn_params + 12 * 4 * 16 * (128 + 1) / 2  # 73728 + 49536
     router = 6 * 64 * 8  # 3072
     routed = 18 * 64 * 32 * 2  # 73728
     shared = 18 * 64 * 24  # 27648

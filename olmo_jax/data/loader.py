@@ -233,7 +233,8 @@ def build_data(
     cache_dir: str | Path | None = None,
 ) -> Data:
     """Train and eval loaders from the `data` config section: a dict, ConfigDict or object
-    with `paths` (token files, a list or one comma-separated string; empty: the embedded stdlib corpus, cached in `cache_dir`),
+    with `paths` (token files, a list or one comma-separated string; empty: the embedded
+    stdlib corpus, cached in `cache_dir`),
     `tokenizer` ('' | 'bytes' | path to tokenizer.json), `vocab_size` (0: the tokenizer's
     padded vocabulary), `eval_fraction` (default 0.01; at least one global batch is held
     out, 0 disables eval) and `dtype` ('' from the vocabulary, 'uint16', 'uint32')."""

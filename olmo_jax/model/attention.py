@@ -1,10 +1,16 @@
 """Causal self-attention: grouped-query heads, QK RMSNorm, optional QKV clipping, RoPE.
 
+The attention core has a hand-written VJP (flash-attention's math without tiling): the
+backward pass recomputes the probabilities from q, k and the saved log-sum-exp instead of
+keeping [T, S] matrices alive between the passes.
+
 Matches Hugging Face `OlmoeAttention` (QK-norm spans all heads of q and of k; clipping
 is applied after the norm), so converted checkpoints give the same logits.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -19,21 +25,67 @@ from olmo_jax.model.rope import apply_rope
 def causal_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array) -> jax.Array:
     """Softmax(q k^T / sqrt(H)) v with a causal mask; N query heads share K kv heads.
 
-    Scores and softmax in float32; returns [B, T, N, H] in q's dtype.
+    Scores and softmax in float32; returns [B, T, N, H] in q's dtype. The G = N / K query
+    heads of one kv head are stacked as rows (M = G * T), so every product is one batched
+    matmul over (B, K) with no repeated keys.
     """
     B, T, N, H = q_BTNH.shape
     K = k_BSKH.shape[2]
     G = N // K
-    q_BTKGH = q_BTNH.reshape(B, T, K, G, H)
-    scores_BKGTS = jnp.einsum(
-        "btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32
-    ) * (H**-0.5)
-    S = k_BSKH.shape[1]
-    causal_TS = jnp.arange(T)[:, None] >= jnp.arange(S)[None, :]
-    scores_BKGTS = jnp.where(causal_TS, scores_BKGTS, jnp.finfo(jnp.float32).min)
-    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKH.dtype)
-    out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS, v_BSKH)
-    return out_BTKGH.reshape(B, T, N, H)
+    q_BKMH = q_BTNH.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
+    k_BKSH = k_BSKH.transpose(0, 2, 1, 3)
+    v_BKSH = v_BSKH.transpose(0, 2, 1, 3)
+    o_BKMH = _attention_core(q_BKMH, k_BKSH, v_BKSH, T)
+    return o_BKMH.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
+
+
+def _masked_scores(q_BKMH, k_BKSH, T):
+    """Scaled float32 scores with future positions set to -inf-ish; row m is query t = m % T."""
+    H = q_BKMH.shape[-1]
+    s_BKMS = jnp.einsum("bkmh,bksh->bkms", q_BKMH, k_BKSH, preferred_element_type=jnp.float32)
+    M, S = s_BKMS.shape[-2:]
+    causal_MS = (jnp.arange(M) % T)[:, None] >= jnp.arange(S)[None, :]
+    return jnp.where(causal_MS, s_BKMS * (H**-0.5), _MASKED), causal_MS
+
+
+_MASKED = -1e30
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _attention_core(q_BKMH, k_BKSH, v_BKSH, T):
+    return _attention_fwd(q_BKMH, k_BKSH, v_BKSH, T)[0]
+
+
+def _attention_fwd(q_BKMH, k_BKSH, v_BKSH, T):
+    s_BKMS, _ = _masked_scores(q_BKMH, k_BKSH, T)
+    m_BKM1 = jnp.max(s_BKMS, axis=-1, keepdims=True)
+    p_BKMS = jnp.exp(s_BKMS - m_BKM1)
+    l_BKM1 = jnp.sum(p_BKMS, axis=-1, keepdims=True)
+    o_BKMH = jnp.einsum("bkms,bksh->bkmh", p_BKMS.astype(v_BKSH.dtype), v_BKSH,
+                        preferred_element_type=jnp.float32) / l_BKM1
+    o_BKMH = o_BKMH.astype(q_BKMH.dtype)
+    # Saved for the backward pass: inputs, output and the log-sum-exp (not the [M, S]
+    # probabilities, which are recomputed from one matmul).
+    return o_BKMH, (q_BKMH, k_BKSH, v_BKSH, o_BKMH, m_BKM1 + jnp.log(l_BKM1))
+
+
+def _attention_bwd(T, res, do_BKMH):
+    q_BKMH, k_BKSH, v_BKSH, o_BKMH, lse_BKM1 = res
+    H = q_BKMH.shape[-1]
+    s_BKMS, causal_MS = _masked_scores(q_BKMH, k_BKSH, T)
+    p_BKMS = jnp.where(causal_MS, jnp.exp(s_BKMS - lse_BKM1), 0.0)
+    dv_BKSH = jnp.einsum("bkms,bkmh->bksh", p_BKMS.astype(do_BKMH.dtype), do_BKMH)
+    dp_BKMS = jnp.einsum("bkmh,bksh->bkms", do_BKMH, v_BKSH, preferred_element_type=jnp.float32)
+    delta_BKM1 = jnp.sum(
+        do_BKMH.astype(jnp.float32) * o_BKMH.astype(jnp.float32), axis=-1, keepdims=True
+    )
+    ds_BKMS = (p_BKMS * (dp_BKMS - delta_BKM1) * (H**-0.5)).astype(q_BKMH.dtype)
+    dq_BKMH = jnp.einsum("bkms,bksh->bkmh", ds_BKMS, k_BKSH)
+    dk_BKSH = jnp.einsum("bkms,bkmh->bksh", ds_BKMS, q_BKMH)
+    return dq_BKMH, dk_BKSH, dv_BKSH
+
+
+_attention_core.defvjp(_attention_fwd, _attention_bwd)
 
 
 class Attention(nnx.Module):
@@ -54,10 +106,17 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BTD: jax.Array, cos_TH: jax.Array, sin_TH: jax.Array) -> jax.Array:
         dt = self.dtype
-        x_BTD = x_BTD.astype(dt)
-        q_BTNH = jnp.einsum("btd,dnh->btnh", x_BTD, self.q_proj[...].astype(dt))
-        k_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.k_proj[...].astype(dt))
-        v_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.v_proj[...].astype(dt))
+        B, T, D = x_BTD.shape
+        N, K, H = self.q_proj.shape[1], self.k_proj.shape[1], self.q_proj.shape[2]
+        # q, k and v come from one matmul against the concatenated projections.
+        w_qkv_DJ = jnp.concatenate(
+            [self.q_proj[...].reshape(D, N * H), self.k_proj[...].reshape(D, K * H),
+             self.v_proj[...].reshape(D, K * H)], axis=1,
+        ).astype(dt)
+        qkv_BTJ = jnp.einsum("btd,dj->btj", x_BTD.astype(dt), w_qkv_DJ)
+        q_BTNH = qkv_BTJ[..., : N * H].reshape(B, T, N, H)
+        k_BTKH = qkv_BTJ[..., N * H : (N + K) * H].reshape(B, T, K, H)
+        v_BTKH = qkv_BTJ[..., (N + K) * H :].reshape(B, T, K, H)
         if self.q_norm is not None:
             q_BTNH = self.q_norm(q_BTNH)
             k_BTKH = self.k_norm(k_BTKH)

@@ -90,6 +90,7 @@ class TransformerConfig:
     init_std: float = 0.02
     dtype: str = "float32"  # compute dtype; parameters are always float32
     remat: str = "none"  # none | block | attention
+    scan_unroll: int = 1  # layers per iteration of the layer scan (compile time grows with it)
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     @property
@@ -137,6 +138,8 @@ class TransformerConfig:
             )
         if self.dtype not in DTYPES:
             raise ConfigError(f"{prefix}.dtype={self.dtype!r}: choose one of {sorted(DTYPES)}")
+        if self.scan_unroll < 1:
+            raise ConfigError(f"{prefix}.scan_unroll must be >= 1, got {self.scan_unroll}")
         if self.remat not in ("none", "block", "attention"):
             raise ConfigError(f"{prefix}.remat={self.remat!r}: choose none, block or attention")
         self.moe.validate(prefix + ".moe")

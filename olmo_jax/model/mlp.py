@@ -4,7 +4,6 @@ shared experts."""
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from olmo_jax.model.params import normal_param

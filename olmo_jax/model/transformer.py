@@ -60,7 +60,7 @@ def _stacked_blocks(cfg: TransformerConfig, n: int, moe: bool, rngs: nnx.Rngs, d
     return make(rngs)
 
 
-def run_blocks(blocks: Block, x_BTD, cos_TH, sin_TH, remat: str = "none"):
+def run_blocks(blocks: Block, x_BTD, cos_TH, sin_TH, remat: str = "none", unroll: int = 1):
     """Scan x through stacked blocks; returns (x, per-layer stats stacked on axis 0)."""
     graphdef, state = nnx.split(blocks)
 
@@ -70,7 +70,7 @@ def run_blocks(blocks: Block, x_BTD, cos_TH, sin_TH, remat: str = "none"):
 
     if remat == "block":
         body = jax.checkpoint(body)
-    return jax.lax.scan(body, x_BTD, state)
+    return jax.lax.scan(body, x_BTD, state, unroll=unroll)
 
 
 class Output(NamedTuple):
@@ -106,9 +106,9 @@ class Transformer(nnx.Module):
         cos_TH, sin_TH = rope_tables(positions_T, cfg.head_size, cfg.rope_theta)
         stats = None
         if self.dense_blocks is not None:
-            x_BTD, _ = run_blocks(self.dense_blocks, x_BTD, cos_TH, sin_TH, cfg.remat)
+            x_BTD, _ = run_blocks(self.dense_blocks, x_BTD, cos_TH, sin_TH, cfg.remat, cfg.scan_unroll)
         if self.moe_blocks is not None:
-            x_BTD, stats = run_blocks(self.moe_blocks, x_BTD, cos_TH, sin_TH, cfg.remat)
+            x_BTD, stats = run_blocks(self.moe_blocks, x_BTD, cos_TH, sin_TH, cfg.remat, cfg.scan_unroll)
         return x_BTD, stats
 
     def head(self, x_BTD: jax.Array) -> jax.Array:

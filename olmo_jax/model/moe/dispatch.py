@@ -81,26 +81,70 @@ def blocked_plan(idx_Sk: jax.Array, num_experts: int, block: int) -> tuple[Buffe
     return plan, block_expert_B
 
 
-def source_tokens(plan: BufferPlan, n_tokens: int) -> jax.Array:
-    """src_P: for each buffer row, the token that fills it (n_tokens = an empty row)."""
+def source_assignments(plan: BufferPlan) -> jax.Array:
+    """a_P: for each buffer row, the assignment a = s * k + j that fills it (S * k = empty)."""
     S, k = plan.row_Sk.shape
-    token_Sk = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32)[:, None], (S, k))
-    src_P = jnp.full((plan.n_rows,), n_tokens, jnp.int32)
-    return src_P.at[plan.row_Sk.reshape(-1)].set(token_Sk.reshape(-1), mode="drop")
+    a_P = jnp.full((plan.n_rows,), S * k, jnp.int32)
+    return a_P.at[plan.row_Sk.reshape(-1)].set(jnp.arange(S * k, dtype=jnp.int32), mode="drop")
 
 
 def gather_rows(x_SD: jax.Array, plan: BufferPlan) -> jax.Array:
     """x_PD: the buffer, each row a copy of its assignment's token (zeros where empty)."""
-    S, D = x_SD.shape
-    x_padded = jnp.concatenate([x_SD, jnp.zeros((1, D), x_SD.dtype)], axis=0)
-    return x_padded[source_tokens(plan, S)]
+    k = plan.row_Sk.shape[1]
+    return _gather_rows(x_SD, source_assignments(plan) // k, plan.row_Sk)
 
 
 def combine_rows(y_PD: jax.Array, plan: BufferPlan, weights_Sk: jax.Array) -> jax.Array:
     """y_SD = sum_j weights[s, j] * y[row[s, j]], weights applied in float32; dropped
     assignments contribute zero. Returns float32."""
-    D = y_PD.shape[-1]
-    y_padded = jnp.concatenate([y_PD, jnp.zeros((1, D), y_PD.dtype)], axis=0)
-    y_SkD = y_padded[plan.row_Sk].astype(jnp.float32)
     w_Sk = jnp.where(plan.keep_Sk, weights_Sk.astype(jnp.float32), 0.0)
+    return _combine_rows(y_PD, w_Sk, plan.row_Sk, source_assignments(plan))
+
+
+def _with_zero_row(x_ND: jax.Array) -> jax.Array:
+    return jnp.concatenate([x_ND, jnp.zeros((1, *x_ND.shape[1:]), x_ND.dtype)], axis=0)
+
+
+# Both directions are written as gathers: the transpose of a row gather would be a
+# scatter-add, which is slow on CPU and needless here, since every buffer row has at
+# most one source assignment and every token exactly k destination rows.
+
+
+@jax.custom_vjp
+def _gather_rows(x_SD, src_P, row_Sk):
+    return _with_zero_row(x_SD)[src_P]
+
+
+def _gather_rows_fwd(x_SD, src_P, row_Sk):
+    return _with_zero_row(x_SD)[src_P], row_Sk
+
+
+def _gather_rows_bwd(row_Sk, dx_PD):
+    dx_SD = jnp.sum(_with_zero_row(dx_PD)[row_Sk], axis=1)
+    return dx_SD, None, None
+
+
+_gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
+
+
+@jax.custom_vjp
+def _combine_rows(y_PD, w_Sk, row_Sk, a_P):
+    y_SkD = _with_zero_row(y_PD)[row_Sk].astype(jnp.float32)
     return jnp.einsum("skd,sk->sd", y_SkD, w_Sk)
+
+
+def _combine_rows_fwd(y_PD, w_Sk, row_Sk, a_P):
+    return _combine_rows(y_PD, w_Sk, row_Sk, a_P), (y_PD, w_Sk, row_Sk, a_P)
+
+
+def _combine_rows_bwd(res, dy_SD):
+    y_PD, w_Sk, row_Sk, a_P = res
+    k = row_Sk.shape[1]
+    w_a = _with_zero_row(w_Sk.reshape(-1, 1))[a_P]  # [P, 1], 0 for empty rows
+    dy_PD = (w_a * _with_zero_row(dy_SD)[a_P // k]).astype(y_PD.dtype)
+    y_SkD = _with_zero_row(y_PD)[row_Sk].astype(jnp.float32)
+    dw_Sk = jnp.einsum("skd,sd->sk", y_SkD, dy_SD)
+    return dy_PD, dw_Sk, None, None
+
+
+_combine_rows.defvjp(_combine_rows_fwd, _combine_rows_bwd)

@@ -43,19 +43,88 @@ def ffn_ragged(x_RD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD):
     return jax.lax.ragged_dot(jax.nn.silu(g_RF) * u_RF, w_down_EFD, gs)
 
 
+def _swiglu_groups_fwd(x_GCD, wgu_GDJ, wd_GFD):
+    """y = (silu(g) * u) @ w_down per group, with [g | u] = x @ [w_gate | w_up] (J = 2F)."""
+    F = wd_GFD.shape[1]
+    gu_GCJ = jnp.einsum("gcd,gdj->gcj", x_GCD, wgu_GDJ)
+    h_GCF = jax.nn.silu(gu_GCJ[..., :F]) * gu_GCJ[..., F:]
+    return jnp.einsum("gcf,gfd->gcd", h_GCF, wd_GFD), gu_GCJ
+
+
+def _swiglu_groups_bwd(x_GCD, gu_GCJ, wgu_GDJ, wd_GFD, dy_GCD):
+    """Gradients (dx, dwgu per group, dwd per group) from the saved gate/up activations."""
+    F = wd_GFD.shape[1]
+    g_GCF, u_GCF = gu_GCJ[..., :F], gu_GCJ[..., F:]
+    sig_GCF = jax.nn.sigmoid(g_GCF)
+    act_GCF = g_GCF * sig_GCF
+    dh_GCF = jnp.einsum("gcd,gfd->gcf", dy_GCD, wd_GFD)
+    dwd_GFD = jnp.einsum("gcf,gcd->gfd", act_GCF * u_GCF, dy_GCD)
+    dg_GCF = dh_GCF * u_GCF * (sig_GCF * (1 + g_GCF * (1 - sig_GCF)))
+    dgu_GCJ = jnp.concatenate([dg_GCF, dh_GCF * act_GCF], axis=-1)
+    dx_GCD = jnp.einsum("gcj,gdj->gcd", dgu_GCJ, wgu_GDJ)
+    dwgu_GDJ = jnp.einsum("gcd,gcj->gdj", x_GCD, dgu_GCJ)
+    return dx_GCD, dwgu_GDJ, dwd_GFD
+
+
+def _fuse_gate_up(w_gate, w_up):
+    return jnp.concatenate([w_gate, w_up], axis=-1)
+
+
+def _split_gate_up(dwgu, F):
+    return dwgu[..., :F], dwgu[..., F:]
+
+
+@jax.custom_vjp
 def ffn_batched(x_GCD, w_gate_GDF, w_up_GDF, w_down_GFD):
-    """SwiGLU per group g (an expert's capacity buffer, or one block of rows)."""
-    g_GCF = jnp.einsum("gcd,gdf->gcf", x_GCD, w_gate_GDF)
-    u_GCF = jnp.einsum("gcd,gdf->gcf", x_GCD, w_up_GDF)
-    return jnp.einsum("gcf,gfd->gcd", jax.nn.silu(g_GCF) * u_GCF, w_down_GFD)
+    """SwiGLU per group g (an expert's capacity buffer). Gate and up run as one matmul;
+    the backward pass keeps only x and the gate/up activations from the forward."""
+    return _swiglu_groups_fwd(x_GCD, _fuse_gate_up(w_gate_GDF, w_up_GDF), w_down_GFD)[0]
 
 
+def _ffn_batched_fwd(x_GCD, w_gate_GDF, w_up_GDF, w_down_GFD):
+    wgu_GDJ = _fuse_gate_up(w_gate_GDF, w_up_GDF)
+    y_GCD, gu_GCJ = _swiglu_groups_fwd(x_GCD, wgu_GDJ, w_down_GFD)
+    return y_GCD, (x_GCD, gu_GCJ, wgu_GDJ, w_down_GFD)
+
+
+def _ffn_batched_bwd(res, dy_GCD):
+    x_GCD, gu_GCJ, wgu_GDJ, w_down_GFD = res
+    dx, dwgu, dwd = _swiglu_groups_bwd(x_GCD, gu_GCJ, wgu_GDJ, w_down_GFD, dy_GCD)
+    return (dx, *_split_gate_up(dwgu, w_down_GFD.shape[1]), dwd)
+
+
+ffn_batched.defvjp(_ffn_batched_fwd, _ffn_batched_bwd)
+
+
+@jax.custom_vjp
 def ffn_blocked(x_PD, block_expert_B, w_gate_EDF, w_up_EDF, w_down_EFD):
-    """SwiGLU over the blocked layout: block i of rows uses expert block_expert_B[i]."""
+    """SwiGLU over the blocked layout: block i of rows uses expert block_expert_B[i].
+
+    Each block's weights are gathered (in both passes, so they are never saved), and the
+    per-block weight gradients are summed per expert with a one-hot matmul (no scatter)."""
+    return _ffn_blocked_fwd(x_PD, block_expert_B, w_gate_EDF, w_up_EDF, w_down_EFD)[0]
+
+
+def _ffn_blocked_fwd(x_PD, block_expert_B, w_gate_EDF, w_up_EDF, w_down_EFD):
     P, D = x_PD.shape
     nb = block_expert_B.shape[0]
     x_BbD = x_PD.reshape(nb, P // nb, D)
-    y_BbD = ffn_batched(
-        x_BbD, w_gate_EDF[block_expert_B], w_up_EDF[block_expert_B], w_down_EFD[block_expert_B]
+    wgu_BDJ = _fuse_gate_up(w_gate_EDF, w_up_EDF)[block_expert_B]
+    y_BbD, gu_BbJ = _swiglu_groups_fwd(x_BbD, wgu_BDJ, w_down_EFD[block_expert_B])
+    return y_BbD.reshape(P, D), (x_BbD, gu_BbJ, block_expert_B, w_gate_EDF, w_up_EDF, w_down_EFD)
+
+
+def _ffn_blocked_bwd(res, dy_PD):
+    x_BbD, gu_BbJ, block_expert_B, w_gate_EDF, w_up_EDF, w_down_EFD = res
+    E, _, F = w_gate_EDF.shape
+    wgu_BDJ = _fuse_gate_up(w_gate_EDF, w_up_EDF)[block_expert_B]
+    dx_BbD, dwgu_BDJ, dwd_BFD = _swiglu_groups_bwd(
+        x_BbD, gu_BbJ, wgu_BDJ, w_down_EFD[block_expert_B], dy_PD.reshape(x_BbD.shape)
     )
-    return y_BbD.reshape(P, D)
+    onehot_BE = jax.nn.one_hot(block_expert_B, E, dtype=dwgu_BDJ.dtype)
+    dwgu_EDJ = jnp.einsum("be,bdj->edj", onehot_BE, dwgu_BDJ)
+    dwd_EFD = jnp.einsum("be,bfd->efd", onehot_BE, dwd_BFD)
+    return (dx_BbD.reshape(dy_PD.shape), None, *_split_gate_up(dwgu_EDJ, F), dwd_EFD)
+
+
+ffn_blocked.defvjp(_ffn_blocked_fwd, _ffn_blocked_bwd)

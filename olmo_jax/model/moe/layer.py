@@ -40,7 +40,7 @@ def block_size(n_assignments: int, num_experts: int) -> int:
     """Rows per block of the blocked dropless layout: large enough for efficient matmuls,
     small enough that padding (at most one block per expert) stays a small fraction."""
     target = max(8, n_assignments // (4 * num_experts))
-    return min(512, 1 << (target.bit_length() - 1))
+    return min(256, 1 << (target.bit_length() - 1))
 
 
 def local_dispatch(x_SD, routing: Routing, experts: Experts, cfg: MoEConfig, dtype):
