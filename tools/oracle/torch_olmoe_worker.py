@@ -44,7 +44,7 @@ def main() -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
             times.append(time.perf_counter() - t)
-            loss = float(out.loss)
+            loss = float(out.loss.detach())
         print(json.dumps({"times": times, "loss": loss}), flush=True)
 
 
