@@ -1,0 +1,106 @@
+"""Routing inside the jitted train step: the aux-loss-free bias update rule (from the
+step's global counts, never through gradients or the optimizer), training randomness
+seeded from TrainState.rng folded with the step (jitter on in training, off in eval),
+and global counts summed over micro-batches."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from olmo_jax.model import MoEConfig, TransformerConfig
+from olmo_jax.model.moe.bias_balancing import bias_update, update_router_bias
+from olmo_jax.model.moe.router import RouterBias
+from olmo_jax.trainer.state import init_state
+from olmo_jax.trainer.step import forward_losses, make_train_step
+
+RATE = 0.01
+
+
+def _cfg(**moe_kw):
+    moe = MoEConfig(num_experts=4, top_k=2, expert_hidden=16, **moe_kw)
+    return TransformerConfig(vocab_size=64, d_model=16, n_layers=3, n_heads=2,
+                             n_dense_layers=1, init_std=0.3, moe=moe)
+
+
+def _batch(n=4):
+    return jax.random.randint(jax.random.key(1), (n, 9), 0, 64)
+
+
+def _bias_leaves(tree):
+    leaves = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+    return [(p, v) for p, v in leaves if isinstance(v, RouterBias)]
+
+
+def test_bias_update_rule_by_hand():
+    counts_LE = jnp.array([[4.0, 0.0, 2.0, 2.0], [1.0, 3.0, 2.0, 2.0]])  # means 2 and 2
+    new = bias_update(jnp.ones((2, 4)), counts_LE, 0.5)
+    np.testing.assert_allclose(new, [[0.5, 1.5, 1.0, 1.0], [1.5, 0.5, 1.0, 1.0]])
+
+
+def test_train_step_updates_bias_from_global_counts_without_gradients():
+    cfg = _cfg(bias_rate=RATE, lb_loss_coef=0.0, router_jitter=0.1)
+    tx = optax.adamw(1e-2)
+    graphdef, state = init_state(cfg, tx, seed=0)
+    # The bias is model state, stacked per MoE block; params and optimizer never hold it.
+    [(path, bias)] = _bias_leaves(state.model_state)
+    assert "moe_blocks" in jax.tree_util.keystr(path) and bias.shape == (2, 4)
+    assert not _bias_leaves(state.params) and not _bias_leaves(state.opt_state)
+    n_params = len(jax.tree.leaves(state.params))
+    assert len(jax.tree.leaves(state.opt_state)) == 2 * n_params + 1  # mu, nu, count
+
+    step = jax.jit(make_train_step(graphdef, cfg, tx, optax.constant_schedule(1e-2)))
+    batch = _batch()
+    state1, m1 = step(state, batch)
+    counts = np.asarray(m1["expert_counts"])
+    assert counts.sum() == 2 * 4 * 8 * 2  # 2 blocks x 32 tokens x top-2: every assignment
+    expected = RATE * np.sign(counts.mean(-1, keepdims=True) - counts)
+    np.testing.assert_allclose(_bias_leaves(state1.model_state)[0][1][...], expected, atol=0)
+    state2, m2 = step(state1, batch)
+    expected = expected + RATE * np.sign(np.asarray(m2["expert_counts"]).mean(-1, keepdims=True)
+                                         - np.asarray(m2["expert_counts"]))
+    np.testing.assert_allclose(_bias_leaves(state2.model_state)[0][1][...], expected, atol=1e-7)
+
+    # d loss / d bias is exactly zero (selection only, stop_gradient) for any bias value;
+    # the step's key is TrainState.rng folded with the step number; eval has no jitter.
+    biased = update_router_bias(state.model_state, jnp.array([[9.0, 0, 0, 3], [0, 5, 1, 0]]), 1.0)
+    key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), 0)
+
+    @jax.jit
+    def check(model_state):
+        def loss(model_state):
+            parts = forward_losses(graphdef, state.params, model_state, batch, cfg)
+            return parts.ce_sum + parts.lb_loss + parts.z_loss, parts
+
+        g = jax.grad(lambda ms: loss(ms)[0])(model_state)
+        plain = forward_losses(graphdef, state.params, state.model_state, batch, cfg)
+        trained = forward_losses(graphdef, state.params, state.model_state, batch, cfg, rng=key)
+        return g, plain, trained
+
+    g, plain, trained = check(biased)
+    np.testing.assert_array_equal(_bias_leaves(g)[0][1][...], np.zeros((2, 4)))
+    np.testing.assert_allclose(m1["loss"], trained.ce_sum / trained.n_tokens, rtol=1e-6)
+    assert abs(float(plain.ce_sum - trained.ce_sum)) > 1e-4
+
+
+def test_counts_are_summed_over_micro_batches():
+    cfg = _cfg(bias_rate=RATE)
+    tx = optax.sgd(0.0)  # parameters stay put: both steps route the same tokens alike
+    graphdef, state = init_state(cfg, tx, seed=0)
+    sched = optax.constant_schedule(0.0)
+    whole = jax.jit(make_train_step(graphdef, cfg, tx, sched, grad_accum=1, batch_shards=2,
+                                    expert_ranks=2))
+    micro = jax.jit(make_train_step(graphdef, cfg, tx, sched, grad_accum=2, batch_shards=2,
+                                    expert_ranks=2))
+    batch = _batch(8)
+    s1, m1 = whole(state, batch)
+    s2, m2 = micro(state, batch)
+    np.testing.assert_array_equal(m1["expert_counts"], m2["expert_counts"])
+    np.testing.assert_array_equal(_bias_leaves(s1.model_state)[0][1][...],
+                                  _bias_leaves(s2.model_state)[0][1][...])
+    np.testing.assert_allclose(m1["rank_imbalance"], m2["rank_imbalance"], rtol=1e-6)
+    for m in (m1, m2):
+        assert m["expert_imbalance_local"] >= m["expert_imbalance"] - 1e-6
+        assert set(m) >= {f"rank_imbalance/block{b}" for b in (1, 2)}
