@@ -83,7 +83,7 @@ def main() -> None:
         table.add_column(c, justify="right")
     for name, r in results.items():
         table.add_row(name, *(f"{r[c]:.4g}" for c in cols))
-    console.print(table)
+    Console(width=max(console.width, 120)).print(table)
     (args.out / "summary.json").write_text(json.dumps(results, indent=2))
 
 

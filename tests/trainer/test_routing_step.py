@@ -20,8 +20,8 @@ RATE = 0.01
 
 def _cfg(**moe_kw):
     moe = MoEConfig(num_experts=4, top_k=2, expert_hidden=16, **moe_kw)
-    return TransformerConfig(vocab_size=64, d_model=16, n_layers=3, n_heads=2,
-                             n_dense_layers=1, init_std=0.3, moe=moe)
+    return TransformerConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=2, init_std=0.3,
+                             moe=moe)
 
 
 def _batch(n=4):
@@ -86,8 +86,8 @@ def test_train_step_updates_bias_from_global_counts_without_gradients():
 
 
 def test_counts_are_summed_over_micro_batches():
-    cfg = _cfg(bias_rate=RATE)
-    tx = optax.sgd(0.0)  # parameters stay put: both steps route the same tokens alike
+    cfg = _cfg(bias_rate=RATE)  # no jitter: both steps route the same tokens alike
+    tx = optax.sgd(0.0)
     graphdef, state = init_state(cfg, tx, seed=0)
     sched = optax.constant_schedule(0.0)
     whole = jax.jit(make_train_step(graphdef, cfg, tx, sched, grad_accum=1, batch_shards=2,
@@ -103,4 +103,4 @@ def test_counts_are_summed_over_micro_batches():
     np.testing.assert_allclose(m1["rank_imbalance"], m2["rank_imbalance"], rtol=1e-6)
     for m in (m1, m2):
         assert m["expert_imbalance_local"] >= m["expert_imbalance"] - 1e-6
-        assert set(m) >= {f"rank_imbalance/block{b}" for b in (1, 2)}
+        assert set(m) >= {f"rank_imbalance/block{b}" for b in (0, 1)}
