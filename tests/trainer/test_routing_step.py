@@ -10,8 +10,8 @@ import optax
 from flax import nnx
 
 from olmo_jax.model import MoEConfig, TransformerConfig
-from olmo_jax.model.moe.bias_balancing import bias_update, update_router_bias
-from olmo_jax.model.moe.router import RouterBias
+from olmo_jax.model.moe.bias_balancing import bias_update
+from olmo_jax.model.moe.router import RouterBias, route
 from olmo_jax.trainer.state import init_state
 from olmo_jax.trainer.step import forward_losses, make_train_step
 
@@ -63,44 +63,53 @@ def test_train_step_updates_bias_from_global_counts_without_gradients():
                                          - np.asarray(m2["expert_counts"]))
     np.testing.assert_allclose(_bias_leaves(state2.model_state)[0][1][...], expected, atol=1e-7)
 
-    # d loss / d bias is exactly zero (selection only, stop_gradient) for any bias value;
-    # the step's key is TrainState.rng folded with the step number; eval has no jitter.
-    biased = update_router_bias(state.model_state, jnp.array([[9.0, 0, 0, 3], [0, 5, 1, 0]]), 1.0)
+    # The step's key is TrainState.rng folded with the step number; eval has no jitter.
     key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), 0)
 
     @jax.jit
-    def check(model_state):
-        def loss(model_state):
-            parts = forward_losses(graphdef, state.params, model_state, batch, cfg)
-            return parts.ce_sum + parts.lb_loss + parts.z_loss, parts
+    def forwards(model_state):
+        trained = forward_losses(graphdef, state.params, model_state, batch, cfg, rng=key)
+        return trained, forward_losses(graphdef, state.params, model_state, batch, cfg)
 
-        g = jax.grad(lambda ms: loss(ms)[0])(model_state)
-        plain = forward_losses(graphdef, state.params, state.model_state, batch, cfg)
-        trained = forward_losses(graphdef, state.params, state.model_state, batch, cfg, rng=key)
-        return g, plain, trained
-
-    g, plain, trained = check(biased)
-    np.testing.assert_array_equal(_bias_leaves(g)[0][1][...], np.zeros((2, 4)))
+    trained, plain = forwards(state.model_state)
     np.testing.assert_allclose(m1["loss"], trained.ce_sum / trained.n_tokens, rtol=1e-6)
     assert abs(float(plain.ce_sum - trained.ce_sum)) > 1e-4
 
 
+def test_bias_gets_no_gradient():
+    # Whatever the bias, d(weights, probs) / d bias is exactly zero: it only selects.
+    logits = jax.random.normal(jax.random.key(0), (32, 4))
+
+    def f(bias_E):
+        r = route(logits, top_k=2, gating="sigmoid", bias_E=bias_E, n_group=2, topk_group=1)
+        return jnp.sum(r.weights_Sk * jnp.arange(2)) + jnp.sum(r.probs_SE ** 2)
+
+    g = jax.grad(f)(jnp.array([0.3, -0.2, 0.1, 0.0]))
+    np.testing.assert_array_equal(g, np.zeros(4))
+    # ... while the bias does change the selection.
+    r0 = route(logits, top_k=2, bias_E=jnp.zeros(4))
+    r1 = route(logits, top_k=2, bias_E=jnp.array([0.0, 0.0, 0.0, 5.0]))
+    assert (np.asarray(r1.idx_Sk) == 3).any(axis=1).all()
+    assert not (np.asarray(r0.idx_Sk) == 3).any(axis=1).all()
+
+
 def test_counts_are_summed_over_micro_batches():
-    cfg = _cfg(bias_rate=RATE)  # no jitter: both steps route the same tokens alike
+    cfg = _cfg(bias_rate=RATE)  # no jitter: the step routes the tokens as a plain forward
     tx = optax.sgd(0.0)
     graphdef, state = init_state(cfg, tx, seed=0)
-    sched = optax.constant_schedule(0.0)
-    whole = jax.jit(make_train_step(graphdef, cfg, tx, sched, grad_accum=1, batch_shards=2,
-                                    expert_ranks=2))
-    micro = jax.jit(make_train_step(graphdef, cfg, tx, sched, grad_accum=2, batch_shards=2,
-                                    expert_ranks=2))
+    micro = jax.jit(make_train_step(graphdef, cfg, tx, optax.constant_schedule(0.0),
+                                    grad_accum=2, batch_shards=2, expert_ranks=2))
     batch = _batch(8)
-    s1, m1 = whole(state, batch)
-    s2, m2 = micro(state, batch)
-    np.testing.assert_array_equal(m1["expert_counts"], m2["expert_counts"])
-    np.testing.assert_array_equal(_bias_leaves(s1.model_state)[0][1][...],
-                                  _bias_leaves(s2.model_state)[0][1][...])
-    np.testing.assert_allclose(m1["rank_imbalance"], m2["rank_imbalance"], rtol=1e-6)
-    for m in (m1, m2):
-        assert m["expert_imbalance_local"] >= m["expert_imbalance"] - 1e-6
-        assert set(m) >= {f"rank_imbalance/block{b}" for b in (0, 1)}
+    new_state, m = micro(state, batch)
+    whole = jax.jit(lambda: forward_losses(graphdef, state.params, state.model_state, batch,
+                                           cfg, shards=2))()
+    counts_LE = np.asarray(whole.counts_LE)  # the whole batch in one forward
+    assert counts_LE.sum() == 2 * 8 * 8 * 2
+    np.testing.assert_array_equal(m["expert_counts"], counts_LE)
+    np.testing.assert_array_equal(_bias_leaves(new_state.model_state)[0][1][...],
+                                  RATE * np.sign(counts_LE.mean(-1, keepdims=True) - counts_LE))
+    ranks = counts_LE.reshape(2, 2, 2).sum(-1)  # 2 ranks x 2 experts each
+    np.testing.assert_allclose(m["rank_imbalance"], (ranks.max(-1) / ranks.mean(-1)).max(),
+                               rtol=1e-6)
+    assert m["expert_imbalance_local"] >= m["expert_imbalance"] - 1e-6
+    assert set(m) >= {f"rank_imbalance/block{b}" for b in (0, 1)}
