@@ -41,16 +41,22 @@ def default_config() -> ml_collections.ConfigDict:
     e.num_experts = 8
     e.top_k = 2
     e.expert_hidden = 512
-    e.gating = "softmax"
+    e.gating = "softmax"  # softmax | sigmoid | topk_softmax
     e.norm_topk_prob = False
     e.router_weight_scale = 1.0
+    e.n_group = 1  # group-limited routing (1 = off)
+    e.topk_group = 1
+    e.bias_rate = 0.0  # auxiliary-loss-free balancing (0 = off)
+    e.routing_mode = "learned"  # learned | random | uniform
+    e.router_jitter = 0.0
     e.n_shared_experts = 0
     e.shared_hidden = 0
     e.capacity_factor = 0.0  # 0 = dropless
     e.gmm_impl = "auto"
     e.lb_loss_coef = 0.01
     e.z_loss_coef = 0.001
-    e.lb_loss_type = "per_layer"
+    e.lb_loss_type = "per_layer"  # per_layer (OLMo-core) | pooled (Hugging Face)
+    e.lb_granularity = "global"  # global | local (per data-parallel shard)
 
     c.parallel = p = ml_collections.ConfigDict()
     p.pipe = 1
@@ -91,6 +97,7 @@ def default_config() -> ml_collections.ConfigDict:
     t.log_every = 10
     t.eval_every = 50  # 0 = only at the end
     t.eval_batches = 4
+    t.expert_counts_every = 0  # > 0: per-expert counts to {run_dir}/expert_counts.jsonl
     t.sample_prompt = "def main():\n    "
     t.sample_tokens = 120
     return c
@@ -148,6 +155,10 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     for name in ("max_steps", "global_batch_size", "seq_len", "grad_accum", "log_every"):
         if t[name] < 1:
             raise ConfigError(f"trainer.{name} must be >= 1, got {t[name]}")
+    if t.expert_counts_every < 0:
+        raise ConfigError(
+            f"trainer.expert_counts_every must be >= 0 (0 = off), got {t.expert_counts_every}"
+        )
     if t.global_batch_size % t.grad_accum:
         raise ConfigError(
             f"trainer.grad_accum={t.grad_accum} must divide trainer.global_batch_size="

@@ -40,6 +40,7 @@ def test_unknown_key_error_suggests_the_nearest_field():
     "field,value,match",
     [
         ("trainer.grad_accum", 5, "trainer.grad_accum"),
+        ("trainer.expert_counts_every", -1, "trainer.expert_counts_every"),
         ("optim.schedule", "linear", "optim.schedule"),
         ("model.remat", "all", "model.remat"),
         ("trainer.max_steps", 0, "trainer.max_steps"),

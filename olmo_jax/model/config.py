@@ -24,10 +24,15 @@ class MoEConfig:
     num_experts: int = 8
     top_k: int = 2
     expert_hidden: int = 512
-    # Router.
-    gating: str = "softmax"  # softmax | sigmoid | topk_softmax (see model/moe/router.py)
-    norm_topk_prob: bool = False
-    router_weight_scale: float = 1.0
+    # Router (model/moe/router.py; every option is documented in the README's routing table).
+    gating: str = "softmax"  # softmax | sigmoid | topk_softmax
+    norm_topk_prob: bool = False  # softmax gating: renormalize the k weights to sum to 1
+    router_weight_scale: float = 1.0  # multiplies the combine weights
+    n_group: int = 1  # group-limited routing: experts split into n_group groups ...
+    topk_group: int = 1  # ... of which the best topk_group may be chosen from
+    bias_rate: float = 0.0  # > 0: auxiliary-loss-free balancing with this bias step size
+    routing_mode: str = "learned"  # learned | random | uniform (system benchmarks)
+    router_jitter: float = 0.0  # training only: router input *= U(1 - j, 1 + j)
     # Shared experts (always applied, added to the routed output).
     n_shared_experts: int = 0
     shared_hidden: int = 0
@@ -38,6 +43,11 @@ class MoEConfig:
     lb_loss_coef: float = 0.01
     z_loss_coef: float = 0.001
     lb_loss_type: str = "per_layer"  # per_layer (OLMo-core) | pooled (Hugging Face)
+    lb_granularity: str = "global"  # global (whole batch) | local (per data-parallel shard)
+
+    @property
+    def experts_per_group(self) -> int:
+        return self.num_experts // self.n_group
 
     def validate(self, prefix: str = "model.moe") -> None:
         if self.num_experts < 1:
@@ -69,6 +79,48 @@ class MoEConfig:
         if self.lb_loss_type not in ("per_layer", "pooled"):
             raise ConfigError(
                 f"{prefix}.lb_loss_type={self.lb_loss_type!r}: choose per_layer or pooled"
+            )
+        self._validate_routing(prefix)
+
+    def _validate_routing(self, prefix: str) -> None:
+        if self.n_group < 1 or self.num_experts % self.n_group:
+            raise ConfigError(
+                f"{prefix}.n_group={self.n_group} must be >= 1 and divide "
+                f"{prefix}.num_experts={self.num_experts}"
+            )
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ConfigError(
+                f"{prefix}.topk_group={self.topk_group} must be between 1 and "
+                f"{prefix}.n_group={self.n_group}"
+            )
+        if self.n_group > 1 and self.top_k > self.topk_group * self.experts_per_group:
+            raise ConfigError(
+                f"{prefix}.top_k={self.top_k} exceeds the experts in the selectable groups: "
+                f"{prefix}.topk_group x experts per group = {self.topk_group} x "
+                f"{self.experts_per_group}; raise {prefix}.topk_group or lower {prefix}.top_k"
+            )
+        if self.bias_rate < 0:
+            raise ConfigError(f"{prefix}.bias_rate must be >= 0 (0 = off), got {self.bias_rate}")
+        if self.routing_mode not in ("learned", "random", "uniform"):
+            raise ConfigError(
+                f"{prefix}.routing_mode={self.routing_mode!r}: choose learned, random or uniform"
+            )
+        if not 0 <= self.router_jitter < 1:
+            raise ConfigError(
+                f"{prefix}.router_jitter must be in [0, 1) (0 = off), got {self.router_jitter}"
+            )
+        if self.lb_granularity not in ("global", "local"):
+            raise ConfigError(
+                f"{prefix}.lb_granularity={self.lb_granularity!r}: choose global or local"
+            )
+        if self.lb_loss_coef < 0 or self.z_loss_coef < 0:
+            raise ConfigError(
+                f"{prefix}.lb_loss_coef={self.lb_loss_coef} and {prefix}.z_loss_coef="
+                f"{self.z_loss_coef} must be >= 0"
+            )
+        if self.router_weight_scale <= 0:
+            raise ConfigError(
+                f"{prefix}.router_weight_scale must be > 0, got {self.router_weight_scale}"
             )
 
 

@@ -39,13 +39,13 @@ class Block(nnx.Module):
         self.is_moe = moe
         self.remat_attention = cfg.remat == "attention"
 
-    def __call__(self, x_BTD, cos_TH, sin_TH):
+    def __call__(self, x_BTD, cos_TH, sin_TH, rng=None):
         attn = self.attn
         if self.remat_attention:
             attn = nnx.remat(attn)
         h_BTD = x_BTD + attn(self.attn_norm(x_BTD), cos_TH, sin_TH).astype(x_BTD.dtype)
         if self.is_moe:
-            f_BTD, stats = self.ffn(self.ffn_norm(h_BTD))
+            f_BTD, stats = self.ffn(self.ffn_norm(h_BTD), rng)
         else:
             f_BTD, stats = self.ffn(self.ffn_norm(h_BTD)), None
         return h_BTD + f_BTD.astype(h_BTD.dtype), stats
@@ -60,22 +60,26 @@ def _stacked_blocks(cfg: TransformerConfig, n: int, moe: bool, rngs: nnx.Rngs, d
     return make(rngs)
 
 
-def run_blocks(blocks: Block, x_BTD, cos_TH, sin_TH, remat: str = "none", unroll: int = 1):
-    """Scan x through stacked blocks; returns (x, per-layer stats stacked on axis 0)."""
+def run_blocks(blocks: Block, x_BTD, cos_TH, sin_TH, remat: str = "none", rng=None, unroll: int = 1):
+    """Scan x through stacked blocks; returns (x, per-layer stats stacked on axis 0).
+    `rng` (training only): a key, split into one per block."""
     graphdef, state = nnx.split(blocks)
+    n_layers = jax.tree.leaves(state)[0].shape[0]
+    keys = None if rng is None else jax.random.split(rng, n_layers)
 
-    def body(x, layer_state):
-        y, stats = nnx.merge(graphdef, layer_state)(x, cos_TH, sin_TH)
+    def body(x, xs):
+        layer_state, key = xs
+        y, stats = nnx.merge(graphdef, layer_state)(x, cos_TH, sin_TH, key)
         return y, stats
 
     if remat == "block":
         body = jax.checkpoint(body)
-    return jax.lax.scan(body, x_BTD, state, unroll=unroll)
+    return jax.lax.scan(body, x_BTD, (state, keys), unroll=unroll)
 
 
 class Output(NamedTuple):
     logits_BTV: jax.Array  # float32
-    router_stats: RouterStats | None  # fields stacked over MoE layers [L_moe, ...]
+    router_stats: RouterStats | None  # fields stacked over MoE layers [L_moe, B, ...]
 
 
 class Transformer(nnx.Module):
@@ -99,16 +103,17 @@ class Transformer(nnx.Module):
     def embed(self, tokens_BT: jax.Array) -> jax.Array:
         return jnp.take(self.embedding[...], tokens_BT, axis=0).astype(self.cfg.compute_dtype)
 
-    def blocks(self, x_BTD: jax.Array, positions_T: jax.Array | None = None):
+    def blocks(self, x_BTD: jax.Array, positions_T: jax.Array | None = None, rng=None):
+        """`rng`: a key in training (router jitter, random routing); None = deterministic."""
         cfg = self.cfg
         T = x_BTD.shape[1]
         positions_T = jnp.arange(T) if positions_T is None else positions_T
         cos_TH, sin_TH = rope_tables(positions_T, cfg.head_size, cfg.rope_theta)
         stats = None
         if self.dense_blocks is not None:
-            x_BTD, _ = run_blocks(self.dense_blocks, x_BTD, cos_TH, sin_TH, cfg.remat, cfg.scan_unroll)
+            x_BTD, _ = run_blocks(self.dense_blocks, x_BTD, cos_TH, sin_TH, cfg.remat, unroll=cfg.scan_unroll)
         if self.moe_blocks is not None:
-            x_BTD, stats = run_blocks(self.moe_blocks, x_BTD, cos_TH, sin_TH, cfg.remat, cfg.scan_unroll)
+            x_BTD, stats = run_blocks(self.moe_blocks, x_BTD, cos_TH, sin_TH, cfg.remat, rng, cfg.scan_unroll)
         return x_BTD, stats
 
     def head(self, x_BTD: jax.Array) -> jax.Array:
@@ -117,6 +122,8 @@ class Transformer(nnx.Module):
         w_DV = self.embedding[...].T if self.lm_head is None else self.lm_head[...]
         return jnp.einsum("btd,dv->btv", h_BTD, w_DV.astype(dt), preferred_element_type=jnp.float32)
 
-    def __call__(self, tokens_BT: jax.Array) -> Output:
-        x_BTD, stats = self.blocks(self.embed(tokens_BT))
+    def __call__(self, tokens_BT: jax.Array, rng: jax.Array | None = None) -> Output:
+        """`rng` is given in training only (router jitter, random routing); evaluation and
+        sampling call without it."""
+        x_BTD, stats = self.blocks(self.embed(tokens_BT), rng=rng)
         return Output(self.head(x_BTD), stats)

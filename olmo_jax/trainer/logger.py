@@ -1,5 +1,6 @@
-"""Where metrics go: one JSON object per line in {run_dir}/metrics.jsonl, and a rich
-progress bar on the terminal (loss, tokens/s, MFU, ETA)."""
+"""Where metrics go: one JSON object per line in {run_dir}/metrics.jsonl, optional
+per-expert routed counts in {run_dir}/expert_counts.jsonl, and a rich progress bar on the
+terminal (loss, tokens/s, MFU, ETA)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -30,6 +32,27 @@ class MetricsLog:
 
     def close(self) -> None:
         self._f.close()
+
+
+class ExpertCountsLog:
+    """Every `every` steps (0 = never), one line {"step", "blocks", "counts"}: counts[l][e]
+    are the step's routed assignments of MoE block blocks[l] to expert e (global batch).
+    Reads only the metrics' `expert_counts` array, only on those steps."""
+
+    def __init__(self, run_dir: Path, every: int, first_block: int, append: bool = False):
+        self.every, self.first_block = every, first_block
+        self._log = MetricsLog(Path(run_dir) / "expert_counts.jsonl", append) if every else None
+
+    def maybe_write(self, step: int, metrics: dict) -> None:
+        if self._log is None or step % self.every:
+            return
+        counts = np.asarray(metrics["expert_counts"])
+        blocks = list(range(self.first_block, self.first_block + counts.shape[0]))
+        self._log.write({"step": step, "blocks": blocks, "counts": counts.astype(np.int64)})
+
+    def close(self) -> None:
+        if self._log is not None:
+            self._log.close()
 
 
 class ProgressBar:

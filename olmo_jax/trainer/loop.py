@@ -23,7 +23,7 @@ from olmo_jax.model.config import ConfigError
 from olmo_jax.optim import build_optimizer
 from olmo_jax.parallel import mesh as mesh_lib
 from olmo_jax.parallel import rules
-from olmo_jax.trainer.logger import MetricsLog, ProgressBar
+from olmo_jax.trainer.logger import ExpertCountsLog, MetricsLog, ProgressBar
 from olmo_jax.trainer.sample import generate
 from olmo_jax.trainer.state import TrainState, init_state
 from olmo_jax.trainer.step import make_eval_step, make_train_step
@@ -100,7 +100,10 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
     batch_sh = rules.batch_sharding(mesh)
 
     step_fn = jax.jit(
-        make_train_step(graphdef, model_cfg, tx, schedule, t_cfg.grad_accum),
+        make_train_step(
+            graphdef, model_cfg, tx, schedule, t_cfg.grad_accum,
+            batch_shards=mesh_lib.batch_shards(mesh), expert_ranks=mesh.shape["expert"],
+        ),
         in_shardings=(shardings, batch_sh),
         out_shardings=(shardings, NamedSharding(mesh, PartitionSpec())),
         donate_argnums=0,
@@ -124,6 +127,7 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
     )
 
     log = MetricsLog(run_dir / "metrics.jsonl")
+    counts_log = ExpertCountsLog(run_dir, t_cfg.expert_counts_every, model_cfg.n_dense_layers)
     history: list[dict] = []
     last_eval = float("nan")
     start = int(state.step)
@@ -133,12 +137,13 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
             batch = first_batch if step == 0 else jax.device_put(data.train.batch(step), batch_sh)
             state, m = compiled(state, batch)
             done = step + 1
+            counts_log.maybe_write(done, m)
             is_eval = t_cfg.eval_every and done % t_cfg.eval_every == 0
             if done % t_cfg.log_every == 0 or done in (1, t_cfg.max_steps) or is_eval:
                 m = jax.device_get(m)
                 now = time.perf_counter()
                 tok_s = (done - step_last) * tokens_per_step / (now - t_last)
-                record = {"step": done, **{k: float(v) for k, v in m.items()}}
+                record = {"step": done, **{k: float(v) for k, v in m.items() if v.ndim == 0}}
                 record["tokens_per_s"] = tok_s
                 record["tflops_per_device"] = flops_tok * tok_s / n_dev / 1e12
                 record["mfu"] = flops_tok * tok_s / n_dev / peak
@@ -150,6 +155,7 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
                 bar.update(done, record)
                 t_last, step_last = time.perf_counter(), done
     log.close()
+    counts_log.close()
 
     prompt = data.tokenizer.encode(t_cfg.sample_prompt)
     sample_ids = generate(

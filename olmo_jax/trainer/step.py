@@ -5,7 +5,8 @@
 `batch_BT1` holds token windows of seq_len + 1 (inputs = [:, :-1], targets = [:, 1:]).
 Gradient accumulation splits the batch into `grad_accum` microbatches inside the step
 (a `lax.scan`, gradients summed in float32). Metrics stay on the device; the host reads
-them only when it logs.
+them only when it logs. Training randomness comes from TrainState.rng folded with the step;
+auxiliary-loss-free balancing updates the router biases in model_state after the update.
 """
 
 from __future__ import annotations
@@ -18,7 +19,15 @@ import optax
 from flax import nnx
 
 from olmo_jax.model import TransformerConfig
-from olmo_jax.model.moe.losses import expert_imbalance, load_balancing_loss, z_loss
+from olmo_jax.model.moe.bias_balancing import update_router_bias
+from olmo_jax.model.moe.losses import (
+    RouterStats,
+    load_balancing_loss,
+    load_balancing_per_layer,
+    shard_sums,
+    z_loss_per_layer,
+)
+from olmo_jax.trainer.routing_metrics import routing_metrics
 from olmo_jax.trainer.state import TrainState
 
 
@@ -27,8 +36,14 @@ class LossParts(NamedTuple):
     n_tokens: jax.Array
     lb_loss: jax.Array
     z_loss: jax.Array
-    counts_LE: jax.Array  # routed assignments per MoE layer and expert
-    dropped: jax.Array  # assignments dropped at capacity
+    lb_L: jax.Array  # per MoE layer: OLMo-core LB loss (at the configured granularity)
+    z_L: jax.Array  # per MoE layer: z-loss
+    counts_LGE: jax.Array  # routed assignments per MoE layer, batch shard and expert
+    dropped_L: jax.Array  # per MoE layer: assignments dropped at capacity
+
+    @property
+    def counts_LE(self) -> jax.Array:
+        return jnp.sum(self.counts_LGE, axis=1)
 
 
 def cross_entropy_sum(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
@@ -38,23 +53,34 @@ def cross_entropy_sum(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array
     return jnp.sum(lse_BT - target_logit_BT)
 
 
-def forward_losses(graphdef, params, model_state, batch_BT1, cfg: TransformerConfig) -> LossParts:
+def forward_losses(graphdef, params, model_state, batch_BT1, cfg: TransformerConfig,
+                   rng=None, shards: int = 1) -> LossParts:
+    """`rng`: a key in training (router jitter, random routing). `shards`: the data-parallel
+    shards the batch rows are split into (local LB granularity, local imbalance)."""
     model = nnx.merge(graphdef, params, model_state)
     inputs_BT, targets_BT = batch_BT1[:, :-1], batch_BT1[:, 1:]
-    out = model(inputs_BT)
+    out = model(inputs_BT, rng=rng)
     ce_sum = cross_entropy_sum(out.logits_BTV, targets_BT)
     n = jnp.asarray(targets_BT.size, jnp.float32)
-    stats = out.router_stats
+    return LossParts(ce_sum, n, **routing_parts(out.router_stats, cfg, shards))
+
+
+def routing_parts(stats: RouterStats | None, cfg: TransformerConfig, shards: int = 1) -> dict:
+    """The routing fields of LossParts from the model's stacked RouterStats."""
+    m = cfg.moe
     if stats is None:
-        zero = jnp.zeros((), jnp.float32)
-        return LossParts(ce_sum, n, zero, zero, jnp.zeros((0, cfg.moe.num_experts)), zero)
-    return LossParts(
-        ce_sum=ce_sum,
-        n_tokens=n,
-        lb_loss=load_balancing_loss(stats, cfg.moe.top_k, cfg.moe.lb_loss_type),
-        z_loss=z_loss(stats),
-        counts_LE=stats.counts_E,
-        dropped=jnp.sum(stats.dropped),
+        zero, none = jnp.zeros((), jnp.float32), jnp.zeros((0,), jnp.float32)
+        return dict(lb_loss=zero, z_loss=zero, lb_L=none, z_L=none, dropped_L=none,
+                    counts_LGE=jnp.zeros((0, shards, m.num_experts), jnp.float32))
+    lb_shards = shards if m.lb_granularity == "local" else 1
+    z_L = z_loss_per_layer(stats)
+    return dict(
+        lb_loss=load_balancing_loss(stats, m.top_k, m.lb_loss_type, lb_shards),
+        z_loss=jnp.sum(z_L),
+        lb_L=load_balancing_per_layer(stats, m.top_k, lb_shards),
+        z_L=z_L,
+        counts_LGE=shard_sums(stats.counts_BE, shards),
+        dropped_L=stats.dropped,
     )
 
 
@@ -67,46 +93,55 @@ def total_loss(parts: LossParts, cfg: TransformerConfig) -> jax.Array:
 
 
 def make_train_step(graphdef, cfg: TransformerConfig, tx: optax.GradientTransformation,
-                    schedule: optax.Schedule, grad_accum: int = 1):
-    def loss_fn(params, model_state, batch):
-        parts = forward_losses(graphdef, params, model_state, batch, cfg)
+                    schedule: optax.Schedule, grad_accum: int = 1, *, batch_shards: int = 1,
+                    expert_ranks: int = 1):
+    """`batch_shards`: data-parallel shards of the batch (local LB granularity and
+    imbalance); `expert_ranks`: expert-parallel ranks (rank_imbalance)."""
+
+    def loss_fn(params, model_state, batch, rng):
+        parts = forward_losses(graphdef, params, model_state, batch, cfg, rng, batch_shards)
         return total_loss(parts, cfg), parts
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    def grads_and_parts(params, model_state, batch_BT1):
+    def grads_and_parts(params, model_state, batch_BT1, rng):
         if grad_accum == 1:
-            (_, parts), grads = grad_fn(params, model_state, batch_BT1)
+            (_, parts), grads = grad_fn(params, model_state, batch_BT1, rng)
             return grads, parts
         micro = batch_BT1.reshape(grad_accum, -1, batch_BT1.shape[-1])
+        keys = jax.random.split(rng, grad_accum)
 
-        def body(acc, mb):
-            (_, parts), grads = grad_fn(params, model_state, mb)
+        def body(acc, xs):
+            mb, key = xs
+            (_, parts), grads = grad_fn(params, model_state, mb, key)
             return jax.tree.map(jnp.add, acc, (grads, parts)), None
 
-        first = jax.eval_shape(grad_fn, params, model_state, micro[0])
+        first = jax.eval_shape(grad_fn, params, model_state, micro[0], keys[0])
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (first[1], first[0][1]))
-        (grads, parts), _ = jax.lax.scan(body, zeros, micro)
+        (grads, parts), _ = jax.lax.scan(body, zeros, (micro, keys))
         grads = jax.tree.map(lambda g: g / grad_accum, grads)
-        parts = parts._replace(lb_loss=parts.lb_loss / grad_accum, z_loss=parts.z_loss / grad_accum)
+        parts = parts._replace(**{f: getattr(parts, f) / grad_accum
+                                  for f in ("lb_loss", "z_loss", "lb_L", "z_L")})
         return grads, parts
 
     def train_step(state: TrainState, batch_BT1: jax.Array):
-        grads, parts = grads_and_parts(state.params, state.model_state, batch_BT1)
+        # Training randomness (router jitter, random routing): the state's key and the step.
+        rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+        grads, parts = grads_and_parts(state.params, state.model_state, batch_BT1, rng)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        routed = jnp.maximum(jnp.sum(parts.counts_LE), 1.0)
+        model_state = state.model_state
+        if cfg.moe.bias_rate > 0:  # aux-loss-free balancing, from the step's global counts
+            model_state = update_router_bias(model_state, parts.counts_LE, cfg.moe.bias_rate)
         metrics = {
             "loss": parts.ce_sum / parts.n_tokens,
-            "lb_loss": parts.lb_loss,
-            "z_loss": parts.z_loss,
             "grad_norm": grad_norm,
             "lr": schedule(state.step),
-            "expert_imbalance": expert_imbalance(parts.counts_LE) if parts.counts_LE.size else 1.0,
-            "dropped_frac": parts.dropped / routed,
+            **routing_metrics(parts, expert_ranks=expert_ranks, first_block=cfg.n_dense_layers),
         }
-        new_state = state._replace(step=state.step + 1, params=params, opt_state=opt_state)
+        new_state = state._replace(step=state.step + 1, params=params, opt_state=opt_state,
+                                   model_state=model_state)
         return new_state, metrics
 
     return train_step

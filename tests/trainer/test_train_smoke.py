@@ -1,13 +1,21 @@
 """A short real training run through the whole loop: the loss decreases, metrics.jsonl
-has the documented fields, the summary has a sample."""
+has the documented fields, per-expert counts go to expert_counts.jsonl and plot, the
+summary has a sample."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 from olmo_jax.config import default_config
 from olmo_jax.trainer.loop import train
 
+REPO = Path(__file__).resolve().parents[2]
+
 FIELDS = {"step", "loss", "lb_loss", "z_loss", "grad_norm", "lr", "tokens_per_s",
-          "tflops_per_device", "mfu", "expert_imbalance", "dropped_frac"}
+          "tflops_per_device", "mfu", "expert_imbalance", "dropped_frac",
+          "expert_imbalance_local", "rank_imbalance", "rank_imbalance/block1",
+          "expert_imbalance/block1", "lb_loss/block1", "z_loss/block1"}
 
 
 def smoke_config(tmp_path, steps=20):
@@ -21,6 +29,7 @@ def smoke_config(tmp_path, steps=20):
     t.max_steps, t.log_every, t.eval_every, t.eval_batches = steps, 1, 10, 1
     t.global_batch_size, t.seq_len = 8, 64
     t.sample_tokens = 8
+    t.expert_counts_every = 5
     return cfg
 
 
@@ -36,3 +45,21 @@ def test_twenty_steps_loss_decreases(tmp_path):
     assert records[-1]["dropped_frac"] == 0.0
     assert summary.sample.startswith("def main():")
     assert summary.final_eval_loss < records[0]["loss"]
+    _check_expert_counts(Path(summary.metrics_path).parent, records)
+
+
+def _check_expert_counts(run_dir, records):
+    counts = [json.loads(line) for line in open(run_dir / "expert_counts.jsonl")]
+    assert [c["step"] for c in counts] == [5, 10, 15, 20]
+    assert counts[0]["blocks"] == [1]
+    for c in counts:  # 8 x 64 tokens, top-2, one MoE block; the metric agrees
+        assert sum(c["counts"][0]) == 8 * 64 * 2
+        rec = records[c["step"] - 1]
+        assert abs(max(c["counts"][0]) / (8 * 64 * 2 / 4) - rec["expert_imbalance"]) < 1e-5
+    plot = [sys.executable, str(REPO / "tools" / "plot_routing.py"), str(run_dir)]
+    r = subprocess.run(plot, capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stderr
+    assert (run_dir / "routing.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (run_dir / "expert_counts.jsonl").unlink()
+    r = subprocess.run(plot, capture_output=True, text=True, check=False)
+    assert r.returncode == 2 and "trainer.expert_counts_every" in r.stderr, r.stderr

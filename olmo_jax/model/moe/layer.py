@@ -26,7 +26,7 @@ from olmo_jax.model.moe.experts import (
     resolve_gmm_impl,
 )
 from olmo_jax.model.moe.losses import RouterStats, router_stats
-from olmo_jax.model.moe.router import Router, Routing, route
+from olmo_jax.model.moe.router import Router, Routing
 
 Dispatcher = Callable[..., tuple[jax.Array, jax.Array]]
 
@@ -78,7 +78,7 @@ class MoELayer(nnx.Module):
         m = cfg.moe
         self.cfg = m
         self.dtype = cfg.compute_dtype
-        self.router = Router(cfg.d_model, m.num_experts, cfg.init_std, rngs=rngs)
+        self.router = Router(cfg.d_model, m, cfg.init_std, rngs=rngs)
         self.experts = Experts(m.num_experts, cfg.d_model, m.expert_hidden, cfg.init_std, rngs=rngs)
         # n shared SwiGLU experts of hidden h, summed, are exactly one SwiGLU of hidden n*h.
         self.shared = (
@@ -88,21 +88,17 @@ class MoELayer(nnx.Module):
         )
         self.dispatcher = dispatcher or local_dispatch
 
-    def __call__(self, x_BTD: jax.Array) -> tuple[jax.Array, RouterStats]:
+    def __call__(self, x_BTD: jax.Array, rng: jax.Array | None = None
+                 ) -> tuple[jax.Array, RouterStats]:
+        """`rng`: a key in training (router jitter, random routing), None otherwise."""
         B, T, D = x_BTD.shape
         m = self.cfg
         x_SD = x_BTD.reshape(B * T, D)
-        logits_SE = self.router.logits(x_SD)
-        routing = route(
-            logits_SE,
-            top_k=m.top_k,
-            gating=m.gating,
-            norm_topk_prob=m.norm_topk_prob,
-            weight_scale=m.router_weight_scale,
-        )
+        routing = self.router(x_SD, rng)
         y_SD, dropped = self.dispatcher(x_SD, routing, self.experts, m, self.dtype)
         y_SD = y_SD.astype(self.dtype)
         if self.shared is not None:
             y_SD = y_SD + self.shared(x_SD)
-        stats = router_stats(routing.probs_SE, logits_SE, routing.idx_Sk, m.num_experts, dropped)
+        stats = router_stats(routing.probs_SE, routing.logits_SE, routing.idx_Sk, m.num_experts,
+                             dropped, rows=B)
         return y_SD.reshape(B, T, D), stats
