@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
@@ -19,6 +18,7 @@ from rich.table import Table
 
 from olmo_jax import config as config_lib
 from olmo_jax import metrics as metrics_lib
+from olmo_jax.checkpoint.run import RunCheckpoints
 from olmo_jax.data import build_data
 from olmo_jax.model.config import ConfigError
 from olmo_jax.optim import build_optimizer
@@ -97,7 +97,9 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
     tx, schedule = build_optimizer(cfg.optim, t_cfg.max_steps)
     graphdef, state = init_state(model_cfg, tx, t_cfg.seed)
     shardings = state_shardings(state, tx, mesh)
-    state = jax.device_put(state, shardings)
+    metrics_path = run_dir / "metrics.jsonl"
+    checkpoints = RunCheckpoints(cfg, run_dir, model_cfg, console)
+    state = checkpoints.start(state, shardings, tx, data.train, metrics_path)  # resume / init_from
     batch_sh = rules.batch_sharding(mesh)
 
     step_fn = jax.jit(
@@ -124,13 +126,14 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
         f"{dict(mesh.shape)}; {flops_tok / 1e6:.1f} MFLOP/token; compiled in {compile_s:.1f}s"
     )
 
-    log = MetricsLog(run_dir / "metrics.jsonl")
-    history: list[dict] = []
-    last_eval = float("nan")
+    log = MetricsLog(metrics_path, append=checkpoints.resumed)
+    history: list[dict] = list(checkpoints.previous_records)
+    last_eval = next((r["eval_loss"] for r in reversed(history) if "eval_loss" in r), float("nan"))
     start = int(state.step)
+    stop = t_cfg.hard_stop or t_cfg.max_steps
     t_last, step_last = time.perf_counter(), start
     with ProgressBar(t_cfg.max_steps, start, console) as bar:
-        for step in range(start, t_cfg.max_steps):
+        for step in range(start, stop):
             batch = first_batch if step == 0 else jax.device_put(data.train.batch(step), batch_sh)
             state, m = compiled(state, batch)
             done = step + 1
@@ -150,6 +153,8 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
                 history.append(record)
                 bar.update(done, record)
                 t_last, step_last = time.perf_counter(), done
+            checkpoints.maybe_save(done, state, data.train, force=done == stop)
+    checkpoints.close()
     log.close()
 
     prompt = data.tokenizer.encode(t_cfg.sample_prompt)
@@ -159,13 +164,13 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
     )
     timed = history[1:] or history  # the first interval includes warm-up
     summary = Summary(
-        steps=t_cfg.max_steps,
-        tokens=t_cfg.max_steps * tokens_per_step,
-        first_loss=history[0]["loss"],
-        final_loss=history[-1]["loss"],
+        steps=int(state.step),
+        tokens=int(state.step) * tokens_per_step,
+        first_loss=history[0]["loss"] if history else float("nan"),
+        final_loss=history[-1]["loss"] if history else float("nan"),
         final_eval_loss=last_eval,
-        mean_tokens_per_s=float(np.mean([r["tokens_per_s"] for r in timed])),
-        mean_mfu=float(np.mean([r["mfu"] for r in timed])),
+        mean_tokens_per_s=float(np.mean([r["tokens_per_s"] for r in timed] or [np.nan])),
+        mean_mfu=float(np.mean([r["mfu"] for r in timed] or [np.nan])),
         compile_s=compile_s,
         metrics_path=str(run_dir / "metrics.jsonl"),
         sample=data.tokenizer.decode(sample_ids),
