@@ -17,16 +17,18 @@ import dataclasses
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 from rich.console import Console
 
 from olmo_jax.checkpoint import manager as m
 from olmo_jax.checkpoint.errors import CheckpointError
 from olmo_jax.model.config import TransformerConfig
-from olmo_jax.trainer.state import TrainState
+from olmo_jax.trainer.state import TrainState, initial_rng
 
 # Model fields that change numerics or cost but not what the weights mean: a checkpoint
 # may be resumed / fine-tuned with other values.
@@ -116,52 +118,53 @@ class RunCheckpoints:
                 "saved with the checkpoint)"
             )
 
-    def start(
-        self, state: TrainState, shardings: TrainState, tx, train_loader, metrics_path: Path
-    ) -> TrainState:
-        """The state to train from, on `shardings`: resumed, initialized from
-        trainer.init_from, or `state` itself."""
+    def start(self, abstract: TrainState, shardings: TrainState, tx, train_loader,
+              metrics_path: Path, init: Callable[[], TrainState]) -> TrainState:
+        """The state to train from, on `shardings`: resumed from this run's latest
+        checkpoint, or a fresh state with trainer.init_from's weights, or `init()`.
+        `abstract` is the state's structure (ShapeDtypeStructs); nothing is initialized
+        (or allocated twice) when a checkpoint provides the values."""
         t = self.cfg.trainer
         if self.latest is not None:
-            step = self.latest
-            self._check_architecture(self.ckpts, step, "resume")
-            model = m.restore_tree(
-                self.ckpts, step, m.MODEL, model_tree(state), model_tree(shardings)
+            return self._resume(self.latest, abstract, shardings, train_loader, metrics_path)
+        if not t.init_from:
+            return jax.device_put(init(), shardings)
+        ckpts, step = m.resolve(t.init_from)
+        self._check_architecture(ckpts, step, f"trainer.init_from={t.init_from}")
+        model = m.restore_tree(ckpts, step, m.MODEL, model_tree(abstract), model_tree(shardings))
+        self.console.print(f"initialized the weights from {ckpts.step_dir(step)}")
+        return TrainState(
+            step=jax.device_put(jnp.zeros((), jnp.int32), shardings.step),
+            params=model["params"],
+            opt_state=jax.jit(tx.init, out_shardings=shardings.opt_state)(model["params"]),
+            model_state=model["model_state"],
+            rng=jax.device_put(initial_rng(t.seed), shardings.rng),
+        )
+
+    def _resume(self, step, abstract, shardings, train_loader, metrics_path) -> TrainState:
+        self._check_architecture(self.ckpts, step, "resume")
+        model = m.restore_tree(self.ckpts, step, m.MODEL, model_tree(abstract),
+                               model_tree(shardings))
+        train = m.restore_tree(self.ckpts, step, m.TRAIN, train_tree(abstract),
+                               train_tree(shardings))
+        train_loader.load_state_dict(self.ckpts.read_json(step, m.DATA))
+        if train_loader.step != int(train["step"]) or step != int(train["step"]):
+            raise CheckpointError(
+                f"checkpoint {self.ckpts.step_dir(step)} is inconsistent: folder step {step}, "
+                f"state step {int(train['step'])}, data step {train_loader.step}"
             )
-            train = m.restore_tree(
-                self.ckpts, step, m.TRAIN, train_tree(state), train_tree(shardings)
-            )
-            train_loader.load_state_dict(self.ckpts.read_json(step, m.DATA))
-            if train_loader.step != int(train["step"]) or step != int(train["step"]):
-                raise CheckpointError(
-                    f"checkpoint {self.ckpts.step_dir(step)} is inconsistent: folder step {step}, "
-                    f"state step {int(train['step'])}, data step {train_loader.step}"
-                )
-            self.resumed_from = step
-            self.previous_records = truncate_metrics(metrics_path, step)
-            note = (
-                f" (trainer.init_from={t.init_from} ignored: resuming wins)" if t.init_from else ""
-            )
-            self.console.print(
-                f"resumed from checkpoint step {step} in {self.ckpts.directory}{note}"
-            )
-            return TrainState(
-                step=train["step"],
-                params=model["params"],
-                opt_state=train["opt_state"],
-                model_state=model["model_state"],
-                rng=train["rng"],
-            )
-        if t.init_from:
-            ckpts, step = m.resolve(t.init_from)
-            self._check_architecture(ckpts, step, f"trainer.init_from={t.init_from}")
-            model = m.restore_tree(ckpts, step, m.MODEL, model_tree(state), model_tree(shardings))
-            opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(model["params"])
-            self.console.print(f"initialized the weights from {ckpts.step_dir(step)}")
-            state = state._replace(
-                params=model["params"], model_state=model["model_state"], opt_state=opt_state
-            )
-        return jax.device_put(state, shardings)
+        self.resumed_from = step
+        self.previous_records = truncate_metrics(metrics_path, step)
+        init_from = self.cfg.trainer.init_from
+        note = f" (trainer.init_from={init_from} ignored: resuming wins)" if init_from else ""
+        self.console.print(f"resumed from checkpoint step {step} in {self.ckpts.directory}{note}")
+        return TrainState(
+            step=train["step"],
+            params=model["params"],
+            opt_state=train["opt_state"],
+            model_state=model["model_state"],
+            rng=train["rng"],
+        )
 
     @property
     def resumed(self) -> bool:

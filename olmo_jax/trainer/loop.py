@@ -26,7 +26,7 @@ from olmo_jax.parallel import mesh as mesh_lib
 from olmo_jax.parallel import rules
 from olmo_jax.trainer.logger import MetricsLog, ProgressBar
 from olmo_jax.trainer.sample import generate
-from olmo_jax.trainer.state import TrainState, init_state
+from olmo_jax.trainer.state import TrainState, abstract_train_state, init_state
 from olmo_jax.trainer.step import make_eval_step, make_train_step
 
 
@@ -95,11 +95,15 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
     (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
 
     tx, schedule = build_optimizer(cfg.optim, t_cfg.max_steps)
-    graphdef, state = init_state(model_cfg, tx, t_cfg.seed)
-    shardings = state_shardings(state, tx, mesh)
+    graphdef, abstract = abstract_train_state(model_cfg, tx)
+    shardings = state_shardings(abstract, tx, mesh)
     metrics_path = run_dir / "metrics.jsonl"
     checkpoints = RunCheckpoints(cfg, run_dir, model_cfg, console)
-    state = checkpoints.start(state, shardings, tx, data.train, metrics_path)  # resume / init_from
+    # Resumed, or weights from trainer.init_from, or init(); placed on `shardings`.
+    state = checkpoints.start(
+        abstract, shardings, tx, data.train, metrics_path,
+        init=lambda: init_state(model_cfg, tx, t_cfg.seed)[1],
+    )
     batch_sh = rules.batch_sharding(mesh)
 
     step_fn = jax.jit(

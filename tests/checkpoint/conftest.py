@@ -9,9 +9,6 @@ import pytest
 
 from olmo_jax.checkpoint import hf
 from olmo_jax.checkpoint import manager as m
-from olmo_jax.checkpoint.hf_config import from_hf_config
-from olmo_jax.checkpoint.tree import flatten_named, nest
-from olmo_jax.trainer.state import abstract_model
 from tests.checkpoint.oracle import (
     BASE,
     CASES,
@@ -19,29 +16,9 @@ from tests.checkpoint.oracle import (
     JAX_BORN,
     LOSS_BATCH,
     LOSS_CASE,
+    jax_born_model,
     run_oracle,
 )
-
-
-def case_config(case: str):
-    """The olmo_jax config of a case (as converting its config.json gives)."""
-    return from_hf_config({**BASE, **CASES[case][0], "model_type": "olmoe"})
-
-
-def jax_born_model(case: str, seed: int) -> hf.HFModel:
-    """Random olmo_jax parameters (std 0.1, norm weights 1 + 0.2 N(0, 1)) for the
-    architecture of `case`."""
-    cfg = case_config(case)
-    rng = np.random.default_rng(seed)
-    params = {
-        name: (
-            1.0 + 0.2 * rng.standard_normal(x.shape)
-            if name.endswith("norm/weight")
-            else 0.1 * rng.standard_normal(x.shape)
-        ).astype(np.float32)
-        for name, x in flatten_named(abstract_model(cfg)[1]).items()
-    }
-    return hf.HFModel.from_params(cfg, nest(params))
 
 
 @pytest.fixture(scope="session")

@@ -1,11 +1,17 @@
 """The Hugging Face oracle as the tests call it (a subprocess in .venv-oracle running
-hf_oracle.py, inputs and outputs as files) and the parity cases."""
+hf_oracle.py, inputs and outputs as files), the parity cases, and random olmo_jax
+models of the same architectures."""
 
 import json
 import subprocess
 from pathlib import Path
 
 import numpy as np
+
+from olmo_jax.checkpoint import hf
+from olmo_jax.checkpoint.hf_config import from_hf_config
+from olmo_jax.checkpoint.tree import flatten_named, nest
+from olmo_jax.trainer.state import abstract_model
 
 ROOT = Path(__file__).resolve().parents[2]
 ORACLE_PY = ROOT / ".venv-oracle" / "bin" / "python"
@@ -71,3 +77,24 @@ def run_oracle(spec: dict, out: Path) -> None:
         timeout=600,
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+
+
+def case_config(case: str):
+    """The olmo_jax config of a case (as converting its config.json gives)."""
+    return from_hf_config({**BASE, **CASES[case][0], "model_type": "olmoe"})
+
+
+def jax_born_model(case: str, seed: int) -> hf.HFModel:
+    """Random olmo_jax parameters (std 0.1, norm weights 1 + 0.2 N(0, 1)) for the
+    architecture of `case`."""
+    cfg = case_config(case)
+    rng = np.random.default_rng(seed)
+    params = {
+        name: (
+            1.0 + 0.2 * rng.standard_normal(x.shape)
+            if name.endswith("norm/weight")
+            else 0.1 * rng.standard_normal(x.shape)
+        ).astype(np.float32)
+        for name, x in flatten_named(abstract_model(cfg)[1]).items()
+    }
+    return hf.HFModel.from_params(cfg, nest(params))
