@@ -116,7 +116,10 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
 
     t0 = time.perf_counter()
     first_batch = jax.device_put(data.train.batch(0), batch_sh)
-    compiled = step_fn.lower(state, first_batch).compile()
+    start, stop = int(state.step), t_cfg.hard_stop or t_cfg.max_steps
+    if start >= stop:  # resumed a finished run: nothing to compile or train
+        console.print(f"the run is complete at step {start} (trainer.max_steps / hard_stop)")
+    compiled = step_fn.lower(state, first_batch).compile() if start < stop else None
     compile_s = time.perf_counter() - t0
 
     n_dev = mesh.devices.size
@@ -133,8 +136,6 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
     log = MetricsLog(metrics_path, append=checkpoints.resumed)
     history: list[dict] = list(checkpoints.previous_records)
     last_eval = next((r["eval_loss"] for r in reversed(history) if "eval_loss" in r), float("nan"))
-    start = int(state.step)
-    stop = t_cfg.hard_stop or t_cfg.max_steps
     t_last, step_last = time.perf_counter(), start
     with ProgressBar(t_cfg.max_steps, start, console) as bar:
         for step in range(start, stop):
