@@ -193,12 +193,6 @@ def params_to_hf(params: dict, cfg: TransformerConfig, dtype=np.float32) -> dict
     return {k: np.ascontiguousarray(v.astype(dtype)) for k, v in out.items()}
 
 
-def initial_model_state(cfg: TransformerConfig) -> nnx.State:
-    """The model's non-parameter variables as a fresh model has them (the parameters'
-    computation is dead code and compiled away)."""
-    return jax.jit(lambda: nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)[2])()
-
-
 @functools.lru_cache(maxsize=16)
 def _forward_fn(config: TransformerConfig):
     """(graphdef, jitted logits function) per architecture: models of the same config
@@ -235,20 +229,18 @@ class HFModel:
 
     @classmethod
     def from_params(
-        cls,
-        config: TransformerConfig,
-        params: dict,
-        model_state=None,
-        hf_config: dict | None = None,
+        cls, config: TransformerConfig, params: dict, hf_config: dict | None = None
     ) -> HFModel:
         """From a nested dict of parameter arrays (names as in `flatten_named`)."""
-        _, abstract_params, abstract_state = abstract_model(config)
+        _, abstract_params, model_state = abstract_model(config)
+        state_leaves = flatten_named(model_state)
+        if state_leaves:  # OLMoE has parameters only
+            raise CheckpointError(
+                f"the model has non-parameter state ('{next(iter(state_leaves))}') that "
+                "Hugging Face OLMoE weights do not provide"
+            )
         flat = {k: jnp.asarray(v) for k, v in flatten_named(params).items()}
         check_fits(flatten_named(abstract_params), flat, "parameters")
-        if model_state is None:
-            model_state = (
-                initial_model_state(config) if flatten_named(abstract_state) else abstract_state
-            )
         return cls(config, unflatten_named(abstract_params, flat), model_state, hf_config)
 
     @property
@@ -406,15 +398,16 @@ def hf_to_orbax(hf_dir: str | Path, out_dir: str | Path) -> Path:
 
 def load_checkpoint(ckpt: str | Path) -> HFModel:
     """The model of an olmo_jax checkpoint (a run folder, checkpoints folder or step
-    folder; training or converted), on one device."""
+    folder; training or converted), in host (CPU) memory."""
     ckpts, step = m.resolve(ckpt)
-    cfg = m.saved_model_config(ckpts, step)
-    _, abstract_params, abstract_state = abstract_model(cfg)
-    like = {"params": abstract_params, "model_state": abstract_state}
-    model = m.restore_tree(
-        ckpts, step, m.MODEL, like, jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    )
-    hf_config = ckpts.read_json(step, m.HF_CONFIG) if ckpts.has_item(step, m.HF_CONFIG) else None
+    host = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
+    with ckpts:
+        cfg = m.saved_model_config(ckpts, step)
+        _, abstract_params, abstract_state = abstract_model(cfg)
+        like = {"params": abstract_params, "model_state": abstract_state}
+        model = m.restore_tree(ckpts, step, m.MODEL, like, host)
+        has_hf = ckpts.has_item(step, m.HF_CONFIG)
+        hf_config = ckpts.read_json(step, m.HF_CONFIG) if has_hf else None
     return HFModel(cfg, model["params"], model["model_state"], hf_config)
 
 

@@ -112,8 +112,15 @@ class Checkpoints:
         self._mgr.wait_until_finished()
 
     def close(self) -> None:
+        """Waits for the last save, then stops orbax's background threads."""
         self._mgr.wait_until_finished()
         self._mgr.close()
+
+    def __enter__(self) -> Checkpoints:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ---- restoring -----------------------------------------------------------------
     def _require(self, step: int, item: str) -> None:
@@ -212,7 +219,8 @@ def saved_model_config(ckpts: Checkpoints, step: int) -> TransformerConfig:
 
 def resolve(path: str | Path) -> tuple[Checkpoints, int]:
     """A checkpoint named by a run folder ({path}/checkpoints, its latest step), a
-    checkpoints folder (its latest step) or one step folder ({dir}/{step})."""
+    checkpoints folder (its latest step) or one step folder ({dir}/{step}): (an open
+    read-only Checkpoints, to close after use, e.g. `with`; the step)."""
     p = Path(path).expanduser()
     if not p.exists():
         raise CheckpointError(f"checkpoint path {path} does not exist")
@@ -227,6 +235,7 @@ def resolve(path: str | Path) -> tuple[Checkpoints, int]:
     if step is None:
         step = ckpts.latest_step()
         if step is None:
+            ckpts.close()
             raise CheckpointError(
                 f"{root} holds no complete checkpoint (interrupted saves are ignored); pass a "
                 "run folder, its checkpoints folder or one step folder"

@@ -98,6 +98,7 @@ class RunCheckpoints:
         )
         self.latest = self.ckpts.latest_step()
         if self.latest is not None and not t.resume:
+            self.ckpts.close()
             raise CheckpointError(
                 f"trainer.run_dir={run_dir} already holds checkpoints (latest step "
                 f"{self.latest}) and trainer.resume=False; set trainer.resume=True to continue "
@@ -118,35 +119,55 @@ class RunCheckpoints:
                 "saved with the checkpoint)"
             )
 
-    def start(self, abstract: TrainState, shardings: TrainState, tx, train_loader,
-              metrics_path: Path, init: Callable[[], TrainState]) -> TrainState:
+    def start(
+        self,
+        abstract: TrainState,
+        shardings: TrainState,
+        tx,
+        train_loader,
+        metrics_path: Path,
+        init: Callable[[], TrainState],
+    ) -> TrainState:
         """The state to train from, on `shardings`: resumed from this run's latest
         checkpoint, or a fresh state with trainer.init_from's weights, or `init()`.
         `abstract` is the state's structure (ShapeDtypeStructs); nothing is initialized
         (or allocated twice) when a checkpoint provides the values."""
         t = self.cfg.trainer
-        if self.latest is not None:
-            return self._resume(self.latest, abstract, shardings, train_loader, metrics_path)
-        if not t.init_from:
-            return jax.device_put(init(), shardings)
-        ckpts, step = m.resolve(t.init_from)
-        self._check_architecture(ckpts, step, f"trainer.init_from={t.init_from}")
-        model = m.restore_tree(ckpts, step, m.MODEL, model_tree(abstract), model_tree(shardings))
+        try:
+            if self.latest is not None:
+                return self._resume(self.latest, abstract, shardings, train_loader, metrics_path)
+            if not t.init_from:
+                return jax.device_put(init(), shardings)
+            return self._init_from(t.init_from, abstract, shardings, tx)
+        except BaseException:
+            self.close()
+            raise
+
+    def _init_from(self, path, abstract, shardings, tx) -> TrainState:
+        ckpts, step = m.resolve(path)
+        with ckpts:
+            self._check_architecture(ckpts, step, f"trainer.init_from={path}")
+            model = m.restore_tree(
+                ckpts, step, m.MODEL, model_tree(abstract), model_tree(shardings)
+            )
         self.console.print(f"initialized the weights from {ckpts.step_dir(step)}")
+        seed = self.cfg.trainer.seed
         return TrainState(
             step=jax.device_put(jnp.zeros((), jnp.int32), shardings.step),
             params=model["params"],
             opt_state=jax.jit(tx.init, out_shardings=shardings.opt_state)(model["params"]),
             model_state=model["model_state"],
-            rng=jax.device_put(initial_rng(t.seed), shardings.rng),
+            rng=jax.device_put(initial_rng(seed), shardings.rng),
         )
 
     def _resume(self, step, abstract, shardings, train_loader, metrics_path) -> TrainState:
         self._check_architecture(self.ckpts, step, "resume")
-        model = m.restore_tree(self.ckpts, step, m.MODEL, model_tree(abstract),
-                               model_tree(shardings))
-        train = m.restore_tree(self.ckpts, step, m.TRAIN, train_tree(abstract),
-                               train_tree(shardings))
+        model = m.restore_tree(
+            self.ckpts, step, m.MODEL, model_tree(abstract), model_tree(shardings)
+        )
+        train = m.restore_tree(
+            self.ckpts, step, m.TRAIN, train_tree(abstract), train_tree(shardings)
+        )
         train_loader.load_state_dict(self.ckpts.read_json(step, m.DATA))
         if train_loader.step != int(train["step"]) or step != int(train["step"]):
             raise CheckpointError(

@@ -39,7 +39,11 @@ CASES = {
     "gqa": ({"num_key_value_heads": 2}, 1, {}),
     "norm_topk": ({"norm_topk_prob": True}, 2, {}),
     "tied": ({"tie_word_embeddings": True}, 3, {}),
-    "rope_theta": ({"rope_parameters": {"rope_type": "default", "rope_theta": 1234.0}}, 4, {}),
+    "rope_theta_eps": (
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 1234.0}, "rms_norm_eps": 1e-3},
+        4,
+        {},
+    ),
     "clip_qkv": ({"clip_qkv": 0.3}, 5, {}),
     # The loss / gradient case combines GQA, top-k renormalization and clipping.
     "loss": (
