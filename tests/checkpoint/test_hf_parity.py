@@ -4,6 +4,8 @@ training loss and its gradients, HF -> orbax -> HF bitwise, olmo_jax -> HF loade
 transformers without warnings and with our logits, and the CLI."""
 
 import json
+import runpy
+import shutil
 import subprocess
 import sys
 import time
@@ -149,3 +151,13 @@ def test_cli_round_trip(hf_cases, tmp_path):
     assert all(np.array_equal(original[k], back[k]) for k in original)
     # Converting into a non-empty folder is refused (exit status 2, nothing overwritten).
     assert convert.main(["orbax-to-hf", "--ckpt", str(out), "--out", str(tmp_path / "hf")]) == 2
+
+
+def test_tokenizer_next_to_the_weights_is_copied_and_configured(hf_cases, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(hf_cases / "base" / "hf", src)
+    (src / "tokenizer.json").write_text('{"model": "stand-in"}')
+    config_py = hf.hf_to_orbax(src, tmp_path / "out")
+    cfg = runpy.run_path(str(config_py))["get_config"]()
+    assert cfg.data.tokenizer == str(tmp_path / "out" / "tokenizer.json")
+    assert (tmp_path / "out" / "tokenizer.json").read_text() == '{"model": "stand-in"}'
