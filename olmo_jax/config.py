@@ -100,6 +100,14 @@ def default_config() -> ml_collections.ConfigDict:
     t.expert_counts_every = 0  # > 0: per-expert counts to {run_dir}/expert_counts.jsonl
     t.sample_prompt = "def main():\n    "
     t.sample_tokens = 120
+    # Checkpoints (olmo_jax/checkpoint): {run_dir}/checkpoints, saved asynchronously.
+    t.save_every = 100  # save every N steps (0 = only at the end / at hard_stop)
+    t.keep_last = 3  # keep the N most recent checkpoints (0 = keep all)
+    t.keep_every = 0  # also keep every checkpoint whose step is a multiple of K forever (0 = off)
+    t.resume = True  # continue from the latest complete checkpoint in run_dir, if any
+    t.init_from = ""  # a checkpoint (e.g. from `python -m olmo_jax.convert hf-to-orbax`):
+    #                   its weights start a fresh run (new optimizer state, step 0)
+    t.hard_stop = 0  # stop (with a checkpoint) after this step, before max_steps (0 = off)
     return c
 
 
@@ -163,6 +171,14 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         raise ConfigError(
             f"trainer.grad_accum={t.grad_accum} must divide trainer.global_batch_size="
             f"{t.global_batch_size}"
+        )
+    for name in ("save_every", "keep_last", "keep_every", "hard_stop"):
+        if t[name] < 0:
+            raise ConfigError(f"trainer.{name} must be >= 0 (0 = off), got {t[name]}")
+    if t.hard_stop and t.hard_stop >= t.max_steps:
+        raise ConfigError(
+            f"trainer.hard_stop={t.hard_stop} must be below trainer.max_steps={t.max_steps} "
+            "(or 0 = run to max_steps)"
         )
     if o.lr <= 0:
         raise ConfigError(f"optim.lr must be > 0, got {o.lr}")

@@ -18,6 +18,7 @@ from rich.table import Table
 
 from olmo_jax import config as config_lib
 from olmo_jax import metrics as metrics_lib
+from olmo_jax.checkpoint.run import RunCheckpoints, truncate_metrics
 from olmo_jax.data import build_data
 from olmo_jax.model.config import ConfigError
 from olmo_jax.optim import build_optimizer
@@ -25,7 +26,7 @@ from olmo_jax.parallel import mesh as mesh_lib
 from olmo_jax.parallel import rules
 from olmo_jax.trainer.logger import ExpertCountsLog, MetricsLog, ProgressBar
 from olmo_jax.trainer.sample import generate
-from olmo_jax.trainer.state import TrainState, init_state
+from olmo_jax.trainer.state import TrainState, abstract_train_state, init_state
 from olmo_jax.trainer.step import make_eval_step, make_train_step
 
 
@@ -94,9 +95,15 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
     (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
 
     tx, schedule = build_optimizer(cfg.optim, t_cfg.max_steps)
-    graphdef, state = init_state(model_cfg, tx, t_cfg.seed)
-    shardings = state_shardings(state, tx, mesh)
-    state = jax.device_put(state, shardings)
+    graphdef, abstract = abstract_train_state(model_cfg, tx)
+    shardings = state_shardings(abstract, tx, mesh)
+    metrics_path = run_dir / "metrics.jsonl"
+    checkpoints = RunCheckpoints(cfg, run_dir, model_cfg, console)
+    # Resumed, or weights from trainer.init_from, or init(); placed on `shardings`.
+    state = checkpoints.start(
+        abstract, shardings, tx, data.train, metrics_path,
+        init=lambda: init_state(model_cfg, tx, t_cfg.seed)[1],
+    )
     batch_sh = rules.batch_sharding(mesh)
 
     step_fn = jax.jit(
@@ -112,7 +119,10 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
 
     t0 = time.perf_counter()
     first_batch = jax.device_put(data.train.batch(0), batch_sh)
-    compiled = step_fn.lower(state, first_batch).compile()
+    start, stop = int(state.step), t_cfg.hard_stop or t_cfg.max_steps
+    if start >= stop:  # resumed a finished run: nothing to compile or train
+        console.print(f"the run is complete at step {start} (trainer.max_steps / hard_stop)")
+    compiled = step_fn.lower(state, first_batch).compile() if start < stop else None
     compile_s = time.perf_counter() - t0
 
     n_dev = mesh.devices.size
@@ -126,14 +136,17 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
         f"{dict(mesh.shape)}; {flops_tok / 1e6:.1f} MFLOP/token; compiled in {compile_s:.1f}s"
     )
 
-    log = MetricsLog(run_dir / "metrics.jsonl")
-    counts_log = ExpertCountsLog(run_dir, t_cfg.expert_counts_every, model_cfg.n_dense_layers)
-    history: list[dict] = []
-    last_eval = float("nan")
-    start = int(state.step)
+    log = MetricsLog(metrics_path, append=checkpoints.resumed)
+    if checkpoints.resumed:  # like metrics.jsonl: drop what was logged after the checkpoint
+        truncate_metrics(run_dir / "expert_counts.jsonl", start)
+    counts_log = ExpertCountsLog(
+        run_dir, t_cfg.expert_counts_every, model_cfg.n_dense_layers, append=checkpoints.resumed
+    )
+    history: list[dict] = list(checkpoints.previous_records)
+    last_eval = next((r["eval_loss"] for r in reversed(history) if "eval_loss" in r), float("nan"))
     t_last, step_last = time.perf_counter(), start
     with ProgressBar(t_cfg.max_steps, start, console) as bar:
-        for step in range(start, t_cfg.max_steps):
+        for step in range(start, stop):
             batch = first_batch if step == 0 else jax.device_put(data.train.batch(step), batch_sh)
             state, m = compiled(state, batch)
             done = step + 1
@@ -154,6 +167,8 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
                 history.append(record)
                 bar.update(done, record)
                 t_last, step_last = time.perf_counter(), done
+            checkpoints.maybe_save(done, state, data.train, force=done == stop)
+    checkpoints.close()
     log.close()
     counts_log.close()
 
@@ -164,13 +179,13 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
     )
     timed = history[1:] or history  # the first interval includes warm-up
     summary = Summary(
-        steps=t_cfg.max_steps,
-        tokens=t_cfg.max_steps * tokens_per_step,
-        first_loss=history[0]["loss"],
-        final_loss=history[-1]["loss"],
+        steps=int(state.step),
+        tokens=int(state.step) * tokens_per_step,
+        first_loss=history[0]["loss"] if history else float("nan"),
+        final_loss=history[-1]["loss"] if history else float("nan"),
         final_eval_loss=last_eval,
-        mean_tokens_per_s=float(np.mean([r["tokens_per_s"] for r in timed])),
-        mean_mfu=float(np.mean([r["mfu"] for r in timed])),
+        mean_tokens_per_s=float(np.mean([r["tokens_per_s"] for r in timed] or [np.nan])),
+        mean_mfu=float(np.mean([r["mfu"] for r in timed] or [np.nan])),
         compile_s=compile_s,
         metrics_path=str(run_dir / "metrics.jsonl"),
         sample=data.tokenizer.decode(sample_ids),

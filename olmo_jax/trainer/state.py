@@ -33,6 +33,26 @@ def abstract_model(model_cfg: TransformerConfig, dispatcher=None):
     return nnx.split(abstract, nnx.Param, ...)
 
 
+def initial_rng(seed: int) -> jax.Array:
+    """The state's RNG key data for a run seeded with `seed`."""
+    return jax.random.key_data(jax.random.key(seed + 1))
+
+
+def abstract_train_state(model_cfg: TransformerConfig, tx: optax.GradientTransformation,
+                         dispatcher=None) -> tuple[nnx.GraphDef, TrainState]:
+    """(graphdef, TrainState of jax.ShapeDtypeStructs): the state's structure without
+    allocating or initializing anything (what a restore reads into)."""
+    graphdef, params, model_state = abstract_model(model_cfg, dispatcher)
+    state = TrainState(
+        step=jax.ShapeDtypeStruct((), jnp.int32),
+        params=params,
+        opt_state=jax.eval_shape(tx.init, params),
+        model_state=model_state,
+        rng=jax.eval_shape(initial_rng, 0),
+    )
+    return graphdef, state
+
+
 def init_state(model_cfg: TransformerConfig, tx: optax.GradientTransformation, seed: int, dispatcher=None):
     """Builds the model from `seed` and returns (graphdef, TrainState). Parameter values
     depend only on the seed, never on the sharding they are later placed with."""
@@ -43,6 +63,6 @@ def init_state(model_cfg: TransformerConfig, tx: optax.GradientTransformation, s
         params=params,
         opt_state=tx.init(params),
         model_state=model_state,
-        rng=jax.random.key_data(jax.random.key(seed + 1)),
+        rng=initial_rng(seed),
     )
     return graphdef, state

@@ -1,0 +1,11 @@
+"""Checkpoints: orbax save / resume / reshard for training runs (`manager`, `run`), and
+two-way Hugging Face OLMoE conversion (`hf`, `hf_config`, `safetensors_io`).
+
+    from olmo_jax.checkpoint.hf import load_model, save_model
+    model = load_model("path/to/hf_olmoe")      # model(ids[B, T]) -> logits [B, T, V]
+"""
+
+from olmo_jax.checkpoint.errors import CheckpointError
+from olmo_jax.checkpoint.manager import Checkpoints, resolve
+
+__all__ = ["CheckpointError", "Checkpoints", "resolve"]

@@ -1,0 +1,214 @@
+"""Checkpoints inside a training run (what `olmo_jax/trainer/loop.py` calls).
+
+- Start: a run_dir that already holds checkpoints continues from the latest COMPLETE one
+  (`trainer.resume`, default on): params, optimizer state, step, RNG, data position, all
+  read onto this run's shardings. Otherwise `trainer.init_from` (if set) loads a
+  checkpoint's weights into a fresh run (new optimizer state, step 0).
+- metrics.jsonl on resume: the records of steps after the restored checkpoint (trained,
+  then lost with the process) are dropped, the file is then appended to. Every step
+  therefore appears once, with the values of the run that produced the checkpoints.
+- Save: every `trainer.save_every` steps and at the last step (max_steps or hard_stop),
+  asynchronously; `trainer.keep_last` newest kept, plus multiples of `trainer.keep_every`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from rich.console import Console
+
+from olmo_jax.checkpoint import manager as m
+from olmo_jax.checkpoint.errors import CheckpointError
+from olmo_jax.model.config import TransformerConfig
+from olmo_jax.trainer.state import TrainState, initial_rng
+
+# Model fields that change numerics or cost but not what the weights mean: a checkpoint
+# may be resumed / fine-tuned with other values.
+_FREE_FIELDS = {"dtype", "remat", "init_std", "scan_unroll"}
+_FREE_MOE_FIELDS = {
+    "capacity_factor", "gmm_impl", "lb_loss_coef", "z_loss_coef", "lb_loss_type", "lb_granularity",
+    "routing_mode", "router_jitter",
+}
+
+
+def architecture_difference(saved: TransformerConfig, run: TransformerConfig):
+    """(field, saved value, run value) of the first architecture field that differs."""
+    for f in dataclasses.fields(TransformerConfig):
+        if f.name in _FREE_FIELDS:
+            continue
+        if f.name == "moe":
+            for g in dataclasses.fields(type(saved.moe)):
+                a, b = getattr(saved.moe, g.name), getattr(run.moe, g.name)
+                if g.name not in _FREE_MOE_FIELDS and a != b:
+                    return f"model.moe.{g.name}", a, b
+        elif getattr(saved, f.name) != getattr(run, f.name):
+            return f"model.{f.name}", getattr(saved, f.name), getattr(run, f.name)
+    return None
+
+
+def model_tree(state: TrainState) -> dict:
+    return {"params": state.params, "model_state": state.model_state}
+
+
+def train_tree(state: TrainState) -> dict:
+    return {"step": state.step, "rng": state.rng, "opt_state": state.opt_state}
+
+
+def truncate_metrics(path: Path, step: int) -> list[dict]:
+    """Keeps the records of steps <= `step` (and drops a line cut short by a crash);
+    rewrites the file atomically; returns the kept records."""
+    if not path.exists():
+        return []
+    kept, lines = [], []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("step", math.inf) <= step:
+            kept.append(record)
+            lines.append(line)
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(x + "\n" for x in lines))
+    os.replace(tmp, path)
+    return kept
+
+
+class RunCheckpoints:
+    """The checkpoints of one run: {run_dir}/checkpoints."""
+
+    def __init__(
+        self,
+        cfg: ml_collections.ConfigDict,
+        run_dir: Path,
+        model_cfg: TransformerConfig,
+        console: Console | None = None,
+    ):
+        t = cfg.trainer
+        self.cfg, self.model_cfg = cfg, model_cfg
+        self.console = console or Console()
+        self.save_every = t.save_every
+        self.ckpts = m.Checkpoints(
+            run_dir / m.RUN_SUBDIR, keep_last=t.keep_last, keep_every=t.keep_every
+        )
+        self.latest = self.ckpts.latest_step()
+        if self.latest is not None and not t.resume:
+            self.ckpts.close()
+            raise CheckpointError(
+                f"trainer.run_dir={run_dir} already holds checkpoints (latest step "
+                f"{self.latest}) and trainer.resume=False; set trainer.resume=True to continue "
+                "that run, or choose a new trainer.run_dir"
+            )
+        self.resumed_from: int | None = None
+        self.previous_records: list[dict] = []
+        self.last_saved: int | None = self.latest
+
+    def _check_architecture(self, ckpts: m.Checkpoints, step: int, what: str) -> None:
+        saved = m.saved_model_config(ckpts, step)
+        diff = architecture_difference(saved, self.model_cfg)
+        if diff:
+            field, a, b = diff
+            raise CheckpointError(
+                f"{what}: checkpoint {ckpts.step_dir(step)} was written with {field}={a!r} but "
+                f"this run has {field}={b!r}; set --config.{field}={a!r} (or use the config "
+                "saved with the checkpoint)"
+            )
+
+    def start(
+        self,
+        abstract: TrainState,
+        shardings: TrainState,
+        tx,
+        train_loader,
+        metrics_path: Path,
+        init: Callable[[], TrainState],
+    ) -> TrainState:
+        """The state to train from, on `shardings`: resumed from this run's latest
+        checkpoint, or a fresh state with trainer.init_from's weights, or `init()`.
+        `abstract` is the state's structure (ShapeDtypeStructs); nothing is initialized
+        (or allocated twice) when a checkpoint provides the values."""
+        t = self.cfg.trainer
+        try:
+            if self.latest is not None:
+                return self._resume(self.latest, abstract, shardings, train_loader, metrics_path)
+            if not t.init_from:
+                return jax.device_put(init(), shardings)
+            return self._init_from(t.init_from, abstract, shardings, tx)
+        except BaseException:
+            self.close()
+            raise
+
+    def _init_from(self, path, abstract, shardings, tx) -> TrainState:
+        ckpts, step = m.resolve(path)
+        with ckpts:
+            self._check_architecture(ckpts, step, f"trainer.init_from={path}")
+            model = m.restore_tree(
+                ckpts, step, m.MODEL, model_tree(abstract), model_tree(shardings)
+            )
+        self.console.print(f"initialized the weights from {ckpts.step_dir(step)}")
+        seed = self.cfg.trainer.seed
+        return TrainState(
+            step=jax.device_put(jnp.zeros((), jnp.int32), shardings.step),
+            params=model["params"],
+            opt_state=jax.jit(tx.init, out_shardings=shardings.opt_state)(model["params"]),
+            model_state=model["model_state"],
+            rng=jax.device_put(initial_rng(seed), shardings.rng),
+        )
+
+    def _resume(self, step, abstract, shardings, train_loader, metrics_path) -> TrainState:
+        self._check_architecture(self.ckpts, step, "resume")
+        model = m.restore_tree(
+            self.ckpts, step, m.MODEL, model_tree(abstract), model_tree(shardings)
+        )
+        train = m.restore_tree(
+            self.ckpts, step, m.TRAIN, train_tree(abstract), train_tree(shardings)
+        )
+        train_loader.load_state_dict(self.ckpts.read_json(step, m.DATA))
+        if train_loader.step != int(train["step"]) or step != int(train["step"]):
+            raise CheckpointError(
+                f"checkpoint {self.ckpts.step_dir(step)} is inconsistent: folder step {step}, "
+                f"state step {int(train['step'])}, data step {train_loader.step}"
+            )
+        self.resumed_from = step
+        self.previous_records = truncate_metrics(metrics_path, step)
+        init_from = self.cfg.trainer.init_from
+        note = f" (trainer.init_from={init_from} ignored: resuming wins)" if init_from else ""
+        self.console.print(f"resumed from checkpoint step {step} in {self.ckpts.directory}{note}")
+        return TrainState(
+            step=train["step"],
+            params=model["params"],
+            opt_state=train["opt_state"],
+            model_state=model["model_state"],
+            rng=train["rng"],
+        )
+
+    @property
+    def resumed(self) -> bool:
+        return self.resumed_from is not None
+
+    def maybe_save(self, step: int, state: TrainState, train_loader, force: bool = False) -> None:
+        """Saves after `step` completed steps when it is a save step (or `force`)."""
+        due = self.save_every and step % self.save_every == 0
+        if not (due or force) or self.last_saved == step:
+            return
+        train_loader.step = step  # the next batch to train on
+        config = {"config": self.cfg.to_dict(), "model": m.model_config_to_dict(self.model_cfg)}
+        self.ckpts.save(
+            step,
+            model=model_tree(state),
+            train=train_tree(state),
+            json_items={m.DATA: train_loader.state_dict(), m.CONFIG: config},
+        )
+        self.last_saved = step
+
+    def close(self) -> None:
+        """Waits for the last save to be complete on disk."""
+        self.ckpts.close()
