@@ -108,6 +108,14 @@ def default_config() -> ml_collections.ConfigDict:
     t.init_from = ""  # a checkpoint (e.g. from `python -m olmo_jax.convert hf-to-orbax`):
     #                   its weights start a fresh run (new optimizer state, step 0)
     t.hard_stop = 0  # stop (with a checkpoint) after this step, before max_steps (0 = off)
+    t.overwrite = False  # accept a config that differs from the one run_dir already holds
+    # Reliability (olmo_jax/trainer/guard.py, preflight.py; olmo_jax/distributed).
+    t.nan_policy = "skip"  # skip | halt: a step with a non-finite loss or gradient norm
+    t.max_skipped = 10  # halt after this many skipped steps in a row (0 = never)
+    t.spike_sigma = 0.0  # skip steps whose loss / grad norm is this many std above the mean (0 = off)
+    t.spike_window = 128  # ... of the last N steps
+    t.memory_limit_gb = 0.0  # per device; 0 = the device's memory (CPU: RAM / local devices); < 0 = no check
+    t.peer_timeout_s = 60.0  # multi-process: a process silent this long is lost; the others exit
     return c
 
 
@@ -117,6 +125,7 @@ _CHOICES = {
     "parallel.strategy": ("ddp", "fsdp"),
     "parallel.dispatch": ("rowwise", "ragged", "allgather"),
     "optim.schedule": ("cosine", "wsd", "constant"),
+    "trainer.nan_policy": ("skip", "halt"),
 }
 
 
@@ -180,6 +189,14 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
             f"trainer.hard_stop={t.hard_stop} must be below trainer.max_steps={t.max_steps} "
             "(or 0 = run to max_steps)"
         )
+    if t.max_skipped < 0:
+        raise ConfigError(f"trainer.max_skipped must be >= 0 (0 = never halt), got {t.max_skipped}")
+    if t.spike_sigma < 0:
+        raise ConfigError(f"trainer.spike_sigma must be >= 0 (0 = off), got {t.spike_sigma}")
+    if t.spike_window < 2:
+        raise ConfigError(f"trainer.spike_window must be >= 2, got {t.spike_window}")
+    if t.peer_timeout_s <= 0:
+        raise ConfigError(f"trainer.peer_timeout_s must be > 0, got {t.peer_timeout_s}")
     if o.lr <= 0:
         raise ConfigError(f"optim.lr must be > 0, got {o.lr}")
     if not 0 <= o.min_lr_ratio <= 1:

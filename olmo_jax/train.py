@@ -3,6 +3,13 @@
 Overrides are type-checked against the config file's fields (`lock_config=True`); an
 override of a field that does not exist fails before anything runs, naming the field and
 the nearest existing ones.
+
+Multi-process runs (one process per host): add --coordinator HOST:PORT --num_processes N
+--process_id I, or the OLMO_JAX_* variables, or start it with `srun` (olmo_jax/distributed).
+
+Exit codes: 0 done or preempted (a checkpoint saved; rerun to resume), 1 training halted
+on bad steps (trainer.nan_policy), 2 bad input (config, data, checkpoint, run_dir,
+memory), 75 a lost process in a multi-process run (relaunch to resume).
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from olmo_jax import distributed
 from olmo_jax.config import unknown_key_error
 from olmo_jax.data.errors import DataError
 from olmo_jax.model.config import ConfigError
@@ -66,18 +74,34 @@ def _parse_flags(argv: list[str]) -> list[str]:
         _fail(_explain_parse_error(argv, e))
 
 
+def run_training(cfg) -> int:
+    """Trains `cfg` as the command line does; returns the exit code. A user's error (bad
+    config, data, checkpoint, run_dir, memory) or a halted run prints one `error:` line,
+    no traceback; in a multi-process run the other processes are told and stop too."""
+    from olmo_jax.trainer.guard import TrainingHalted
+    from olmo_jax.trainer.loop import train
+
+    try:
+        train(cfg)
+    except (ConfigError, DataError) as e:
+        return distributed.report_error(str(e), 2)
+    except TrainingHalted as e:
+        return distributed.report_error(str(e), 1)
+    distributed.finish()
+    return 0
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     if _CONFIG.value is None:
         raise app.UsageError("--config=configs/<name>.py is required")
     logging.set_verbosity(logging.WARNING)  # jax's backend-probing INFO lines
-    from olmo_jax.trainer.loop import train
-
     try:
-        train(_CONFIG.value)
-    except (ConfigError, DataError) as e:
+        distributed.initialize(distributed.detect(), _CONFIG.value.trainer.peer_timeout_s)
+    except ConfigError as e:
         _fail(str(e))
+    sys.exit(run_training(_CONFIG.value))
 
 
 def run() -> None:

@@ -32,8 +32,8 @@ from olmo_jax.trainer.state import TrainState, initial_rng
 
 # Model fields that change numerics or cost but not what the weights mean: a checkpoint
 # may be resumed / fine-tuned with other values.
-_FREE_FIELDS = {"dtype", "remat", "init_std", "scan_unroll"}
-_FREE_MOE_FIELDS = {
+FREE_MODEL_FIELDS = {"dtype", "remat", "init_std", "scan_unroll"}
+FREE_MOE_FIELDS = {
     "capacity_factor", "gmm_impl", "lb_loss_coef", "z_loss_coef", "lb_loss_type", "lb_granularity",
     "routing_mode", "router_jitter",
 }
@@ -42,12 +42,12 @@ _FREE_MOE_FIELDS = {
 def architecture_difference(saved: TransformerConfig, run: TransformerConfig):
     """(field, saved value, run value) of the first architecture field that differs."""
     for f in dataclasses.fields(TransformerConfig):
-        if f.name in _FREE_FIELDS:
+        if f.name in FREE_MODEL_FIELDS:
             continue
         if f.name == "moe":
             for g in dataclasses.fields(type(saved.moe)):
                 a, b = getattr(saved.moe, g.name), getattr(run.moe, g.name)
-                if g.name not in _FREE_MOE_FIELDS and a != b:
+                if g.name not in FREE_MOE_FIELDS and a != b:
                     return f"model.moe.{g.name}", a, b
         elif getattr(saved, f.name) != getattr(run, f.name):
             return f"model.{f.name}", getattr(saved, f.name), getattr(run, f.name)
@@ -59,7 +59,8 @@ def model_tree(state: TrainState) -> dict:
 
 
 def train_tree(state: TrainState) -> dict:
-    return {"step": state.step, "rng": state.rng, "opt_state": state.opt_state}
+    return {"step": state.step, "rng": state.rng, "opt_state": state.opt_state,
+            "guard": state.guard}
 
 
 def truncate_metrics(path: Path, step: int) -> list[dict]:
@@ -122,6 +123,21 @@ class RunCheckpoints:
                 "saved with the checkpoint)"
             )
 
+    def verify(self) -> None:
+        """Checks, before anything is compiled or allocated, that the checkpoint this run
+        would start from (its latest, or trainer.init_from) has this run's architecture."""
+        try:
+            if self.latest is not None:
+                self._check_architecture(self.ckpts, self.latest, "resume")
+            elif self.cfg.trainer.init_from:
+                ckpts, step = m.resolve(self.cfg.trainer.init_from)
+                with ckpts:
+                    self._check_architecture(
+                        ckpts, step, f"trainer.init_from={self.cfg.trainer.init_from}")
+        except BaseException:
+            self.close()
+            raise
+
     def start(
         self,
         abstract: TrainState,
@@ -161,6 +177,8 @@ class RunCheckpoints:
             opt_state=jax.jit(tx.init, out_shardings=shardings.opt_state)(model["params"]),
             model_state=model["model_state"],
             rng=jax.device_put(initial_rng(seed), shardings.rng),
+            guard=jax.device_put(  # a fresh guard: all zeros (trainer/guard.py init_guard)
+                jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract.guard), shardings.guard),
         )
 
     def _resume(self, step, abstract, shardings, train_loader, metrics_path) -> TrainState:
@@ -178,7 +196,8 @@ class RunCheckpoints:
                 f"state step {int(train['step'])}, data step {train_loader.step}"
             )
         self.resumed_from = step
-        self.previous_records = truncate_metrics(metrics_path, step)
+        if jax.process_index() == 0:  # the process that writes metrics (multi-process runs)
+            self.previous_records = truncate_metrics(metrics_path, step)
         init_from = self.cfg.trainer.init_from
         note = f" (trainer.init_from={init_from} ignored: resuming wins)" if init_from else ""
         self.console.print(f"resumed from checkpoint step {step} in {self.ckpts.directory}{note}")
@@ -188,16 +207,21 @@ class RunCheckpoints:
             opt_state=train["opt_state"],
             model_state=model["model_state"],
             rng=train["rng"],
+            guard=train["guard"],
         )
 
     @property
     def resumed(self) -> bool:
         return self.resumed_from is not None
 
+    def due(self, step: int, force: bool = False) -> bool:
+        """Whether `maybe_save(step, ..., force)` will save."""
+        return bool(force or (self.save_every and step % self.save_every == 0)) and (
+            self.last_saved != step)
+
     def maybe_save(self, step: int, state: TrainState, train_loader, force: bool = False) -> None:
         """Saves after `step` completed steps when it is a save step (or `force`)."""
-        due = self.save_every and step % self.save_every == 0
-        if not (due or force) or self.last_saved == step:
+        if not self.due(step, force):
             return
         train_loader.step = step  # the next batch to train on
         config = {"config": self.cfg.to_dict(), "model": m.model_config_to_dict(self.model_cfg)}

@@ -22,16 +22,22 @@ def _jsonable(v):
 
 
 class MetricsLog:
-    def __init__(self, path: Path, append: bool = False):
+    """`enabled=False` (processes other than 0 of a multi-process run): writes nothing."""
+
+    def __init__(self, path: Path, append: bool = False, enabled: bool = True):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "a" if append else "w", buffering=1)
+        self._f = None
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._f = open(self.path, "a" if append else "w", buffering=1)
 
     def write(self, record: dict) -> None:
-        self._f.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
+        if self._f is not None:
+            self._f.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
 
     def close(self) -> None:
-        self._f.close()
+        if self._f is not None:
+            self._f.close()
 
 
 class ExpertCountsLog:

@@ -1,12 +1,16 @@
 """The training loop: build data, mesh, model and optimizer from a config; compile the
-step once; train, log, evaluate; end with a one-screen summary and a text sample."""
+step once (ahead of time, checked to fit in memory: preflight.py); train, log, evaluate;
+end with a one-screen summary and a text sample.
+
+In a multi-process run (olmo_jax/distributed) every process runs this same loop on its
+part of the mesh and reads only its rows of each batch; process 0 alone prints and writes
+metrics and config.json; checkpoints are saved and restored by all together. SIGTERM /
+SIGINT save and stop (preemption.py); bad steps are skipped or halt the run (guard.py)."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
-from pathlib import Path
 
 import jax
 import ml_collections
@@ -17,6 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from olmo_jax import config as config_lib
+from olmo_jax import distributed
 from olmo_jax import metrics as metrics_lib
 from olmo_jax.checkpoint.run import RunCheckpoints, truncate_metrics
 from olmo_jax.data import build_data
@@ -24,7 +29,11 @@ from olmo_jax.model.config import ConfigError
 from olmo_jax.optim import build_optimizer
 from olmo_jax.parallel import mesh as mesh_lib
 from olmo_jax.parallel import rules
+from olmo_jax.trainer import guard as guard_lib
+from olmo_jax.trainer import preflight
+from olmo_jax.trainer import run_dir as run_dir_lib
 from olmo_jax.trainer.logger import ExpertCountsLog, MetricsLog, ProgressBar
+from olmo_jax.trainer.preemption import Preemption
 from olmo_jax.trainer.sample import generate
 from olmo_jax.trainer.state import TrainState, abstract_train_state, init_state
 from olmo_jax.trainer.step import make_eval_step, make_train_step
@@ -42,6 +51,7 @@ class Summary:
     compile_s: float
     metrics_path: str
     sample: str
+    preempted: bool = False  # stopped by SIGTERM / SIGINT after saving a checkpoint
 
 
 def state_shardings(state: TrainState, tx, mesh) -> TrainState:
@@ -59,24 +69,40 @@ def state_shardings(state: TrainState, tx, mesh) -> TrainState:
         opt_state=opt_sh,
         model_state=jax.tree.map(lambda _: replicated, state.model_state),
         rng=replicated,
+        guard=jax.tree.map(lambda _: replicated, state.guard),
     )
 
 
-def _eval_loss(eval_fn, state, loader, n_batches, batch_sh) -> float:
+def _placer(batch_sh, seq_len: int):
+    """place(loader, step) -> the step's global batch on `batch_sh`, each process reading
+    only the rows its devices hold."""
+    def place(loader, step):
+        return distributed.place_batch(lambda rows: loader.batch(step, rows),
+                                       (loader.global_batch_size, seq_len + 1), batch_sh)
+    return place
+
+
+def _eval_loss(eval_fn, state, loader, n_batches, place) -> float:
     ce, n = 0.0, 0.0
     for i in range(min(n_batches, max(1, loader.steps_per_epoch))):
-        batch = jax.device_put(loader.batch(i), batch_sh)
+        batch = place(loader, i)
         c, t = eval_fn(state.params, state.model_state, batch)
         ce, n = ce + float(c), n + float(t)
     return ce / max(n, 1.0)
 
 
+def _with_shardings(tree, shardings):
+    """ShapeDtypeStructs of `tree` carrying `shardings` (what ahead-of-time lowering takes)."""
+    return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                        tree, shardings)
+
+
 def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Summary:
-    console = console or Console()
+    main = distributed.is_main()
+    console = console or Console(quiet=not main)
     config_lib.validate(cfg)
     t_cfg = cfg.trainer
-    run_dir = Path(t_cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = run_dir_lib.prepare(cfg)  # writable; no different run in it (trainer.overwrite)
 
     data = build_data(cfg.data, t_cfg.seq_len, t_cfg.global_batch_size, t_cfg.seed, t_cfg.cache_dir)
     model_cfg = config_lib.model_config(cfg, data.vocab_size)
@@ -92,91 +118,128 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
             f"trainer.global_batch_size={t_cfg.global_batch_size} must be divisible by data x "
             f"expert x trainer.grad_accum = {shards}"
         )
-    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
 
     tx, schedule = build_optimizer(cfg.optim, t_cfg.max_steps)
-    graphdef, abstract = abstract_train_state(model_cfg, tx)
+    guard_cfg = guard_lib.GuardConfig.from_trainer(t_cfg)
+    graphdef, abstract = abstract_train_state(model_cfg, tx, guard_cfg=guard_cfg)
     shardings = state_shardings(abstract, tx, mesh)
     metrics_path = run_dir / "metrics.jsonl"
     checkpoints = RunCheckpoints(cfg, run_dir, model_cfg, console)
+    checkpoints.verify()  # the checkpoint to start from fits, before compiling
+    batch_sh = rules.batch_sharding(mesh)
+    place = _placer(batch_sh, t_cfg.seq_len)
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    step_fn = jax.jit(
+        guard_lib.guarded(make_train_step(
+            graphdef, model_cfg, tx, schedule, t_cfg.grad_accum,
+            batch_shards=mesh_lib.batch_shards(mesh), expert_ranks=mesh.shape["expert"],
+        ), guard_cfg),
+        in_shardings=(shardings, batch_sh),
+        out_shardings=(shardings, replicated),
+        donate_argnums=0,
+    )
+    eval_fn = jax.jit(make_eval_step(graphdef, model_cfg), out_shardings=replicated)
+
+    # Preflight: compile on the abstract state (nothing allocated yet) and check it fits.
+    stop = t_cfg.hard_stop or t_cfg.max_steps
+    t0 = time.perf_counter()
+    compiled, memory = None, None
+    if checkpoints.latest is None or checkpoints.latest < stop:
+        batch_spec = jax.ShapeDtypeStruct(
+            (t_cfg.global_batch_size, t_cfg.seq_len + 1), np.int32, sharding=batch_sh)
+        try:
+            compiled = step_fn.lower(_with_shardings(abstract, shardings), batch_spec).compile()
+            memory = preflight.check(compiled, cfg)
+        except BaseException:
+            checkpoints.close()
+            raise
+    compile_s = time.perf_counter() - t0
+    if main:
+        run_dir_lib.write_config(run_dir, cfg)
+
     # Resumed, or weights from trainer.init_from, or init(); placed on `shardings`.
     state = checkpoints.start(
         abstract, shardings, tx, data.train, metrics_path,
-        init=lambda: init_state(model_cfg, tx, t_cfg.seed)[1],
+        init=lambda: init_state(model_cfg, tx, t_cfg.seed, guard_cfg=guard_cfg)[1],
     )
-    batch_sh = rules.batch_sharding(mesh)
-
-    step_fn = jax.jit(
-        make_train_step(
-            graphdef, model_cfg, tx, schedule, t_cfg.grad_accum,
-            batch_shards=mesh_lib.batch_shards(mesh), expert_ranks=mesh.shape["expert"],
-        ),
-        in_shardings=(shardings, batch_sh),
-        out_shardings=(shardings, NamedSharding(mesh, PartitionSpec())),
-        donate_argnums=0,
-    )
-    eval_fn = jax.jit(make_eval_step(graphdef, model_cfg))
-
-    t0 = time.perf_counter()
-    first_batch = jax.device_put(data.train.batch(0), batch_sh)
-    start, stop = int(state.step), t_cfg.hard_stop or t_cfg.max_steps
+    start = int(state.step)
     if start >= stop:  # resumed a finished run: nothing to compile or train
         console.print(f"the run is complete at step {start} (trainer.max_steps / hard_stop)")
-    compiled = step_fn.lower(state, first_batch).compile() if start < stop else None
-    compile_s = time.perf_counter() - t0
 
     n_dev = mesh.devices.size
     tokens_per_step = t_cfg.global_batch_size * t_cfg.seq_len
     flops_tok = metrics_lib.flops_per_token(model_cfg, t_cfg.seq_len)
     peak = metrics_lib.peak_flops_per_device(model_cfg.dtype)
+    mem = "" if memory is None else (
+        f"; memory {memory[0].total / 2**20:,.1f} MiB/device of {memory[1] / 2**20:,.0f}")
+    procs = f" x {jax.process_count()} processes" if jax.process_count() > 1 else ""
     console.print(
         f"[bold]olmo_jax[/] {model_cfg.n_layers} layers, d_model {model_cfg.d_model}, "
         f"{model_cfg.moe.num_experts} experts top-{model_cfg.moe.top_k}; "
         f"{metrics_lib.param_counts(model_cfg)[0] / 1e6:.2f}M params; mesh "
-        f"{dict(mesh.shape)}; {flops_tok / 1e6:.1f} MFLOP/token; compiled in {compile_s:.1f}s"
+        f"{dict(mesh.shape)}{procs}; {flops_tok / 1e6:.1f} MFLOP/token; compiled in "
+        f"{compile_s:.1f}s{mem}"
     )
 
-    log = MetricsLog(metrics_path, append=checkpoints.resumed)
-    if checkpoints.resumed:  # like metrics.jsonl: drop what was logged after the checkpoint
+    log = MetricsLog(metrics_path, append=checkpoints.resumed, enabled=main)
+    if checkpoints.resumed and main:  # like metrics.jsonl: drop what was logged after the checkpoint
         truncate_metrics(run_dir / "expert_counts.jsonl", start)
     counts_log = ExpertCountsLog(
-        run_dir, t_cfg.expert_counts_every, model_cfg.n_dense_layers, append=checkpoints.resumed
+        run_dir, t_cfg.expert_counts_every if main else 0, model_cfg.n_dense_layers,
+        append=checkpoints.resumed,
     )
+    distributed.set_hint(
+        f"the checkpoints in {checkpoints.ckpts.directory} are kept: relaunch every process "
+        "with the same command to resume from the last one")
+
+    def halt_if(halt_step, reason) -> None:
+        if int(halt_step):
+            checkpoints.close()  # the last save, made before the bad step, completes
+            raise guard_lib.TrainingHalted(guard_lib.halt_message(
+                int(halt_step), int(reason), guard_cfg, checkpoints.last_saved,
+                str(checkpoints.ckpts.directory)))
+
     history: list[dict] = list(checkpoints.previous_records)
     last_eval = next((r["eval_loss"] for r in reversed(history) if "eval_loss" in r), float("nan"))
     t_last, step_last = time.perf_counter(), start
-    with ProgressBar(t_cfg.max_steps, start, console) as bar:
-        for step in range(start, stop):
-            batch = first_batch if step == 0 else jax.device_put(data.train.batch(step), batch_sh)
-            state, m = compiled(state, batch)
-            done = step + 1
-            counts_log.maybe_write(done, m)
-            is_eval = t_cfg.eval_every and done % t_cfg.eval_every == 0
-            if done % t_cfg.log_every == 0 or done in (1, t_cfg.max_steps) or is_eval:
-                m = jax.device_get(m)
-                now = time.perf_counter()
-                tok_s = (done - step_last) * tokens_per_step / (now - t_last)
-                record = {"step": done, **{k: float(v) for k, v in m.items() if v.ndim == 0}}
-                record["tokens_per_s"] = tok_s
-                record["tflops_per_device"] = flops_tok * tok_s / n_dev / 1e12
-                record["mfu"] = flops_tok * tok_s / n_dev / peak
-                if is_eval or done == t_cfg.max_steps:
-                    last_eval = _eval_loss(eval_fn, state, data.eval, t_cfg.eval_batches, batch_sh)
-                    record["eval_loss"] = last_eval
-                log.write(record)
-                history.append(record)
-                bar.update(done, record)
-                t_last, step_last = time.perf_counter(), done
-            checkpoints.maybe_save(done, state, data.train, force=done == stop)
-    checkpoints.close()
-    log.close()
-    counts_log.close()
+    preempted = None
+    try:
+        with Preemption() as preempt, ProgressBar(t_cfg.max_steps, start, console) as bar:
+            for step in range(start, stop):
+                state, m = compiled(state, place(data.train, step))
+                done = step + 1
+                counts_log.maybe_write(done, m)
+                is_eval = t_cfg.eval_every and done % t_cfg.eval_every == 0
+                if done % t_cfg.log_every == 0 or done in (1, t_cfg.max_steps) or is_eval:
+                    m = jax.device_get(m)
+                    halt_if(m.pop("halted"), state.guard.halt_reason)
+                    now = time.perf_counter()
+                    tok_s = (done - step_last) * tokens_per_step / (now - t_last)
+                    record = {"step": done, **{k: float(v) for k, v in m.items() if v.ndim == 0}}
+                    record["tokens_per_s"] = tok_s
+                    record["tflops_per_device"] = flops_tok * tok_s / n_dev / 1e12
+                    record["mfu"] = flops_tok * tok_s / n_dev / peak
+                    if is_eval or done == t_cfg.max_steps:
+                        last_eval = _eval_loss(eval_fn, state, data.eval, t_cfg.eval_batches, place)
+                        record["eval_loss"] = last_eval
+                    log.write(record)
+                    history.append(record)
+                    bar.update(done, record)
+                    t_last, step_last = time.perf_counter(), done
+                preempt_now = preempt.requested(done)
+                force = done == stop or preempt_now
+                if checkpoints.due(done, force):  # never save a halted run's state
+                    halt_if(state.guard.halt_step, state.guard.halt_reason)
+                checkpoints.maybe_save(done, state, data.train, force=force)
+                if preempt_now:
+                    preempted = (preempt.signal_name, done)
+                    break
+    finally:
+        checkpoints.close()  # waits for the last save
+        log.close()
+        counts_log.close()
 
-    prompt = data.tokenizer.encode(t_cfg.sample_prompt)
-    sample_ids = generate(
-        graphdef, state.params, state.model_state, prompt, t_cfg.sample_tokens,
-        t_cfg.seq_len, data.tokenizer.pad_id, seed=t_cfg.seed,
-    )
     timed = history[1:] or history  # the first interval includes warm-up
     summary = Summary(
         steps=int(state.step),
@@ -188,8 +251,21 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
         mean_mfu=float(np.mean([r["mfu"] for r in timed] or [np.nan])),
         compile_s=compile_s,
         metrics_path=str(run_dir / "metrics.jsonl"),
-        sample=data.tokenizer.decode(sample_ids),
+        sample="",
+        preempted=preempted is not None,
     )
+    if preempted is not None:
+        console.print(
+            f"{preempted[0]}: saved a checkpoint at step {preempted[1]} in "
+            f"{checkpoints.ckpts.directory}; run the same command again to resume")
+        return summary
+    if jax.process_count() == 1:  # sampling runs on one process's devices
+        prompt = data.tokenizer.encode(t_cfg.sample_prompt)
+        sample_ids = generate(
+            graphdef, state.params, state.model_state, prompt, t_cfg.sample_tokens,
+            t_cfg.seq_len, data.tokenizer.pad_id, seed=t_cfg.seed,
+        )
+        summary = dataclasses.replace(summary, sample=data.tokenizer.decode(sample_ids))
     print_summary(summary, console)
     return summary
 
@@ -203,5 +279,6 @@ def print_summary(s: Summary, console: Console) -> None:
     table.add_row("compile", f"{s.compile_s:.1f} s")
     table.add_row("metrics", s.metrics_path)
     console.print(table)
-    console.print("[bold]sample:[/]")
-    console.print(s.sample, markup=False, highlight=False)
+    if s.sample:
+        console.print("[bold]sample:[/]")
+        console.print(s.sample, markup=False, highlight=False)

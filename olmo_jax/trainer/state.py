@@ -1,9 +1,10 @@
 """The training state: one pytree holding everything a step reads and writes.
 
-    TrainState(step, params, opt_state, model_state, rng)
+    TrainState(step, params, opt_state, model_state, rng, guard)
 
 `params` are the model's float32 `nnx.Param`s; `model_state` holds its other variables
-(e.g. router biases, which the optimizer never touches); the model's structure (its
+(e.g. router biases, which the optimizer never touches); `guard` the skipped-step counts
+and recent losses of the bad-step rules (trainer/guard.py); the model's structure (its
 `nnx.GraphDef`) is static and kept outside the state.
 """
 
@@ -17,6 +18,7 @@ import optax
 from flax import nnx
 
 from olmo_jax.model import Transformer, TransformerConfig
+from olmo_jax.trainer.guard import GuardConfig, GuardState, init_guard
 
 
 class TrainState(NamedTuple):
@@ -25,6 +27,7 @@ class TrainState(NamedTuple):
     opt_state: Any
     model_state: nnx.State
     rng: jax.Array  # a key for stochastic parts of the step (router jitter, random routing)
+    guard: GuardState | None = None  # bad-step counts and loss window (set by the builders below)
 
 
 def abstract_model(model_cfg: TransformerConfig, dispatcher=None):
@@ -39,7 +42,8 @@ def initial_rng(seed: int) -> jax.Array:
 
 
 def abstract_train_state(model_cfg: TransformerConfig, tx: optax.GradientTransformation,
-                         dispatcher=None) -> tuple[nnx.GraphDef, TrainState]:
+                         dispatcher=None, guard_cfg: GuardConfig | None = None,
+                         ) -> tuple[nnx.GraphDef, TrainState]:
     """(graphdef, TrainState of jax.ShapeDtypeStructs): the state's structure without
     allocating or initializing anything (what a restore reads into)."""
     graphdef, params, model_state = abstract_model(model_cfg, dispatcher)
@@ -49,11 +53,13 @@ def abstract_train_state(model_cfg: TransformerConfig, tx: optax.GradientTransfo
         opt_state=jax.eval_shape(tx.init, params),
         model_state=model_state,
         rng=jax.eval_shape(initial_rng, 0),
+        guard=jax.eval_shape(lambda: init_guard(guard_cfg or GuardConfig())),
     )
     return graphdef, state
 
 
-def init_state(model_cfg: TransformerConfig, tx: optax.GradientTransformation, seed: int, dispatcher=None):
+def init_state(model_cfg: TransformerConfig, tx: optax.GradientTransformation, seed: int,
+               dispatcher=None, guard_cfg: GuardConfig | None = None):
     """Builds the model from `seed` and returns (graphdef, TrainState). Parameter values
     depend only on the seed, never on the sharding they are later placed with."""
     model = Transformer(model_cfg, rngs=nnx.Rngs(params=seed), dispatcher=dispatcher)
@@ -64,5 +70,6 @@ def init_state(model_cfg: TransformerConfig, tx: optax.GradientTransformation, s
         opt_state=tx.init(params),
         model_state=model_state,
         rng=initial_rng(seed),
+        guard=init_guard(guard_cfg or GuardConfig()),
     )
     return graphdef, state

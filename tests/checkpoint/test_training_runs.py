@@ -21,10 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import pytest
-from jax.experimental.compilation_cache import compilation_cache
 
 from olmo_jax.checkpoint import hf
 from olmo_jax.checkpoint.errors import CheckpointError
@@ -33,26 +31,9 @@ from olmo_jax.optim import build_optimizer
 from olmo_jax.trainer.loop import train
 from olmo_jax.trainer.step import forward_losses
 from tests.checkpoint.oracle import ROOT, case_config
+from tests.conftest import compile_cache_env
 
 CHILD = Path(__file__).with_name("kill_child.py")
-CACHE_OPTIONS = (
-    "jax_compilation_cache_dir",
-    "jax_persistent_cache_min_compile_time_secs",
-    "jax_persistent_cache_min_entry_size_bytes",
-)
-
-
-@pytest.fixture(scope="module")
-def compile_cache(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("jax_cache")
-    old = {k: getattr(jax.config, k) for k in CACHE_OPTIONS}
-    for k, v in zip(CACHE_OPTIONS, (str(cache), 0.0, 0), strict=True):
-        jax.config.update(k, v)
-    compilation_cache.reset_cache()  # re-read the options (checked once per process)
-    yield cache
-    for k, v in old.items():
-        jax.config.update(k, v)
-    compilation_cache.reset_cache()
 
 
 def set_trainer(cfg, run_dir: Path, **trainer):
@@ -86,13 +67,7 @@ def run_child_until_saving(run: Path, step: int, compile_cache: Path, tmp_path: 
     commit point."""
     config_json, marker = tmp_path / "child_config.json", tmp_path / "saving"
     config_json.write_text(run_config(run).to_json())
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "JAX_COMPILATION_CACHE_DIR": str(compile_cache),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-    }
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **compile_cache_env(compile_cache)}
     log_path = tmp_path / "child.log"
     with open(log_path, "w") as log:
         child = subprocess.Popen(

@@ -1,0 +1,122 @@
+"""Multi-process runs on JAX's distributed runtime: one process per host (SLURM, Kubernetes
+or started by hand), all driving one global device mesh.
+
+    launch = distributed.detect()                  # flags, OLMO_JAX_* env, SLURM, or None
+    distributed.initialize(launch, peer_timeout_s) # before anything touches a device
+    distributed.is_main()                          # process 0 writes logs and metrics
+    distributed.place_batch(read_rows, shape, sharding)  # each process reads its rows
+
+On CPU the processes' collectives go over TCP (JAX's gloo backend, the default of
+`jax_cpu_collectives_implementation`); each process's device count comes from XLA_FLAGS
+(--xla_force_host_platform_device_count=N), as in a single process. The watchdog
+(watchdog.py) turns a lost process into a clean exit of the others.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from olmo_jax.distributed.launch import Launch, detect
+from olmo_jax.distributed.watchdog import EXIT_PEER_LOST, Watchdog
+from olmo_jax.model.config import ConfigError
+
+__all__ = [
+    "EXIT_PEER_LOST", "Launch", "detect", "finish", "initialize", "is_main", "place_batch",
+    "report_error", "set_hint",
+]
+
+_watchdog: Watchdog | None = None
+
+
+def initialize(launch: Launch | None, peer_timeout_s: float, init_timeout_s: int = 300) -> None:
+    """Joins the run's processes (nothing for a single process) and starts the watchdog.
+    Must run before the first use of a device."""
+    global _watchdog
+    if launch is None:
+        return
+    if peer_timeout_s <= 0:
+        raise ConfigError(f"trainer.peer_timeout_s must be > 0, got {peer_timeout_s}")
+    try:
+        jax.distributed.initialize(
+            coordinator_address=launch.coordinator,
+            num_processes=launch.num_processes,
+            process_id=launch.process_id,
+            local_device_ids=list(launch.local_device_ids) if launch.local_device_ids else None,
+            cluster_detection_method="deactivate",
+            initialization_timeout=init_timeout_s,
+            # JAX's own detection is the backstop; the watchdog (peer_timeout_s) reports first.
+            heartbeat_timeout_seconds=int(2 * peer_timeout_s + 30),
+        )
+    except Exception as e:  # the coordination service could not be reached or joined
+        raise ConfigError(
+            f"process {launch.process_id} of {launch.num_processes} could not join the run at "
+            f"{launch.coordinator} (from {launch.source}) within {init_timeout_s} s: {e}; start "
+            f"every process 0..{launch.num_processes - 1} with the same coordinator (process 0 "
+            "serves it on that port)"
+        ) from e
+    from jax._src import distributed as jax_distributed  # the client JAX just connected
+
+    _watchdog = Watchdog(jax_distributed.global_state.client, launch.process_id,
+                         launch.num_processes, peer_timeout_s).start()
+
+
+def is_main() -> bool:
+    """Process 0: the one that prints, writes metrics and the run's config."""
+    return jax.process_index() == 0
+
+
+def set_hint(text: str) -> None:
+    """What a lost process's message tells the user to do (e.g. where the checkpoints are)."""
+    if _watchdog is not None:
+        _watchdog.hint = text
+
+
+def finish() -> None:
+    """This process ended its run normally (no effect in a single process)."""
+    if _watchdog is not None:
+        _watchdog.finish()
+
+
+def report_error(message: str, code: int) -> int:
+    """Prints `error: message` and returns `code` (the exit code). In a multi-process run
+    it exits the process itself after telling the others (they stop with this message
+    rather than wait for this process in a collective), skipping JAX's shutdown barrier,
+    which would wait for them."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    if _watchdog is None:
+        return code
+    _watchdog.fail(f"process {jax.process_index()} failed: {message}")
+    try:  # processes failing alike leave together; one failing alone leaves after the wait
+        from jax._src import distributed as jax_distributed
+
+        jax_distributed.global_state.client.wait_at_barrier(
+            "olmo_jax/exit", int(min(_watchdog.timeout, 10) * 1000))
+    except Exception:
+        pass
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def place_batch(read_rows: Callable[[np.ndarray], np.ndarray], shape: tuple[int, ...],
+                sharding: jax.sharding.Sharding) -> jax.Array:
+    """The global token array of `shape` ([rows, L], or [microbatches, rows, L]) on
+    `sharding`, built from the rows this process's devices hold: `read_rows(ids)` returns
+    the global rows `ids` (ids into the flattened leading axes) as [len(ids), L]. Each
+    process reads only its own rows; rows several local devices hold are read once."""
+    *lead, length = shape
+    row_ids = np.arange(int(np.prod(lead))).reshape(lead)
+    read: dict[bytes, np.ndarray] = {}
+
+    def shard(index: tuple[slice, ...]) -> np.ndarray:
+        ids = row_ids[index[:-1]]
+        key = ids.tobytes() + str(ids.shape).encode()
+        if key not in read:
+            read[key] = np.asarray(read_rows(ids.reshape(-1))).reshape(*ids.shape, length)
+        return read[key][..., index[-1]]
+
+    return jax.make_array_from_callback(tuple(shape), sharding, shard)
