@@ -112,6 +112,13 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
             f"({data.vocab_size}); set model.vocab_size >= {data.vocab_size} or 0 (= from the data)"
         )
     mesh = mesh_lib.make_mesh(cfg.parallel)
+    ep, n_experts = mesh.shape["expert"], model_cfg.moe.num_experts
+    if model_cfg.n_moe_layers and n_experts % ep:
+        raise ConfigError(
+            f"model.moe.num_experts={n_experts} is not divisible by parallel.expert={ep}: every "
+            f"expert rank must hold the same number of experts; choose parallel.expert dividing "
+            f"{n_experts}"
+        )
     shards = mesh_lib.batch_shards(mesh) * t_cfg.grad_accum
     if t_cfg.global_batch_size % shards:
         raise ConfigError(
