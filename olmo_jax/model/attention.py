@@ -1,7 +1,9 @@
 """Causal self-attention: grouped-query heads, QK RMSNorm, optional QKV clipping, RoPE.
 
 Matches Hugging Face `OlmoeAttention` (QK-norm spans all heads of q and of k; clipping
-is applied after the norm), so converted checkpoints give the same logits.
+is applied after the norm), so converted checkpoints give the same logits. With
+`attention_precision="mxfp8"` the four projection GEMMs run in MXFP8
+(olmo_jax/model/mxfp8.py); the softmax(q k^T) v core stays in the compute dtype.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from olmo_jax.model import mxfp8
 from olmo_jax.model.config import TransformerConfig
 from olmo_jax.model.norm import RMSNorm
 from olmo_jax.model.params import normal_param
@@ -51,13 +54,17 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
         self.clip_qkv = cfg.clip_qkv
         self.dtype = cfg.compute_dtype
+        self.mxfp8_proj = cfg.attention_precision == "mxfp8"  # projection GEMMs in MXFP8
+
+    def _proj(self, spec: str, x, w):
+        return mxfp8.einsum(spec, x, w) if self.mxfp8_proj else jnp.einsum(spec, x, w)
 
     def __call__(self, x_BTD: jax.Array, cos_TH: jax.Array, sin_TH: jax.Array) -> jax.Array:
         dt = self.dtype
         x_BTD = x_BTD.astype(dt)
-        q_BTNH = jnp.einsum("btd,dnh->btnh", x_BTD, self.q_proj[...].astype(dt))
-        k_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.k_proj[...].astype(dt))
-        v_BTKH = jnp.einsum("btd,dkh->btkh", x_BTD, self.v_proj[...].astype(dt))
+        q_BTNH = self._proj("btd,dnh->btnh", x_BTD, self.q_proj[...].astype(dt))
+        k_BTKH = self._proj("btd,dkh->btkh", x_BTD, self.k_proj[...].astype(dt))
+        v_BTKH = self._proj("btd,dkh->btkh", x_BTD, self.v_proj[...].astype(dt))
         if self.q_norm is not None:
             q_BTNH = self.q_norm(q_BTNH)
             k_BTKH = self.k_norm(k_BTKH)
@@ -67,4 +74,4 @@ class Attention(nnx.Module):
         q_BTNH = apply_rope(q_BTNH, cos_TH, sin_TH)
         k_BTKH = apply_rope(k_BTKH, cos_TH, sin_TH)
         o_BTNH = causal_attention(q_BTNH, k_BTKH, v_BTKH)
-        return jnp.einsum("btnh,nhd->btd", o_BTNH, self.o_proj[...].astype(dt))
+        return self._proj("btnh,nhd->btd", o_BTNH, self.o_proj[...].astype(dt))
