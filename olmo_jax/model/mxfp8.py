@@ -16,6 +16,8 @@ below need only f:
   dgrad    da = vjp_a f(., Q(w) along N) applied to Q(dy) along N
   wgrad    dw = vjp_w f(a_saved, .) applied to dy (bf16), or both rounded through MXFP8
               along the rows when `quantize_wgrad`
+Each weight is quantized both ways in one pass in the forward (`quantize_weight`); the
+backward keeps its N-quantized copy (fp8) instead of the bf16 weight.
 `mx_nt` runs one quantized GEMM: on Blackwell (block-scaled MMA) `jax.nn.scaled_matmul`
 (cuDNN) for the dense, batched and blocked layouts; elsewhere, and for the ragged
 layouts, an emulation that dequantizes (exact in float32) and runs f in the compute dtype,
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import re
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -121,39 +124,60 @@ def mx_nt(layout: str, a_q, a_s, bt_q, bt_s, aux, dtype):
     return LAYOUTS[layout](a, w, aux).astype(dtype)
 
 
-def quantize_weight_fwd(w, rounding: str):
-    """w [.., K, N] quantized along K, returned transposed: ([.., N, K], [.., N, K/32])."""
-    q, s = mx.quantize(w, -2, rounding)
-    return jnp.swapaxes(q, -1, -2), jnp.swapaxes(s, -1, -2)
+class WeightQ(NamedTuple):
+    """A weight w [.., K, N] quantized both ways, from one pass over it
+    (`olmo_jax.kernels.mxfp8.quantize_rowcol`: the fused kernel on a GPU):
+    fwd_q, fwd_s    along K, transposed to [.., N, K] and [.., N, K/32] (forward GEMM)
+    dgrad_q, dgrad_s along N: [.., K, N] and [.., K, N/32] (input-gradient GEMM; this
+                    copy, not the bf16 weight, is what the backward pass keeps)"""
+
+    fwd_q: jax.Array
+    fwd_s: jax.Array
+    dgrad_q: jax.Array
+    dgrad_s: jax.Array
 
 
-def quantize_weight_dgrad(w, rounding: str):
-    """w [.., K, N] quantized along N: it is the transposed operand of the dgrad GEMM."""
-    return mx.quantize(w, -1, rounding)
+def quantize_weight(w, rounding: str) -> WeightQ:
+    *lead, K, N = w.shape
+    if K % mx.BLOCK:
+        raise ValueError(f"MXFP8 weight: contracting size {K} is not a multiple of {mx.BLOCK}")
+    q_n, s_n, q_k, s_k = mx.quantize_rowcol(w.reshape(-1, N), rounding)  # [L*K, N] view
+    q_k = q_k.reshape(*lead, K, N)
+    s_k = s_k.reshape(*lead, K // mx.BLOCK, N)
+    return WeightQ(
+        jnp.swapaxes(q_k, -1, -2),
+        jnp.swapaxes(s_k, -1, -2),
+        q_n.reshape(*lead, K, N),
+        s_n.reshape(*lead, K, N // mx.BLOCK),
+    )
 
 
-def forward(layout, a, w, aux, rounding):
+def forward(layout, a, wq: WeightQ, aux, rounding):
     """(y, (a_q, a_s)): the forward GEMM and a's quantized form (saved for backward)."""
     a_q, a_s = mx.quantize(a, -1, rounding)
-    return mx_nt(layout, a_q, a_s, *quantize_weight_fwd(w, rounding), aux, a.dtype), (a_q, a_s)
+    return mx_nt(layout, a_q, a_s, wq.fwd_q, wq.fwd_s, aux, a.dtype), (a_q, a_s)
 
 
-def dgrad(layout, dy, w, aux, rounding):
+def dgrad(layout, dy, wq: WeightQ, aux, rounding):
     """dL/da of f(a, w): Q(dy along N) times Q(w along N)^T."""
     dy_q, dy_s = mx.quantize(dy, -1, rounding)
-    return mx_nt(layout, dy_q, dy_s, *quantize_weight_dgrad(w, rounding), aux, dy.dtype)
+    return mx_nt(layout, dy_q, dy_s, wq.dgrad_q, wq.dgrad_s, aux, dy.dtype)
 
 
-def wgrad(layout, a, dy, w, aux, rounding, quantize_wgrad: bool):
-    """dL/dw of f(a, w) for cotangent dy (the vjp of f in w; f is linear in w). With
-    quantize_wgrad, a and dy are first rounded through MXFP8 along the rows (axis -2)."""
+def wgrad(layout, a, dy, wq: WeightQ, aux, rounding, quantize_wgrad: bool):
+    """dL/dw of f(a, w) for cotangent dy: the transpose of the linear map w -> f(a, w)
+    (no forward product is run). With quantize_wgrad, a and dy are first rounded through
+    MXFP8 along the rows (axis -2). Returns a's dtype."""
     dy = dy.astype(a.dtype)
     if quantize_wgrad:
         a, dy = round_trip(a, -2, rounding), round_trip(dy, -2, rounding)
     if layout in WGRADS:
-        return WGRADS[layout](a, dy, aux).astype(w.dtype)
-    _, vjp = jax.vjp(lambda w_: LAYOUTS[layout](a, w_, aux), w)
-    return vjp(dy)[0]
+        return WGRADS[layout](a, dy, aux).astype(a.dtype)
+    # w's type (shape, dtype, and inside shard_map its manual axes), from a saved copy;
+    # the conversion is dead code after the transpose and is never computed.
+    w_like = wq.dgrad_q.astype(a.dtype)
+    (dw,) = jax.linear_transpose(lambda w_: LAYOUTS[layout](a, w_, aux), w_like)(dy)
+    return dw
 
 
 # ----------------------------------------------------------------------------- dense
@@ -162,20 +186,21 @@ def wgrad(layout, a, dy, w, aux, rounding, quantize_wgrad: bool):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def dense(x_MK, w_KN, rounding: str = "rceil", quantize_wgrad: bool = False):
     """x @ w in MXFP8 (forward and input gradient), weight gradient in x's dtype."""
-    return forward("dense", x_MK, w_KN, None, rounding)[0]
+    return _dense_fwd(x_MK, w_KN, rounding, quantize_wgrad)[0]
 
 
 def _dense_fwd(x_MK, w_KN, rounding, quantize_wgrad):
-    y, (x_q, x_s) = forward("dense", x_MK, w_KN, None, rounding)
-    return y, (x_q, x_s, w_KN)
+    wq = quantize_weight(w_KN, rounding)
+    y, (x_q, x_s) = forward("dense", x_MK, wq, None, rounding)
+    return y, (x_q, x_s, wq._replace(fwd_q=None, fwd_s=None))
 
 
 def _dense_bwd(rounding, quantize_wgrad, res, dy):
-    x_q, x_s, w_KN = res
-    dy = dy.astype(w_KN.dtype)
-    x = mx.dequantize(x_q, x_s, -1, w_KN.dtype)
-    dx = dgrad("dense", dy, w_KN, None, rounding)
-    dw = wgrad("dense", x, dy, w_KN, None, rounding, quantize_wgrad)
+    x_q, x_s, wq = res
+    dt = dy.dtype
+    x = mx.dequantize(x_q, x_s, -1, dt)
+    dx = dgrad("dense", dy, wq, None, rounding)
+    dw = wgrad("dense", x, dy, wq, None, rounding, quantize_wgrad)
     return dx, dw
 
 

@@ -150,8 +150,8 @@ def test_scaled_matmul_call_matches_emulation(monkeypatch):
         out = {}
         for layout, (a, w, aux) in cases.items():
             a_q, a_s = mx.quantize(a, -1)
-            wt_q, wt_s = mxfp8.quantize_weight_fwd(w, "rceil")
-            out[layout] = mxfp8.mx_nt(layout, a_q, a_s, wt_q, wt_s, aux, f32)
+            wq = mxfp8.quantize_weight(w, "rceil")
+            out[layout] = mxfp8.mx_nt(layout, a_q, a_s, wq.fwd_q, wq.fwd_s, aux, f32)
         return out
 
     emulated = jax.jit(all_layouts)(cases)
@@ -220,3 +220,26 @@ def test_moe_layer_on_pallas_kernels(precision, with_grads):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         np.testing.assert_allclose(a, b, rtol=0, atol=2.0**-6 * max(np.abs(b).max(), 1e-3))
+
+
+def test_swiglu_unit_inside_shard_map(weights):
+    """As an expert-parallel dispatcher calls it: inside shard_map with the experts split
+    over an 'expert' axis (gradients carry the manual axes); same values as unsharded."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = jax.make_mesh((E,), ("expert",), devices=jax.devices()[:E])
+    spec = PartitionSpec("expert")
+    x, _, _ = _layout_case("batched")
+    dy = jax.random.normal(jax.random.key(7), x.shape)
+
+    def grads(x, wg, wu, wd, dy):
+        def f(*a):
+            return mxfp8_experts.swiglu(*a, None, "batched", "rceil", False)
+
+        y, vjp = jax.vjp(f, x, wg, wu, wd)
+        return y, *vjp(dy)
+
+    sharded = jax.shard_map(grads, mesh=mesh, in_specs=spec, out_specs=spec)
+    args = [jax.device_put(a, NamedSharding(mesh, spec)) for a in (x, *weights, dy)]
+    for a, b in zip(jax.jit(sharded)(*args), jax.jit(grads)(x, *weights, dy), strict=True):
+        _tight(a, b)

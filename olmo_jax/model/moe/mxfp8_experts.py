@@ -4,9 +4,11 @@ feed-forward functions for a precision.
     h = silu(x @ w_gate) * (x @ w_up);  y = h @ w_down
 
 Forward: x quantized along D, w_gate/w_up along D, h along F, w_down along F; three MXFP8
-GEMMs (`olmo_jax.model.mxfp8.mx_nt`). Saved for the backward pass: x and h as their MXFP8
-form (e4m3 values + e8m0 scales, about half of bf16; exactly what the forward GEMMs read,
-so the weight gradients stay consistent with the forward), and the gate and up
+GEMMs (`olmo_jax.model.mxfp8.mx_nt`); each weight is quantized both ways in one pass
+(the fused kernel on a GPU). Saved for the backward pass: x and h as their MXFP8 form
+(e4m3 values + e8m0 scales, about half of bf16; exactly what the forward GEMMs read, so
+the weight gradients stay consistent with the forward), each weight's copy quantized for
+the input-gradient GEMM (fp8 instead of the bf16 weight), and the gate and up
 pre-activations g, u in the compute dtype (silu's derivative needs them unrounded).
 Backward: input-gradient GEMMs in MXFP8 (dy and dg/du quantized along their contracting
 dims, the weights along the other axis), weight-gradient GEMMs in the compute dtype on
@@ -17,6 +19,7 @@ ragged via ragged_dot or the Pallas kernel).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -38,34 +41,47 @@ def swiglu(x, w_gate, w_up, w_down, aux, layout: str, rounding: str, quantize_wg
 
 def _fwd(x, w_gate, w_up, w_down, aux, layout, rounding, quantize_wgrad):
     dt = x.dtype
+    wg, wu, wd = (mxfp8.quantize_weight(w, rounding) for w in (w_gate, w_up, w_down))
     x_q, x_s = mx.quantize(x, -1, rounding)
-    g = mxfp8.mx_nt(layout, x_q, x_s, *mxfp8.quantize_weight_fwd(w_gate, rounding), aux, dt)
-    u = mxfp8.mx_nt(layout, x_q, x_s, *mxfp8.quantize_weight_fwd(w_up, rounding), aux, dt)
+    g = mxfp8.mx_nt(layout, x_q, x_s, wg.fwd_q, wg.fwd_s, aux, dt)
+    u = mxfp8.mx_nt(layout, x_q, x_s, wu.fwd_q, wu.fwd_s, aux, dt)
     h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(dt)
     h_q, h_s = mx.quantize(h, -1, rounding)
-    y = mxfp8.mx_nt(layout, h_q, h_s, *mxfp8.quantize_weight_fwd(w_down, rounding), aux, dt)
-    return y, (x_q, x_s, g, u, h_q, h_s, w_gate, w_up, w_down, aux)
+    y = mxfp8.mx_nt(layout, h_q, h_s, wd.fwd_q, wd.fwd_s, aux, dt)
+    # The backward needs each weight only quantized along N (its dgrad copy).
+    saved_w = tuple(w._replace(fwd_q=None, fwd_s=None) for w in (wg, wu, wd))
+    dtypes = (w_gate.dtype, w_up.dtype, w_down.dtype)
+    return y, (x_q, x_s, g, u, h_q, h_s, saved_w, aux, _Dtypes(dtypes))
 
 
 def _bwd(layout, rounding, quantize_wgrad, res, dy):
-    x_q, x_s, g, u, h_q, h_s, w_gate, w_up, w_down, aux = res
+    x_q, x_s, g, u, h_q, h_s, (wg, wu, wd), aux, w_dtypes = res
     dt = g.dtype
     dy = dy.astype(dt)
-    dh = mxfp8.dgrad(layout, dy, w_down, aux, rounding)
+    dh = mxfp8.dgrad(layout, dy, wd, aux, rounding)
     h = mx.dequantize(h_q, h_s, -1, dt)
-    dw_down = mxfp8.wgrad(layout, h, dy, w_down, aux, rounding, quantize_wgrad)
+    dw_down = mxfp8.wgrad(layout, h, dy, wd, aux, rounding, quantize_wgrad)
     g32, u32, dh32 = g.astype(jnp.float32), u.astype(jnp.float32), dh.astype(jnp.float32)
     sig = jax.nn.sigmoid(g32)
     du = (dh32 * g32 * sig).astype(dt)
     dg = (dh32 * u32 * sig * (1.0 + g32 * (1.0 - sig))).astype(dt)
-    dx = mxfp8.dgrad(layout, dg, w_gate, aux, rounding)
-    dx = dx + mxfp8.dgrad(layout, du, w_up, aux, rounding)
+    dx = mxfp8.dgrad(layout, dg, wg, aux, rounding)
+    dx = dx + mxfp8.dgrad(layout, du, wu, aux, rounding)
     x = mx.dequantize(x_q, x_s, -1, dt)
-    dw_gate = mxfp8.wgrad(layout, x, dg, w_gate, aux, rounding, quantize_wgrad)
-    dw_up = mxfp8.wgrad(layout, x, du, w_up, aux, rounding, quantize_wgrad)
+    dw_gate = mxfp8.wgrad(layout, x, dg, wg, aux, rounding, quantize_wgrad)
+    dw_up = mxfp8.wgrad(layout, x, du, wu, aux, rounding, quantize_wgrad)
     aux_ct = None if aux is None else np.zeros(aux.shape, jax.dtypes.float0)
-    dws = (dw_gate.astype(w_gate.dtype), dw_up.astype(w_up.dtype), dw_down.astype(w_down.dtype))
+    dws = (dw_gate, dw_up, dw_down)
+    dws = tuple(d.astype(t) for d, t in zip(dws, w_dtypes.dtypes, strict=True))
     return dx, *dws, aux_ct
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=[], meta_fields=["dtypes"])
+@dataclasses.dataclass(frozen=True)
+class _Dtypes:
+    """The weights' dtypes, carried to the backward pass as static data."""
+
+    dtypes: tuple
 
 
 swiglu.defvjp(_fwd, _bwd)
