@@ -14,8 +14,8 @@ Sections, in order (each runs even if an earlier one failed; its error is record
   mxfp8_timing  the fused MXFP8 row+column quantize kernel vs the copy bandwidth (and
                 the XLA-fused jnp reference)
   train         20 training steps of a ~1B-active MoE (bf16): tokens/s and MFU
-Writes OUT_DIR/gpu_check.json (when OUT_DIR is given) and prints a table last. Exit
-status 1 when a kernel check fails or a section raised.
+Writes OUT_DIR/gpu_check.json (when OUT_DIR is given; rewritten after every section) and
+prints a table last. Exit status 1 when a kernel check fails or a section raised.
 
 --dry-run runs every section on the CPU with tiny sizes (the Pallas kernels in GPU
 interpret mode), so the script is exercised by the test suite; its numbers mean nothing.
@@ -243,14 +243,14 @@ def train_config(dry: bool):
     32 experts top-4 of hidden 1024 plus one shared expert, vocab 50,304: 1.00B active of
     3.64B; 8 x 1024 tokens per step (fp32 master weights + AdamW ~60 GB, activations
     with the f32 attention scores ~20 GB: fits one H200). --dry-run: configs/tiny.py
-    shrunk to 2 blocks of d_model 64, 2 x 32 tokens."""
+    shrunk to one MoE block of d_model 64, 2 x 32 tokens."""
     import runpy
 
     cfg = runpy.run_path(str(ROOT / "configs" / "tiny.py"))["get_config"]()
     m = cfg.model
     m.dtype = "bfloat16"
     if dry:
-        m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.dense_hidden = 384, 64, 2, 2, 128
+        m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.n_dense_layers = 384, 64, 1, 2, 0
         m.moe.num_experts, m.moe.expert_hidden = 4, 64
         cfg.trainer.global_batch_size, cfg.trainer.seq_len = 2, 32
         return cfg
@@ -333,8 +333,17 @@ def section_train(sz: Sizes, dry: bool) -> dict:
 # ----------------------------------------------------------------------------- driver
 
 
-def run(sections, sz: Sizes, dry: bool) -> dict:
-    results: dict = {"dry_run": dry, "sections": {}}
+def _write(results: dict, out_dir: str) -> None:
+    if out_dir:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "gpu_check.json").write_text(json.dumps(results, indent=2, default=str))
+
+
+def run(sections, sz: Sizes, dry: bool, out_dir: str = "") -> dict:
+    """Runs the sections in order; the JSON is rewritten after each one, so a run stopped
+    by the time limit still leaves what it measured."""
+    results: dict = {"dry_run": dry, "sections": {}, "ok": False}
     for name in sections:
         t0 = time.perf_counter()
         print(f"[gpu_check] {name} ...", flush=True)
@@ -351,6 +360,7 @@ def run(sections, sz: Sizes, dry: bool) -> dict:
         results["sections"][name] = res
         print(f"[gpu_check] {name} done in {res['seconds']:.1f}s"
               + (f": ERROR {res['error'][:200]}" if "error" in res else ""), flush=True)
+        _write(results, out_dir)
     kernels = results["sections"].get("kernels", {})
     results["ok"] = (
         all("error" not in r for r in results["sections"].values())
@@ -417,11 +427,8 @@ def main(argv=None) -> int:
         p.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
     if not a.dry_run and platform.gpu_capability() is None:
         p.error(f"no CUDA GPU found (jax sees {jax.devices()[0].platform}); use --dry-run on a CPU")
-    results = run(sections, DRY if a.dry_run else FULL, a.dry_run)
-    if a.out_dir:
-        out = Path(a.out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "gpu_check.json").write_text(json.dumps(results, indent=2, default=str))
+    results = run(sections, DRY if a.dry_run else FULL, a.dry_run, a.out_dir)
+    _write(results, a.out_dir)
     print(table(results), flush=True)
     return 0 if results["ok"] else 1
 

@@ -82,6 +82,6 @@ fi
 timeout "$LIMIT_S" "$PY" tools/gpu_check.py ${OUT_DIR:+"$OUT_DIR"} "$@" 2>&1 | tee "$LOG"
 status=${PIPESTATUS[0]}
 if [ "$status" = 124 ]; then
-  echo "[gpu_check.sh] stopped after ${LIMIT_S}s; partial output above (JSON only when it finished)"
+  echo "[gpu_check.sh] stopped after ${LIMIT_S}s; the JSON holds the sections that finished"
 fi
 exit "$status"

@@ -13,8 +13,8 @@ arrival: 33/64 = 0.516x the bytes of bf16 on the wire. The backward pass (a stra
 through estimator: d dequant(quant(x)) / dx = 1) moves the cotangent back through
 move's transpose in x's dtype, like the bf16 path.
 
-`all_to_all_bytes(hlo_text)` sums the operand bytes of the all-to-all ops in compiled
-HLO text, for checking the saving on a real dispatcher.
+`all_to_all_ops(hlo_text)` lists the bytes of each all-to-all op in HLO text and
+`all_to_all_bytes` sums them, for checking the saving on a real dispatcher.
 """
 
 from __future__ import annotations
@@ -101,14 +101,20 @@ def _shape_bytes(dtype: str, dims: str) -> int:
 _A2A = re.compile(r"=\s*(.*?)\s(all-to-all(?:-done)?)\(")
 
 
-def all_to_all_bytes(hlo_text: str) -> int:
-    """Bytes delivered by the all-to-all ops of an HLO module: the result type of each
-    synchronous `all-to-all` and of each `all-to-all-done` (an async pair counted once),
-    tuple results summed. Use the HLO as lowered (`jit(f).lower(...).as_text("hlo")`) to
-    compare payload dtypes: XLA:CPU widens bf16 collectives to f32 when it compiles."""
-    total = 0
+def all_to_all_ops(hlo_text: str) -> list[int]:
+    """Bytes delivered by each all-to-all op of an HLO module, in text order: the result
+    type of each synchronous `all-to-all` and of each `all-to-all-done` (an async pair
+    counted once), tuple results summed. Use the HLO as lowered
+    (`jit(f).lower(...).as_text(dialect="hlo")`) to compare payload dtypes: XLA:CPU
+    widens bf16 collectives to f32 when it compiles."""
+    sizes = []
     for line in hlo_text.splitlines():
         m = _A2A.search(line)
         if m:
-            total += sum(_shape_bytes(d, dims) for d, dims in _SHAPE.findall(m.group(1)))
-    return total
+            sizes.append(sum(_shape_bytes(d, dims) for d, dims in _SHAPE.findall(m.group(1))))
+    return sizes
+
+
+def all_to_all_bytes(hlo_text: str) -> int:
+    """Total bytes of all_to_all_ops(hlo_text)."""
+    return sum(all_to_all_ops(hlo_text))
