@@ -29,8 +29,8 @@ the work) and stream operands through SMEM with `plgpu.emit_pipeline` (TMA copie
 
 Requirements: 16-bit floating inputs of one dtype; K and N multiples of the block sizes
 (`TileConfig.for_shapes` picks blocks that divide them); M is padded to the row block
-inside the wrappers. On CPU the kernels run in Pallas' GPU interpret mode
-(`olmo_jax.kernels.platform.interpret_params`), which executes wgmma as a matmul and TMA
+inside the wrappers. On CPU the kernels run in Pallas' GPU interpret mode (inside
+`olmo_jax.kernels.platform.interpret()`), which executes wgmma as a matmul and TMA
 copies as copies, so the tiling, the schedule, the masks and the store ladder are all
 exercised there; it does not model register/SMEM layouts, swizzling, SMEM capacity or
 asynchrony (wgmma_wait is a no-op), which only a GPU run checks (tools/gpu_check.sh).
