@@ -37,6 +37,7 @@ def default_config() -> ml_collections.ConfigDict:
     m.dtype = "float32"  # compute dtype: float32 | bfloat16 (params stay float32)
     m.remat = "none"  # none | block | attention
     m.scan_unroll = 1  # blocks per layer-scan iteration; = n_layers unrolls fully
+    m.attention_precision = "bf16"  # bf16 (= dtype) | mxfp8 (q/k/v/o projection GEMMs)
     m.moe = e = ml_collections.ConfigDict()
     e.num_experts = 8
     e.top_k = 2
@@ -52,7 +53,9 @@ def default_config() -> ml_collections.ConfigDict:
     e.n_shared_experts = 0
     e.shared_hidden = 0
     e.capacity_factor = 0.0  # 0 = dropless
-    e.gmm_impl = "auto"
+    e.gmm_impl = "auto"  # auto | pallas | ragged_dot | einsum (olmo_jax/kernels)
+    e.precision = "bf16"  # bf16 (= model.dtype) | mxfp8 expert GEMMs
+    e.mxfp8_wgrad = False  # mxfp8: round the weight-gradient GEMM operands too
     e.lb_loss_coef = 0.01
     e.z_loss_coef = 0.001
     e.lb_loss_type = "per_layer"  # per_layer (OLMo-core) | pooled (Hugging Face)

@@ -1,12 +1,16 @@
 """The routed experts' weights and the grouped SwiGLU matmul over an expert-grouped buffer.
 
-Weights: w_gate, w_up [E, D, F]; w_down [E, F, D]. Implementations (`gmm_impl`):
+Weights: w_gate, w_up [E, D, F]; w_down [E, F, D]. Implementations (`gmm_impl`, resolved
+by `olmo_jax.kernels.resolve_gmm_impl`):
   ragged_dot  jax.lax.ragged_dot over the sorted layout (GPU/TPU grouped GEMM; on CPU
               it expands to a dense masked product, E times the FLOPs);
+  pallas      the sorted layout on the Pallas grouped-matmul kernels (Hopper GPUs;
+              olmo_jax/kernels/grouped_matmul.py);
   einsum      a padded batched einsum: over [E, C, D] capacity buffers, or, dropless,
               over blocks of the blocked layout with each block's expert's weights
               gathered ([B, b, D] x [B, D, F]); the fastest path on CPU;
-  auto        einsum on CPU, ragged_dot elsewhere.
+  auto        einsum on CPU, pallas on Hopper (bf16), ragged_dot elsewhere.
+MXFP8 versions of these FFNs: olmo_jax/model/moe/mxfp8_experts.py.
 """
 
 from __future__ import annotations
@@ -15,7 +19,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from olmo_jax.kernels import resolve_gmm_impl
 from olmo_jax.model.params import normal_param
+
+__all__ = ["Experts", "ffn_batched", "ffn_blocked", "ffn_ragged", "resolve_gmm_impl"]
 
 
 class Experts(nnx.Module):
@@ -29,18 +36,13 @@ class Experts(nnx.Module):
         return tuple(w[...].astype(dtype) for w in (self.w_gate, self.w_up, self.w_down))
 
 
-def resolve_gmm_impl(gmm_impl: str) -> str:
-    if gmm_impl == "auto":
-        return "einsum" if jax.default_backend() == "cpu" else "ragged_dot"
-    return gmm_impl
-
-
-def ffn_ragged(x_RD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD):
-    """SwiGLU over rows sorted by expert; group_sizes_E rows per expert."""
+def ffn_ragged(x_RD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, gmm=jax.lax.ragged_dot):
+    """SwiGLU over rows sorted by expert; group_sizes_E rows per expert. `gmm(x, w, gs)`
+    is the grouped matmul (ragged_dot, or kernels.grouped_matmul.grouped_matmul)."""
     gs = group_sizes_E.astype(jnp.int32)
-    g_RF = jax.lax.ragged_dot(x_RD, w_gate_EDF, gs)
-    u_RF = jax.lax.ragged_dot(x_RD, w_up_EDF, gs)
-    return jax.lax.ragged_dot(jax.nn.silu(g_RF) * u_RF, w_down_EFD, gs)
+    g_RF = gmm(x_RD, w_gate_EDF, gs)
+    u_RF = gmm(x_RD, w_up_EDF, gs)
+    return gmm(jax.nn.silu(g_RF) * u_RF, w_down_EFD, gs)
 
 
 def _swiglu_groups_fwd(x_GCD, wgu_GDJ, wd_GFD):
