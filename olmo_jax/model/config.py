@@ -38,6 +38,9 @@ class MoEConfig:
     lb_loss_coef: float = 0.01
     z_loss_coef: float = 0.001
     lb_loss_type: str = "per_layer"  # per_layer (OLMo-core) | pooled (Hugging Face)
+    # Counts the load-balancing loss sees: global (summed over every device's tokens) |
+    # local (each data-parallel rank's own tokens, the per-rank losses averaged).
+    lb_granularity: str = "global"
 
     def validate(self, prefix: str = "model.moe") -> None:
         if self.num_experts < 1:
@@ -69,6 +72,10 @@ class MoEConfig:
         if self.lb_loss_type not in ("per_layer", "pooled"):
             raise ConfigError(
                 f"{prefix}.lb_loss_type={self.lb_loss_type!r}: choose per_layer or pooled"
+            )
+        if self.lb_granularity not in ("global", "local"):
+            raise ConfigError(
+                f"{prefix}.lb_granularity={self.lb_granularity!r}: choose global or local"
             )
 
 

@@ -9,11 +9,8 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
-from jax.sharding import NamedSharding, PartitionSpec
 from rich.console import Console
 from rich.table import Table
 
@@ -22,11 +19,10 @@ from olmo_jax import metrics as metrics_lib
 from olmo_jax.data import build_data
 from olmo_jax.model.config import ConfigError
 from olmo_jax.optim import build_optimizer
-from olmo_jax.parallel import mesh as mesh_lib
-from olmo_jax.parallel import rules
+from olmo_jax.parallel.strategy import build_plan
 from olmo_jax.trainer.logger import MetricsLog, ProgressBar
 from olmo_jax.trainer.sample import generate
-from olmo_jax.trainer.state import TrainState, init_state
+from olmo_jax.trainer.state import abstract_model, init_state
 from olmo_jax.trainer.step import make_eval_step, make_train_step
 
 
@@ -44,28 +40,10 @@ class Summary:
     sample: str
 
 
-def state_shardings(state: TrainState, tx, mesh) -> TrainState:
-    """Shardings for every leaf of the state: parameters from the rules table, optimizer
-    moments like their parameters, everything else replicated."""
-    replicated = NamedSharding(mesh, PartitionSpec())
-    param_sh = rules.param_shardings(state.params, mesh)
-    opt_sh = optax.tree_utils.tree_map_params(
-        tx, lambda _, s: s, state.opt_state, param_sh,
-        transform_non_params=lambda _: replicated,
-    )
-    return TrainState(
-        step=replicated,
-        params=param_sh,
-        opt_state=opt_sh,
-        model_state=jax.tree.map(lambda _: replicated, state.model_state),
-        rng=replicated,
-    )
-
-
-def _eval_loss(eval_fn, state, loader, n_batches, batch_sh) -> float:
+def _eval_loss(eval_fn, state, loader, n_batches, place) -> float:
     ce, n = 0.0, 0.0
     for i in range(min(n_batches, max(1, loader.steps_per_epoch))):
-        batch = jax.device_put(loader.batch(i), batch_sh)
+        batch = place(loader.batch(i))
         c, t = eval_fn(state.params, state.model_state, batch)
         ce, n = ce + float(c), n + float(t)
     return ce / max(n, 1.0)
@@ -85,31 +63,23 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
             f"model.vocab_size={model_cfg.vocab_size} is smaller than the data's vocabulary "
             f"({data.vocab_size}); set model.vocab_size >= {data.vocab_size} or 0 (= from the data)"
         )
-    mesh = mesh_lib.make_mesh(cfg.parallel)
-    shards = mesh_lib.batch_shards(mesh) * t_cfg.grad_accum
-    if t_cfg.global_batch_size % shards:
-        raise ConfigError(
-            f"trainer.global_batch_size={t_cfg.global_batch_size} must be divisible by data x "
-            f"expert x trainer.grad_accum = {shards}"
-        )
+    plan = build_plan(cfg, model_cfg)  # mesh, strategy, dispatcher (olmo_jax/parallel)
+    mesh = plan.mesh
     (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
 
     tx, schedule = build_optimizer(cfg.optim, t_cfg.max_steps)
-    graphdef, state = init_state(model_cfg, tx, t_cfg.seed)
-    shardings = state_shardings(state, tx, mesh)
+    graphdef, state = init_state(model_cfg, tx, t_cfg.seed, dispatcher=plan.dispatcher)
+    shardings = plan.state_shardings(state, tx)
     state = jax.device_put(state, shardings)
-    batch_sh = rules.batch_sharding(mesh)
 
-    step_fn = jax.jit(
-        make_train_step(graphdef, model_cfg, tx, schedule, t_cfg.grad_accum),
-        in_shardings=(shardings, batch_sh),
-        out_shardings=(shardings, NamedSharding(mesh, PartitionSpec())),
-        donate_argnums=0,
+    step_fn = plan.jit_train_step(
+        make_train_step(graphdef, model_cfg, tx, schedule, t_cfg.grad_accum, parallel=plan),
+        shardings,
     )
-    eval_fn = jax.jit(make_eval_step(graphdef, model_cfg))
+    eval_fn = jax.jit(make_eval_step(graphdef, model_cfg, parallel=plan))
 
     t0 = time.perf_counter()
-    first_batch = jax.device_put(data.train.batch(0), batch_sh)
+    first_batch = plan.place_batch(data.train.batch(0))
     compiled = step_fn.lower(state, first_batch).compile()
     compile_s = time.perf_counter() - t0
 
@@ -121,7 +91,8 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
         f"[bold]olmo_jax[/] {model_cfg.n_layers} layers, d_model {model_cfg.d_model}, "
         f"{model_cfg.moe.num_experts} experts top-{model_cfg.moe.top_k}; "
         f"{metrics_lib.param_counts(model_cfg)[0] / 1e6:.2f}M params; mesh "
-        f"{dict(mesh.shape)}; {flops_tok / 1e6:.1f} MFLOP/token; compiled in {compile_s:.1f}s"
+        f"{dict(mesh.shape)} {plan.strategy}/{plan.dispatch}; {flops_tok / 1e6:.1f} MFLOP/token; "
+        f"compiled in {compile_s:.1f}s"
     )
 
     log = MetricsLog(run_dir / "metrics.jsonl")
@@ -131,7 +102,7 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
     t_last, step_last = time.perf_counter(), start
     with ProgressBar(t_cfg.max_steps, start, console) as bar:
         for step in range(start, t_cfg.max_steps):
-            batch = first_batch if step == 0 else jax.device_put(data.train.batch(step), batch_sh)
+            batch = first_batch if step == 0 else plan.place_batch(data.train.batch(step))
             state, m = compiled(state, batch)
             done = step + 1
             is_eval = t_cfg.eval_every and done % t_cfg.eval_every == 0
@@ -144,7 +115,8 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
                 record["tflops_per_device"] = flops_tok * tok_s / n_dev / 1e12
                 record["mfu"] = flops_tok * tok_s / n_dev / peak
                 if is_eval or done == t_cfg.max_steps:
-                    last_eval = _eval_loss(eval_fn, state, data.eval, t_cfg.eval_batches, batch_sh)
+                    last_eval = _eval_loss(eval_fn, state, data.eval, t_cfg.eval_batches,
+                                           lambda b: plan.place_batch(b, grad_accum=1))
                     record["eval_loss"] = last_eval
                 log.write(record)
                 history.append(record)
@@ -153,8 +125,8 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
     log.close()
 
     prompt = data.tokenizer.encode(t_cfg.sample_prompt)
-    sample_ids = generate(
-        graphdef, state.params, state.model_state, prompt, t_cfg.sample_tokens,
+    sample_ids = generate(  # single-program sampling: the model with its local dispatch
+        abstract_model(model_cfg)[0], state.params, state.model_state, prompt, t_cfg.sample_tokens,
         t_cfg.seq_len, data.tokenizer.pad_id, seed=t_cfg.seed,
     )
     timed = history[1:] or history  # the first interval includes warm-up
