@@ -10,7 +10,8 @@ on: the result of all-gather / all-reduce / all-to-all / collective-permute, the
 (result x group size) of reduce-scatter, and the output buffer of ragged-all-to-all (an
 upper bound: the rows it moves depend on routing). Multiply by the device count for
 the whole mesh (SPMD programs are symmetric). `backward` marks collectives that come from
-differentiation (their op_name has `transpose(`); op_name also carries the named scopes
+differentiation (their op_name has `transpose(`), `phase` says fwd / bwd / step (once per
+step: ZeRO parameter gathers and gradient reductions); op_name also carries the scopes
 the parallel code sets (`Collective.purpose`: zero_gather, zero_reduce, fsdp_gather,
 loss_allsum, moe_<backend>; "other" for what GSPMD adds, e.g. the gradient-norm sum).
 """
@@ -36,7 +37,8 @@ SCOPES = ("zero_gather", "zero_reduce", "fsdp_gather", "loss_allsum", "moe_rowwi
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*->.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*)$")
 _SHAPE = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
-_CALLEES = re.compile(r"\b(?:body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
+_CALLEES = re.compile(
+    r"\b(?:body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _OPNAME = re.compile(r'op_name="([^"]*)"')
@@ -68,10 +70,18 @@ class Collective:
         return self.bytes * self.count
 
     @property
+    def phase(self) -> str:
+        """fwd | bwd (from differentiation) | step (once-per-step parameter and gradient
+        traffic: ZeRO gathers/reductions and what GSPMD adds around the update)."""
+        if self.backward:
+            return "bwd"
+        return "step" if self.purpose in ("zero_gather", "zero_reduce", "other") else "fwd"
+
+    @property
     def purpose(self) -> str:
         """What moves, from the named scope the parallel code set (see module docstring)."""
-        for scope in SCOPES:
-            if scope + "/" in self.op_name:
+        for scope in SCOPES:  # "a/zero_gather/b", "jvp(loss_allsum)/psum", ...
+            if re.search(rf"(^|[/(:]){scope}[/):]", self.op_name):
                 return scope
         return "other"
 
@@ -136,11 +146,12 @@ def _multipliers(comps: dict[str, list[str]], entry: str) -> tuple[dict[str, int
                 continue
             is_while = re.search(r"\swhile\(", line) is not None
             trip = _TRIP.search(line)
+            n = int(trip.group(1)) if trip else 1
             for callee in callees:
                 if is_while and re.search(rf"body=%?{re.escape(callee)}\b", line):
-                    calls[name].append((callee, int(trip.group(1)) if trip else 1, trip is not None))
+                    calls[name].append((callee, n, trip is not None))
                 elif is_while:  # condition: runs trip + 1 times; it holds no collectives
-                    calls[name].append((callee, (int(trip.group(1)) + 1) if trip else 1, trip is not None))
+                    calls[name].append((callee, n + 1 if trip else 1, trip is not None))
                 else:
                     calls[name].append((callee, 1, True))
     mult: dict[str, int] = collections.defaultdict(int)
@@ -184,8 +195,9 @@ def collectives(program) -> list[Collective]:
             if kind not in KINDS or op.endswith("-done"):
                 continue
             size, shapes = _shape_bytes(type_str)
-            if op.endswith("-start") and kind in ("all-gather", "collective-permute") and len(shapes) > 1:
-                size, shapes = _shape_bytes(shapes[-1])  # (operand, result) tuple: the result
+            started = op.endswith("-start") and kind in ("all-gather", "collective-permute")
+            if started and len(shapes) > 1:  # an (operand, result) tuple: count the result
+                size, shapes = _shape_bytes(shapes[-1])
             group, axes = _group(line, n_part)
             if kind == "reduce-scatter":
                 size *= group
@@ -204,17 +216,19 @@ def summary(colls: list[Collective]) -> list[dict]:
     """One row per (kind, purpose, direction, axes): executions and per-device bytes per run."""
     rows: dict[tuple, dict] = {}
     for c in colls:
-        key = (c.kind, c.purpose, "bwd" if c.backward else "fwd",
+        key = (c.kind, c.purpose, c.phase,
                ",".join(c.axes) or f"group of {c.group_size}")
-        r = rows.setdefault(key, {"kind": key[0], "purpose": key[1], "pass": key[2], "axes": key[3],
-                                  "ops": 0, "executions": 0, "bytes_per_device": 0})
+        r = rows.setdefault(key, {"kind": key[0], "purpose": key[1], "phase": key[2],
+                                  "axes": key[3], "ops": 0, "executions": 0,
+                                  "bytes_per_device": 0})
         r["ops"] += 1
         r["executions"] += c.count
         r["bytes_per_device"] += c.bytes_per_run
-    return sorted(rows.values(), key=lambda r: (r["kind"], r["purpose"], r["pass"], r["axes"]))
+    return sorted(rows.values(), key=lambda r: (r["kind"], r["purpose"], r["phase"], r["axes"]))
 
 
-def total_bytes(colls: list[Collective], kind: str | None = None, backward: bool | None = None) -> int:
+def total_bytes(colls: list[Collective], kind: str | None = None,
+                backward: bool | None = None) -> int:
     """Per-device bytes per run, optionally for one kind / direction."""
     return sum(c.bytes_per_run for c in colls
                if (kind is None or c.kind == kind) and (backward is None or c.backward == backward))
@@ -222,19 +236,19 @@ def total_bytes(colls: list[Collective], kind: str | None = None, backward: bool
 
 def format_table(colls: list[Collective], title: str = "", n_devices: int | None = None) -> str:
     rows = summary(colls)
-    head = (f"{'collective':<18} {'purpose':<13} {'pass':<4} {'axes':<14} {'ops':>4} {'runs':>5} "
+    head = (f"{'collective':<18} {'purpose':<13} {'phase':<5} {'axes':<14} {'ops':>4} {'runs':>5} "
             f"{'MB/device':>10}")
     if n_devices:
         head += f" {'MB total':>10}"
     lines = [title, head] if title else [head]
     for r in rows:
-        line = (f"{r['kind']:<18} {r['purpose']:<13} {r['pass']:<4} {r['axes']:<14} {r['ops']:>4} "
+        line = (f"{r['kind']:<18} {r['purpose']:<13} {r['phase']:<5} {r['axes']:<14} {r['ops']:>4} "
                 f"{r['executions']:>5} {r['bytes_per_device'] / 1e6:>10.3f}")
         if n_devices:
             line += f" {r['bytes_per_device'] * n_devices / 1e6:>10.3f}"
         lines.append(line)
     total = total_bytes(colls)
-    lines.append(f"{'total':<61} {total / 1e6:>10.3f}"
+    lines.append(f"{'total':<62} {total / 1e6:>10.3f}"
                  + (f" {total * n_devices / 1e6:>10.3f}" if n_devices else ""))
     return "\n".join(lines)
 

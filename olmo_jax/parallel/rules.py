@@ -60,7 +60,8 @@ def param_specs(state: nnx.State, rules=DDP_RULES):
 
 
 def param_shardings(state: nnx.State, mesh: Mesh, rules=DDP_RULES):
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(state, rules), is_leaf=is_spec)
+    specs = param_specs(state, rules)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

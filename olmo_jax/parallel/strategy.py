@@ -76,6 +76,19 @@ class ParallelPlan:
             rng=replicated,
         )
 
+    def placement(self, state, tx: optax.GradientTransformation) -> list[str]:
+        """One line per state leaf: 'path shape spec' (params, then optimizer state)."""
+        shardings = self.state_shardings(state, tx)
+        lines = []
+        for part in ("params", "opt_state"):
+            leaves = jax.tree_util.tree_leaves_with_path(getattr(state, part))
+            shs = jax.tree.leaves(getattr(shardings, part),
+                                  is_leaf=lambda x: isinstance(x, NamedSharding))
+            for (path, x), sh in zip(leaves, shs, strict=True):
+                shape = "x".join(map(str, x.shape)) or "scalar"
+                lines.append(f"{part}/{zero.path_name(path)} {shape} {tuple(sh.spec)}")
+        return lines
+
     def batch_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, PartitionSpec(None, BATCH_AXES))
 
@@ -143,7 +156,8 @@ class ParallelPlan:
         )
 
 
-def check_batch(global_batch: int, mesh: Mesh, grad_accum: int, what: str = "trainer.global_batch_size"):
+def check_batch(global_batch: int, mesh: Mesh, grad_accum: int,
+                what: str = "trainer.global_batch_size") -> None:
     shards = mesh_lib.batch_shards(mesh)
     if global_batch % (shards * grad_accum):
         raise ConfigError(
@@ -169,13 +183,15 @@ def check_model_fits(model_cfg: TransformerConfig, mesh: Mesh, strategy: str) ->
         )
 
 
-def build_plan(cfg, model_cfg: TransformerConfig, abstract_params=None, devices=None) -> ParallelPlan:
+def build_plan(cfg, model_cfg: TransformerConfig, abstract_params=None,
+               devices=None) -> ParallelPlan:
     """The plan for config `cfg` (ConfigDict with `parallel` and `trainer`). Raises
     ConfigError naming the field for a mesh that does not fit the devices, experts that
     do not divide over `expert`, or a batch that does not divide."""
     p = cfg.parallel
     if p.strategy not in STRATEGIES:
-        raise ConfigError(f"parallel.strategy={p.strategy!r}: choose one of {', '.join(STRATEGIES)}")
+        raise ConfigError(
+            f"parallel.strategy={p.strategy!r}: choose one of {', '.join(STRATEGIES)}")
     mesh = mesh_lib.make_mesh(p, devices)
     if mesh.shape["pipe"] > 1:
         raise ConfigError(

@@ -46,7 +46,8 @@ def _used_axes(spec: PartitionSpec) -> set[str]:
     return used
 
 
-def param_layout(shape: tuple[int, ...], compute: PartitionSpec, mesh: Mesh, shard: bool) -> ParamLayout:
+def param_layout(shape: tuple[int, ...], compute: PartitionSpec, mesh: Mesh,
+                 shard: bool) -> ParamLayout:
     """Storage placement: `compute` plus, when `shard`, its data-parallel axes on the first
     free dimension they divide."""
     spec = tuple(compute) + (None,) * (len(shape) - len(compute))
@@ -54,7 +55,9 @@ def param_layout(shape: tuple[int, ...], compute: PartitionSpec, mesh: Mesh, sha
     dp = math.prod(mesh.shape[a] for a in axes)
     dim = None
     if shard and axes:
-        dim = next((d for d, (n, e) in enumerate(zip(shape, spec)) if e is None and n % dp == 0), None)
+        free = [d for d, (n, e) in enumerate(zip(shape, spec, strict=True))
+                if e is None and n % dp == 0]
+        dim = free[0] if free else None
     storage = list(spec)
     if dim is not None:
         storage[dim] = axes if len(axes) > 1 else axes[0]
@@ -119,6 +122,5 @@ def per_device_bytes(tree, shardings) -> int:
     leaves = jax.tree.leaves(tree)
     shs = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
     assert len(leaves) == len(shs), (len(leaves), len(shs))
-    return sum(
-        math.prod(sh.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize for x, sh in zip(leaves, shs)
-    )
+    return sum(math.prod(sh.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+               for x, sh in zip(leaves, shs, strict=True))

@@ -59,7 +59,7 @@ def to_numpy(tree):
     return jax.tree.map(np.asarray, tree)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def host_state(lb_granularity="global"):
     """(model_cfg, tx, schedule, graphdef, state): built once; the state as numpy."""
     cfg = make_cfg(lb_granularity=lb_granularity)
@@ -104,7 +104,7 @@ def _execute(step, state, placed_batches) -> Run:
     return Run(metrics, grads, compiled.as_text(), compiled, state, placed_batches[-1])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference_run(grad_accum=1, batch=BATCH) -> Run:
     """One device, the model's local dispatch, no parallel plan."""
     model_cfg, tx, schedule, graphdef, state = host_state()
@@ -114,7 +114,7 @@ def reference_run(grad_accum=1, batch=BATCH) -> Run:
     return _execute(step, jax.device_put(state, dev), placed)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def plan_run(data, expert, dispatch="rowwise", strategy="ddp", zero1=True, grad_accum=1,
              batch=BATCH, capacity_factor=NO_DROP_CF) -> Run:
     """The same on a pipe=1 x data x expert mesh through the trainer's ParallelPlan and

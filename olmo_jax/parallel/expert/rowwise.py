@@ -44,9 +44,11 @@ def destination_expert(idx_Sk: jax.Array, num_experts: int, ep: int) -> jax.Arra
     return (idx_Sk % El) * ep + idx_Sk // El
 
 
-def rowwise_plan(idx_Sk: jax.Array, num_experts: int, ep: int, capacity: int) -> dispatch.BufferPlan:
-    """Send-buffer plan: row (j * ep + r) * C + rank, kept iff rank < C (choice-major)."""
-    return dispatch.capacity_plan(destination_expert(idx_Sk, num_experts, ep), num_experts, capacity)
+def rowwise_plan(idx_Sk: jax.Array, num_experts: int, ep: int, capacity: int):
+    """Send-buffer plan (a dispatch.BufferPlan): row (j * ep + r) * C + rank, kept iff
+    rank < C (choice-major)."""
+    relabelled_Sk = destination_expert(idx_Sk, num_experts, ep)
+    return dispatch.capacity_plan(relabelled_Sk, num_experts, capacity)
 
 
 def rowwise_dispatch(x_SD, routing, experts, cfg, dtype, *, capacity_factor: float, axis: str):
