@@ -63,6 +63,3 @@ def param_shardings(state: nnx.State, mesh: Mesh, rules=DDP_RULES):
     specs = param_specs(state, rules)
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
 
-
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, logical_to_spec(("act_batch", None)))

@@ -35,6 +35,7 @@ from olmo_jax.parallel import rules, zero
 from olmo_jax.parallel.mesh import BATCH_AXES
 
 STRATEGIES = ("ddp", "fsdp")
+BATCH_SPEC = rules.logical_to_spec((None, "act_batch", None))  # [microbatch, rows, tokens]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -76,6 +77,20 @@ class ParallelPlan:
             rng=replicated,
         )
 
+    def optimizer_bytes(self, state, tx: optax.GradientTransformation) -> tuple[int, int]:
+        """Per-device bytes of the optimizer state as stored, and as they would be with every
+        moment replicated over its parameter's data-parallel devices (ZeRO-1 off)."""
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        compute = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self._specs("compute"),
+                               is_leaf=rules.is_spec)
+        unsharded = optax.tree_utils.tree_map_params(
+            tx, lambda _, s: s, state.opt_state, compute,
+            transform_non_params=lambda _: replicated,
+        )
+        stored = self.state_shardings(state, tx).opt_state
+        return (zero.per_device_bytes(state.opt_state, stored),
+                zero.per_device_bytes(state.opt_state, unsharded))
+
     def placement(self, state, tx: optax.GradientTransformation) -> list[str]:
         """One line per state leaf: 'path shape spec' (params, then optimizer state)."""
         shardings = self.state_shardings(state, tx)
@@ -90,7 +105,7 @@ class ParallelPlan:
         return lines
 
     def batch_sharding(self) -> NamedSharding:
-        return NamedSharding(self.mesh, PartitionSpec(None, BATCH_AXES))
+        return NamedSharding(self.mesh, BATCH_SPEC)
 
     def place_batch(self, batch_BT1, grad_accum: int | None = None) -> jax.Array:
         """[B, T+1] host (or device) tokens -> [ga, B/ga, T+1] on the mesh."""
@@ -138,7 +153,7 @@ class ParallelPlan:
         specs = self.storage_specs()
         return jax.shard_map(
             local, mesh=self.mesh,
-            in_specs=(specs, PartitionSpec(), PartitionSpec(None, BATCH_AXES)),
+            in_specs=(specs, PartitionSpec(), BATCH_SPEC),
             out_specs=(specs, PartitionSpec()),
         )
 
@@ -151,7 +166,7 @@ class ParallelPlan:
 
         return jax.shard_map(
             local, mesh=self.mesh,
-            in_specs=(self.storage_specs(), PartitionSpec(), PartitionSpec(None, BATCH_AXES)),
+            in_specs=(self.storage_specs(), PartitionSpec(), BATCH_SPEC),
             out_specs=PartitionSpec(),
         )
 

@@ -70,6 +70,7 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
     tx, schedule = build_optimizer(cfg.optim, t_cfg.max_steps)
     graphdef, state = init_state(model_cfg, tx, t_cfg.seed, dispatcher=plan.dispatcher)
     shardings = plan.state_shardings(state, tx)
+    opt_bytes, opt_bytes_replicated = plan.optimizer_bytes(state, tx)
     state = jax.device_put(state, shardings)
 
     step_fn = plan.jit_train_step(
@@ -91,8 +92,9 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
         f"[bold]olmo_jax[/] {model_cfg.n_layers} layers, d_model {model_cfg.d_model}, "
         f"{model_cfg.moe.num_experts} experts top-{model_cfg.moe.top_k}; "
         f"{metrics_lib.param_counts(model_cfg)[0] / 1e6:.2f}M params; mesh "
-        f"{dict(mesh.shape)} {plan.strategy}/{plan.dispatch}; {flops_tok / 1e6:.1f} MFLOP/token; "
-        f"compiled in {compile_s:.1f}s"
+        f"{dict(mesh.shape)} {plan.strategy}/{plan.dispatch}; optimizer state "
+        f"{opt_bytes / 1e6:.2f} MB/device ({opt_bytes_replicated / 1e6:.2f} replicated); "
+        f"{flops_tok / 1e6:.1f} MFLOP/token; compiled in {compile_s:.1f}s"
     )
 
     log = MetricsLog(run_dir / "metrics.jsonl")

@@ -48,6 +48,8 @@ def test_optimizer_state_bytes_per_device_are_one_over_dp(mesh):
     got, base = (zero.per_device_bytes(_adamw(state.opt_state),
                                        _adamw(p.state_shardings(state, tx).opt_state))
                  for p in (sharded, replicated))
+    # plan.optimizer_bytes (what the trainer prints) gives the same pair.
+    assert sharded.optimizer_bytes(state, tx)[1] == replicated.optimizer_bytes(state, tx)[0]
     # Leaf by leaf, the ZeRO shard is the replicated per-device copy divided by dp.
     counters = sum(x.nbytes for x in jax.tree.leaves(_adamw(state.opt_state)) if x.ndim == 0)
     expected = counters  # step counts (Adam's, the schedule's): replicated scalars

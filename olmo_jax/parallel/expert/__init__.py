@@ -31,11 +31,21 @@ EXPERT_AXIS = "expert"
 BACKENDS = ("rowwise", "ragged", "allgather")
 
 
-def _scoped(kind: str, fn):
-    """Runs fn under the named scope moe_<kind> (how comms.py attributes its collectives)."""
+def _scoped(kind: str, fn, axis: str):
+    """Runs fn under the named scope moe_<kind> (how comms.py attributes its collectives),
+    after checking that it runs where mesh axis `axis` is bound."""
 
     @functools.wraps(fn)
     def dispatcher(*args, **kwargs):
+        try:
+            jax.lax.axis_size(axis)
+        except NameError as e:
+            raise ValueError(
+                f"the {kind} expert-parallel dispatcher runs per device inside jax.shard_map "
+                f"over a mesh with axis {axis!r} (olmo_jax.parallel.strategy.ParallelPlan "
+                f"does this for the train/eval steps); outside one, build the model without "
+                f"a dispatcher"
+            ) from e
         with jax.named_scope(f"moe_{kind}"):
             return fn(*args, **kwargs)
 
@@ -58,7 +68,7 @@ def make_dispatcher(kind: str, capacity_factor: float = 1.25, axis: str = EXPERT
         fn = functools.partial(allgather_dispatch, axis=axis)
     else:
         raise ConfigError(f"parallel.dispatch={kind!r}: choose one of {', '.join(BACKENDS)}")
-    return _scoped(kind, fn)
+    return _scoped(kind, fn, axis)
 
 
 __all__ = [
