@@ -14,6 +14,7 @@ the table reports ratios next to the bytes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -49,9 +50,12 @@ def bench_config(args):
 
 
 def variants():
+    """(name, strategy, dispatch, model.moe.capacity_factor of the local dispatch)."""
     ragged = "ddp+ragged" + ("" if native_ragged_all_to_all_available() else " (cpu emulation)")
-    return [("ddp+rowwise", "ddp", "rowwise"), ("ddp+allgather", "ddp", "allgather"),
-            (ragged, "ddp", "ragged"), ("fsdp", "fsdp", "rowwise")]
+    return [("ddp+rowwise", "ddp", "rowwise", 0.0), ("ddp+allgather", "ddp", "allgather", 0.0),
+            (ragged, "ddp", "ragged", 0.0), ("fsdp", "fsdp", "rowwise", 0.0),
+            # The same expert matmul as rowwise (capacity buffers): isolates communication.
+            ("fsdp (local capacity 1.25)", "fsdp", "rowwise", 1.25)]
 
 
 def main():
@@ -79,8 +83,10 @@ def main():
     batch_np = rng.integers(0, 256, (args.batch, args.seq + 1)).astype(np.int32)
 
     runs = {}
-    for name, strategy, dispatch in variants():
+    for name, strategy, dispatch, local_cf in variants():
         cfg.parallel.strategy, cfg.parallel.dispatch = strategy, dispatch
+        model_cfg = model_cfg.replace(moe=dataclasses.replace(model_cfg.moe,
+                                                              capacity_factor=local_cf))
         plan = build_plan(cfg, model_cfg)
         graphdef = abstract_model(model_cfg, plan.dispatcher)[0]
         shardings = plan.state_shardings(host, tx)

@@ -10,11 +10,12 @@ replicated. A parameter has two placements:
 
 Placement (mesh axes pipe x data x expert; tokens always split over data x expert):
 
-  strategy     parameter          compute             storage (params + AdamW moments)
-  ddp          routed experts     expert              expert, + data on one dim (zero1)
-  ddp          everything else    replicated          data x expert on one dim (zero1)
-  ddp, zero1 off  (as compute)    -                   expert params on expert, rest replicated
-  fsdp         every parameter    replicated          data x expert on one dim
+  strategy          parameter        compute      storage (params + AdamW moments)
+  ddp, zero1 on     routed experts   expert       expert, and data on one more dim
+  ddp, zero1 on     everything else  replicated   data x expert on one dim
+  ddp, zero1 off    routed experts   expert       expert (= compute)
+  ddp, zero1 off    everything else  replicated   replicated (= compute)
+  fsdp              every parameter  replicated   data x expert on one dim (experts too)
 
 "one dim": the first dimension not already split whose size the data-parallel device
 count divides (zero.py); a parameter with no such dimension stays replicated over those
