@@ -66,9 +66,9 @@ def default_config() -> ml_collections.ConfigDict:
     p.data = -1  # -1 = fill the remaining devices
     p.expert = 1
     p.strategy = "ddp"  # ddp (experts resident, tokens travel) | fsdp (baseline)
-    p.dispatch = "rowwise"  # rowwise | ragged | allgather (expert-parallel dispatch)
-    p.capacity_factor = 1.25  # per receiving rank, rowwise dispatch
-    p.zero1 = True
+    p.dispatch = "rowwise"  # rowwise | ragged | allgather (expert-parallel dispatch, expert > 1)
+    p.capacity_factor = 1.25  # rowwise: receive slots = ceil(cf * tokens * top_k / expert) per rank
+    p.zero1 = True  # shard fp32 params + AdamW moments over the data-parallel devices
 
     c.optim = o = ml_collections.ConfigDict()
     o.lr = 3e-3

@@ -23,6 +23,7 @@ from olmo_jax.model.config import TransformerConfig
 from olmo_jax.model.norm import RMSNorm
 from olmo_jax.model.params import normal_param
 from olmo_jax.model.rope import apply_rope
+from olmo_jax.model.vma import cotangent_like
 
 
 def causal_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array) -> jax.Array:
@@ -85,7 +86,8 @@ def _attention_bwd(T, res, do_BKMH):
     ds_BKMS = (p_BKMS * (dp_BKMS - delta_BKM1) * (H**-0.5)).astype(q_BKMH.dtype)
     dq_BKMH = jnp.einsum("bkms,bksh->bkmh", ds_BKMS, k_BKSH)
     dk_BKSH = jnp.einsum("bkms,bkmh->bksh", ds_BKMS, q_BKMH)
-    return dq_BKMH, dk_BKSH, dv_BKSH
+    return (cotangent_like(dq_BKMH, q_BKMH), cotangent_like(dk_BKSH, k_BKSH),
+            cotangent_like(dv_BKSH, v_BKSH))
 
 
 _attention_core.defvjp(_attention_fwd, _attention_bwd)

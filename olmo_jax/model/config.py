@@ -46,7 +46,9 @@ class MoEConfig:
     lb_loss_coef: float = 0.01
     z_loss_coef: float = 0.001
     lb_loss_type: str = "per_layer"  # per_layer (OLMo-core) | pooled (Hugging Face)
-    lb_granularity: str = "global"  # global (whole batch) | local (per data-parallel shard)
+    # Counts the load-balancing loss sees: global (summed over every device's tokens) |
+    # local (each data-parallel rank's own tokens, the per-rank losses averaged).
+    lb_granularity: str = "global"
 
     @property
     def experts_per_group(self) -> int:

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from olmo_jax.model.params import ones_param
+from olmo_jax.model.vma import cotangent_like
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -39,7 +40,7 @@ def _rms_norm_bwd(eps, res, dy):
     dweight = jnp.sum(dy32 * xhat, axis=batch_axes).astype(weight.dtype)
     g = dy32 * weight.astype(jnp.float32)
     dx = rstd * (g - xhat * jnp.mean(g * xhat, axis=axes, keepdims=True))
-    return dx.astype(x.dtype), dweight
+    return cotangent_like(dx.astype(x.dtype), x), cotangent_like(dweight, weight)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))

@@ -11,8 +11,6 @@ from pathlib import Path
 import jax
 import ml_collections
 import numpy as np
-import optax
-from jax.sharding import NamedSharding, PartitionSpec
 from rich.console import Console
 from rich.table import Table
 
@@ -22,11 +20,10 @@ from olmo_jax.checkpoint.run import RunCheckpoints, truncate_metrics
 from olmo_jax.data import build_data
 from olmo_jax.model.config import ConfigError
 from olmo_jax.optim import build_optimizer
-from olmo_jax.parallel import mesh as mesh_lib
-from olmo_jax.parallel import rules
+from olmo_jax.parallel.strategy import build_plan
 from olmo_jax.trainer.logger import ExpertCountsLog, MetricsLog, ProgressBar
 from olmo_jax.trainer.sample import generate
-from olmo_jax.trainer.state import TrainState, abstract_train_state, init_state
+from olmo_jax.trainer.state import abstract_model, abstract_train_state, init_state
 from olmo_jax.trainer.step import make_eval_step, make_train_step
 
 
@@ -44,28 +41,10 @@ class Summary:
     sample: str
 
 
-def state_shardings(state: TrainState, tx, mesh) -> TrainState:
-    """Shardings for every leaf of the state: parameters from the rules table, optimizer
-    moments like their parameters, everything else replicated."""
-    replicated = NamedSharding(mesh, PartitionSpec())
-    param_sh = rules.param_shardings(state.params, mesh)
-    opt_sh = optax.tree_utils.tree_map_params(
-        tx, lambda _, s: s, state.opt_state, param_sh,
-        transform_non_params=lambda _: replicated,
-    )
-    return TrainState(
-        step=replicated,
-        params=param_sh,
-        opt_state=opt_sh,
-        model_state=jax.tree.map(lambda _: replicated, state.model_state),
-        rng=replicated,
-    )
-
-
-def _eval_loss(eval_fn, state, loader, n_batches, batch_sh) -> float:
+def _eval_loss(eval_fn, state, loader, n_batches, place) -> float:
     ce, n = 0.0, 0.0
     for i in range(min(n_batches, max(1, loader.steps_per_epoch))):
-        batch = jax.device_put(loader.batch(i), batch_sh)
+        batch = place(loader.batch(i))
         c, t = eval_fn(state.params, state.model_state, batch)
         ce, n = ce + float(c), n + float(t)
     return ce / max(n, 1.0)
@@ -85,40 +64,31 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
             f"model.vocab_size={model_cfg.vocab_size} is smaller than the data's vocabulary "
             f"({data.vocab_size}); set model.vocab_size >= {data.vocab_size} or 0 (= from the data)"
         )
-    mesh = mesh_lib.make_mesh(cfg.parallel)
-    shards = mesh_lib.batch_shards(mesh) * t_cfg.grad_accum
-    if t_cfg.global_batch_size % shards:
-        raise ConfigError(
-            f"trainer.global_batch_size={t_cfg.global_batch_size} must be divisible by data x "
-            f"expert x trainer.grad_accum = {shards}"
-        )
+    plan = build_plan(cfg, model_cfg)  # mesh, strategy, dispatcher (olmo_jax/parallel)
+    mesh = plan.mesh
     (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
 
     tx, schedule = build_optimizer(cfg.optim, t_cfg.max_steps)
-    graphdef, abstract = abstract_train_state(model_cfg, tx)
-    shardings = state_shardings(abstract, tx, mesh)
+    graphdef, abstract = abstract_train_state(model_cfg, tx, dispatcher=plan.dispatcher)
+    shardings = plan.state_shardings(abstract, tx)
+    opt_bytes, opt_bytes_replicated = plan.optimizer_bytes(abstract, tx)
     metrics_path = run_dir / "metrics.jsonl"
     checkpoints = RunCheckpoints(cfg, run_dir, model_cfg, console)
     # Resumed, or weights from trainer.init_from, or init(); placed on `shardings`.
     state = checkpoints.start(
         abstract, shardings, tx, data.train, metrics_path,
-        init=lambda: init_state(model_cfg, tx, t_cfg.seed)[1],
+        init=lambda: init_state(model_cfg, tx, t_cfg.seed, dispatcher=plan.dispatcher)[1],
     )
-    batch_sh = rules.batch_sharding(mesh)
 
-    step_fn = jax.jit(
-        make_train_step(
-            graphdef, model_cfg, tx, schedule, t_cfg.grad_accum,
-            batch_shards=mesh_lib.batch_shards(mesh), expert_ranks=mesh.shape["expert"],
-        ),
-        in_shardings=(shardings, batch_sh),
-        out_shardings=(shardings, NamedSharding(mesh, PartitionSpec())),
-        donate_argnums=0,
+    step_fn = plan.jit_train_step(
+        make_train_step(graphdef, model_cfg, tx, schedule, t_cfg.grad_accum, parallel=plan,
+                        expert_ranks=mesh.shape["expert"]),
+        shardings,
     )
-    eval_fn = jax.jit(make_eval_step(graphdef, model_cfg))
+    eval_fn = jax.jit(make_eval_step(graphdef, model_cfg, parallel=plan))
 
     t0 = time.perf_counter()
-    first_batch = jax.device_put(data.train.batch(0), batch_sh)
+    first_batch = plan.place_batch(data.train.batch(0))
     start, stop = int(state.step), t_cfg.hard_stop or t_cfg.max_steps
     if start >= stop:  # resumed a finished run: nothing to compile or train
         console.print(f"the run is complete at step {start} (trainer.max_steps / hard_stop)")
@@ -133,7 +103,9 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
         f"[bold]olmo_jax[/] {model_cfg.n_layers} layers, d_model {model_cfg.d_model}, "
         f"{model_cfg.moe.num_experts} experts top-{model_cfg.moe.top_k}; "
         f"{metrics_lib.param_counts(model_cfg)[0] / 1e6:.2f}M params; mesh "
-        f"{dict(mesh.shape)}; {flops_tok / 1e6:.1f} MFLOP/token; compiled in {compile_s:.1f}s"
+        f"{dict(mesh.shape)} {plan.strategy}/{plan.dispatch}; optimizer state "
+        f"{opt_bytes / 1e6:.2f} MB/device ({opt_bytes_replicated / 1e6:.2f} replicated); "
+        f"{flops_tok / 1e6:.1f} MFLOP/token; compiled in {compile_s:.1f}s"
     )
 
     log = MetricsLog(metrics_path, append=checkpoints.resumed)
@@ -147,7 +119,7 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
     t_last, step_last = time.perf_counter(), start
     with ProgressBar(t_cfg.max_steps, start, console) as bar:
         for step in range(start, stop):
-            batch = first_batch if step == 0 else jax.device_put(data.train.batch(step), batch_sh)
+            batch = first_batch if step == 0 else plan.place_batch(data.train.batch(step))
             state, m = compiled(state, batch)
             done = step + 1
             counts_log.maybe_write(done, m)
@@ -161,7 +133,8 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
                 record["tflops_per_device"] = flops_tok * tok_s / n_dev / 1e12
                 record["mfu"] = flops_tok * tok_s / n_dev / peak
                 if is_eval or done == t_cfg.max_steps:
-                    last_eval = _eval_loss(eval_fn, state, data.eval, t_cfg.eval_batches, batch_sh)
+                    last_eval = _eval_loss(eval_fn, state, data.eval, t_cfg.eval_batches,
+                                           lambda b: plan.place_batch(b, grad_accum=1))
                     record["eval_loss"] = last_eval
                 log.write(record)
                 history.append(record)
@@ -173,8 +146,8 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
     counts_log.close()
 
     prompt = data.tokenizer.encode(t_cfg.sample_prompt)
-    sample_ids = generate(
-        graphdef, state.params, state.model_state, prompt, t_cfg.sample_tokens,
+    sample_ids = generate(  # single-program sampling: the model with its local dispatch
+        abstract_model(model_cfg)[0], state.params, state.model_state, prompt, t_cfg.sample_tokens,
         t_cfg.seq_len, data.tokenizer.pad_id, seed=t_cfg.seed,
     )
     timed = history[1:] or history  # the first interval includes warm-up

@@ -21,6 +21,7 @@ from flax import nnx
 
 from olmo_jax.kernels import resolve_gmm_impl
 from olmo_jax.model.params import normal_param
+from olmo_jax.model.vma import cotangent_like
 
 __all__ = ["Experts", "ffn_batched", "ffn_blocked", "ffn_ragged", "resolve_gmm_impl"]
 
@@ -92,7 +93,8 @@ def _ffn_batched_fwd(x_GCD, w_gate_GDF, w_up_GDF, w_down_GFD):
 def _ffn_batched_bwd(res, dy_GCD):
     x_GCD, gu_GCJ, wgu_GDJ, w_down_GFD = res
     dx, dwgu, dwd = _swiglu_groups_bwd(x_GCD, gu_GCJ, wgu_GDJ, w_down_GFD, dy_GCD)
-    return (dx, *_split_gate_up(dwgu, w_down_GFD.shape[1]), dwd)
+    dwg, dwu = _split_gate_up(cotangent_like(dwgu, wgu_GDJ), w_down_GFD.shape[1])
+    return cotangent_like(dx, x_GCD), dwg, dwu, cotangent_like(dwd, w_down_GFD)
 
 
 ffn_batched.defvjp(_ffn_batched_fwd, _ffn_batched_bwd)
@@ -126,7 +128,10 @@ def _ffn_blocked_bwd(res, dy_PD):
     onehot_BE = jax.nn.one_hot(block_expert_B, E, dtype=dwgu_BDJ.dtype)
     dwgu_EDJ = jnp.einsum("be,bdj->edj", onehot_BE, dwgu_BDJ)
     dwd_EFD = jnp.einsum("be,bfd->efd", onehot_BE, dwd_BFD)
-    return (dx_BbD.reshape(dy_PD.shape), None, *_split_gate_up(dwgu_EDJ, F), dwd_EFD)
+    dwg_EDF, dwu_EDF = _split_gate_up(dwgu_EDJ, F)
+    return (cotangent_like(dx_BbD.reshape(dy_PD.shape), x_BbD), None,
+            cotangent_like(dwg_EDF, w_gate_EDF), cotangent_like(dwu_EDF, w_up_EDF),
+            cotangent_like(dwd_EFD, w_down_EFD))
 
 
 ffn_blocked.defvjp(_ffn_blocked_fwd, _ffn_blocked_bwd)
