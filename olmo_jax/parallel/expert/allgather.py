@@ -13,9 +13,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from olmo_jax.model.moe import dispatch
-from olmo_jax.model.moe.experts import ffn_blocked, ffn_ragged, resolve_gmm_impl
+from olmo_jax.model.moe import dispatch, payload
+from olmo_jax.model.moe.experts import resolve_gmm_impl
 from olmo_jax.model.moe.layer import block_size
+from olmo_jax.model.moe.mxfp8_experts import expert_ffns
 
 
 def allgather_dispatch(x_SD, routing, experts, cfg, dtype, *, axis: str):
@@ -23,17 +24,19 @@ def allgather_dispatch(x_SD, routing, experts, cfg, dtype, *, axis: str):
     El = cfg.num_experts // ep
     me = jax.lax.axis_index(axis)
     gather = lambda a: jax.lax.all_gather(a, axis, axis=0, tiled=True)  # noqa: E731
-    x_GD = gather(x_SD.astype(dtype))
+    x_GD = payload.transfer(x_SD.astype(dtype), gather, cfg.precision)
     idx_Gk, weights_Gk = gather(routing.idx_Sk), gather(routing.weights_Sk)
     local_Gk = idx_Gk // El == me
     lidx_Gk = jnp.where(local_Gk, idx_Gk - me * El, El)  # El = not mine
     w = experts.weights(dtype)
-    if resolve_gmm_impl(cfg.gmm_impl) == "einsum":
+    impl = resolve_gmm_impl(cfg.gmm_impl, dtype)
+    ffn = expert_ffns(cfg, impl)
+    if impl == "einsum":
         plan, owner_B = dispatch.blocked_plan(lidx_Gk, El + 1, block_size(lidx_Gk.size, El + 1))
-        y_PD = ffn_blocked(dispatch.gather_rows(x_GD, plan), jnp.minimum(owner_B, El - 1), *w)
+        y_PD = ffn.blocked(dispatch.gather_rows(x_GD, plan), jnp.minimum(owner_B, El - 1), *w)
     else:
         plan = dispatch.sorted_plan(lidx_Gk, El + 1)
-        y_PD = ffn_ragged(dispatch.gather_rows(x_GD, plan), plan.group_sizes_E[:El], *w)
+        y_PD = ffn.ragged(dispatch.gather_rows(x_GD, plan), plan.group_sizes_E[:El], *w)
     y_GD = dispatch.combine_rows(y_PD, plan._replace(keep_Sk=local_Gk), weights_Gk)
     y_SD = jax.lax.psum_scatter(y_GD, axis, scatter_dimension=0, tiled=True)
     return y_SD, jnp.zeros((), jnp.float32)

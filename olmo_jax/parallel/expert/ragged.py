@@ -23,9 +23,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from olmo_jax.model.moe import dispatch
-from olmo_jax.model.moe.experts import ffn_blocked, ffn_ragged, resolve_gmm_impl
+from olmo_jax.model.moe import dispatch, payload
+from olmo_jax.model.moe.experts import resolve_gmm_impl
 from olmo_jax.model.moe.layer import block_size
+from olmo_jax.model.moe.mxfp8_experts import expert_ffns
 from olmo_jax.parallel.expert.ragged_a2a import ragged_all_to_all
 
 
@@ -85,7 +86,8 @@ def ragged_dispatch(x_SD, routing, experts, cfg, dtype, *, axis: str, emulate: b
     El = E // ep
     S, D = x_SD.shape
     N = S * cfg.top_k
-    blocked = resolve_gmm_impl(cfg.gmm_impl) == "einsum"
+    impl = resolve_gmm_impl(cfg.gmm_impl, dtype)
+    blocked = impl == "einsum"
     block = block_size(ep * N, El) if blocked else 1
     rows = dispatch.blocked_rows(ep * N, El, block) if blocked else ep * N
 
@@ -93,13 +95,18 @@ def ragged_dispatch(x_SD, routing, experts, cfg, dtype, *, axis: str, emulate: b
     send_ND = dispatch.gather_rows(x_SD.astype(dtype), plan)
     lay = ragged_layout(plan.group_sizes_E, ep, block, axis)
     a2a = lambda *args: ragged_all_to_all(*args, axis_name=axis, emulate=emulate)  # noqa: E731
-    recv_RD = a2a(send_ND, jnp.zeros((rows, D), dtype), lay.fwd_input_offsets,
-                  lay.fwd_send_sizes, lay.fwd_output_offsets, lay.fwd_recv_sizes)
+
+    def exchange(a_NX):  # any payload width X (the MXFP8 payload is packed uint8 rows)
+        return a2a(a_NX, jnp.zeros((rows, a_NX.shape[-1]), a_NX.dtype), lay.fwd_input_offsets,
+                   lay.fwd_send_sizes, lay.fwd_output_offsets, lay.fwd_recv_sizes)
+
+    recv_RD = payload.transfer(send_ND, exchange, cfg.precision)
     w = experts.weights(dtype)
+    ffn = expert_ffns(cfg, impl)
     if blocked:
-        y_RD = ffn_blocked(recv_RD, block_owners(lay.padded_sizes_J, rows, block), *w)
+        y_RD = ffn.blocked(recv_RD, block_owners(lay.padded_sizes_J, rows, block), *w)
     else:
-        y_RD = ffn_ragged(recv_RD, lay.group_sizes_J, *w)
+        y_RD = ffn.ragged(recv_RD, lay.group_sizes_J, *w)
     back_ND = a2a(y_RD, jnp.zeros((N, D), y_RD.dtype), lay.bwd_input_offsets,
                   lay.bwd_send_sizes, lay.bwd_output_offsets, lay.bwd_recv_sizes)
     y_SD = dispatch.combine_rows(back_ND, plan, routing.weights_Sk)

@@ -12,7 +12,9 @@ scatters its tokens into a [El, ep, C, D] send buffer in exactly that order, so 
 `all_to_all` over `expert` delivers each rank a buffer already grouped by local expert;
 the experts run on it as one batched matmul, with no permutation on the receiver. The
 combine is the mirror image (all_to_all back, then the sender gathers each assignment's
-row and applies the router weight in float32).
+row and applies the router weight in float32). With `model.moe.precision = "mxfp8"` the
+dispatch payload travels as packed MXFP8 rows (`olmo_jax.model.moe.payload`) and the
+experts run their MXFP8 GEMMs; the combine travels in the compute dtype.
 
 Capacity: C = ceil(capacity_factor * S * k / E) slots per (sender, expert), i.e. a rank
 accepts El * C = ceil(capacity_factor * S * k / ep) rows from each sender (exactly when
@@ -27,8 +29,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from olmo_jax.model.moe import dispatch
-from olmo_jax.model.moe.experts import ffn_batched
+from olmo_jax.model.moe import dispatch, payload
+from olmo_jax.model.moe.experts import resolve_gmm_impl
+from olmo_jax.model.moe.mxfp8_experts import expert_ffns
 
 
 def slots_per_expert(n_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
@@ -58,9 +61,15 @@ def rowwise_dispatch(x_SD, routing, experts, cfg, dtype, *, capacity_factor: flo
     S, D = x_SD.shape
     C = slots_per_expert(S, k, E, capacity_factor)
     plan = rowwise_plan(routing.idx_Sk, E, ep, C)
-    send = dispatch.gather_rows(x_SD.astype(dtype), plan).reshape(El, ep, C, D)
-    recv = jax.lax.all_to_all(send, axis, 1, 1)  # [El, sender, C, D]
-    y = ffn_batched(recv.reshape(El, ep * C, D), *experts.weights(dtype))
+    send_RD = dispatch.gather_rows(x_SD.astype(dtype), plan)  # rows [El, ep, C]
+
+    def exchange(a_RX):  # [El, dest rank, C, X] -> [El, sender, C, X], any payload width X
+        return jax.lax.all_to_all(a_RX.reshape(El, ep, C, -1), axis, 1, 1).reshape(El * ep * C, -1)
+
+    # The payload travels in model.moe.precision (MXFP8: 33/64 of bf16's bytes).
+    recv = payload.transfer(send_RD, exchange, cfg.precision).reshape(El, ep * C, D)
+    ffn = expert_ffns(cfg, resolve_gmm_impl(cfg.gmm_impl, dtype))
+    y = ffn.batched(recv, *experts.weights(dtype))
     back = jax.lax.all_to_all(y.reshape(El, ep, C, D), axis, 1, 1)  # [El, expert rank, C, D]
     y_SD = dispatch.combine_rows(back.reshape(E * C, D), plan, routing.weights_Sk)
     return y_SD, jnp.sum(~plan.keep_Sk).astype(jnp.float32)
