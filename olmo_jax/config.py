@@ -37,6 +37,7 @@ def default_config() -> ml_collections.ConfigDict:
     m.dtype = "float32"  # compute dtype: float32 | bfloat16 (params stay float32)
     m.remat = "none"  # none | block | attention
     m.scan_unroll = 1  # blocks per layer-scan iteration; = n_layers unrolls fully
+    m.attention_precision = "bf16"  # bf16 (= dtype) | mxfp8 (q/k/v/o projection GEMMs)
     m.moe = e = ml_collections.ConfigDict()
     e.num_experts = 8
     e.top_k = 2
@@ -52,7 +53,9 @@ def default_config() -> ml_collections.ConfigDict:
     e.n_shared_experts = 0
     e.shared_hidden = 0
     e.capacity_factor = 0.0  # 0 = dropless
-    e.gmm_impl = "auto"
+    e.gmm_impl = "auto"  # auto | pallas | ragged_dot | einsum (olmo_jax/kernels)
+    e.precision = "bf16"  # bf16 (= model.dtype) | mxfp8 expert GEMMs
+    e.mxfp8_wgrad = False  # mxfp8: round the weight-gradient GEMM operands too
     e.lb_loss_coef = 0.01
     e.z_loss_coef = 0.001
     e.lb_loss_type = "per_layer"  # per_layer (OLMo-core) | pooled (Hugging Face)
@@ -63,9 +66,9 @@ def default_config() -> ml_collections.ConfigDict:
     p.data = -1  # -1 = fill the remaining devices
     p.expert = 1
     p.strategy = "ddp"  # ddp (experts resident, tokens travel) | fsdp (baseline)
-    p.dispatch = "rowwise"  # rowwise | ragged | allgather (expert-parallel dispatch)
-    p.capacity_factor = 1.25  # per receiving rank, rowwise dispatch
-    p.zero1 = True
+    p.dispatch = "rowwise"  # rowwise | ragged | allgather (expert-parallel dispatch, expert > 1)
+    p.capacity_factor = 1.25  # rowwise: receive slots = ceil(cf * tokens * top_k / expert) per rank
+    p.zero1 = True  # shard fp32 params + AdamW moments over the data-parallel devices
 
     c.optim = o = ml_collections.ConfigDict()
     o.lr = 3e-3

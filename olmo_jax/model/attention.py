@@ -5,7 +5,9 @@ backward pass recomputes the probabilities from q, k and the saved log-sum-exp i
 keeping [T, S] matrices alive between the passes.
 
 Matches Hugging Face `OlmoeAttention` (QK-norm spans all heads of q and of k; clipping
-is applied after the norm), so converted checkpoints give the same logits.
+is applied after the norm), so converted checkpoints give the same logits. With
+`attention_precision="mxfp8"` the four projection GEMMs run in MXFP8
+(olmo_jax/model/mxfp8.py); the softmax(q k^T) v core stays in the compute dtype.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from olmo_jax.model import mxfp8
 from olmo_jax.model.config import TransformerConfig
 from olmo_jax.model.norm import RMSNorm
 from olmo_jax.model.params import normal_param
 from olmo_jax.model.rope import apply_rope
+from olmo_jax.model.vma import cotangent_like
 
 
 def causal_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array) -> jax.Array:
@@ -82,7 +86,8 @@ def _attention_bwd(T, res, do_BKMH):
     ds_BKMS = (p_BKMS * (dp_BKMS - delta_BKM1) * (H**-0.5)).astype(q_BKMH.dtype)
     dq_BKMH = jnp.einsum("bkms,bksh->bkmh", ds_BKMS, k_BKSH)
     dk_BKSH = jnp.einsum("bkms,bkmh->bksh", ds_BKMS, q_BKMH)
-    return dq_BKMH, dk_BKSH, dv_BKSH
+    return (cotangent_like(dq_BKMH, q_BKMH), cotangent_like(dk_BKSH, k_BKSH),
+            cotangent_like(dv_BKSH, v_BKSH))
 
 
 _attention_core.defvjp(_attention_fwd, _attention_bwd)
@@ -103,6 +108,10 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
         self.clip_qkv = cfg.clip_qkv
         self.dtype = cfg.compute_dtype
+        self.mxfp8_proj = cfg.attention_precision == "mxfp8"  # projection GEMMs in MXFP8
+
+    def _proj(self, spec: str, x, w):
+        return mxfp8.einsum(spec, x, w) if self.mxfp8_proj else jnp.einsum(spec, x, w)
 
     def __call__(self, x_BTD: jax.Array, cos_TH: jax.Array, sin_TH: jax.Array) -> jax.Array:
         dt = self.dtype
@@ -113,7 +122,7 @@ class Attention(nnx.Module):
             [self.q_proj[...].reshape(D, N * H), self.k_proj[...].reshape(D, K * H),
              self.v_proj[...].reshape(D, K * H)], axis=1,
         ).astype(dt)
-        qkv_BTJ = jnp.einsum("btd,dj->btj", x_BTD.astype(dt), w_qkv_DJ)
+        qkv_BTJ = self._proj("btd,dj->btj", x_BTD.astype(dt), w_qkv_DJ)
         q_BTNH = qkv_BTJ[..., : N * H].reshape(B, T, N, H)
         k_BTKH = qkv_BTJ[..., N * H : (N + K) * H].reshape(B, T, K, H)
         v_BTKH = qkv_BTJ[..., (N + K) * H :].reshape(B, T, K, H)
@@ -126,4 +135,4 @@ class Attention(nnx.Module):
         q_BTNH = apply_rope(q_BTNH, cos_TH, sin_TH)
         k_BTKH = apply_rope(k_BTKH, cos_TH, sin_TH)
         o_BTNH = causal_attention(q_BTNH, k_BTKH, v_BTKH)
-        return jnp.einsum("btnh,nhd->btd", o_BTNH, self.o_proj[...].astype(dt))
+        return self._proj("btnh,nhd->btd", o_BTNH, self.o_proj[...].astype(dt))

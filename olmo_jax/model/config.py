@@ -38,12 +38,17 @@ class MoEConfig:
     shared_hidden: int = 0
     # Dispatch: capacity_factor 0 = dropless; > 0 = per-expert capacity, overflow dropped.
     capacity_factor: float = 0.0
-    gmm_impl: str = "auto"  # auto | ragged_dot | einsum | blocked (see model/moe/experts.py)
+    gmm_impl: str = "auto"  # auto | pallas | ragged_dot | einsum (olmo_jax/kernels)
+    # Expert GEMM precision: bf16 (= model.dtype) | mxfp8 (model/moe/mxfp8_experts.py).
+    precision: str = "bf16"
+    mxfp8_wgrad: bool = False  # mxfp8: also round the weight-gradient GEMM operands
     # Auxiliary losses.
     lb_loss_coef: float = 0.01
     z_loss_coef: float = 0.001
     lb_loss_type: str = "per_layer"  # per_layer (OLMo-core) | pooled (Hugging Face)
-    lb_granularity: str = "global"  # global (whole batch) | local (per data-parallel shard)
+    # Counts the load-balancing loss sees: global (summed over every device's tokens) |
+    # local (each data-parallel rank's own tokens, the per-rank losses averaged).
+    lb_granularity: str = "global"
 
     @property
     def experts_per_group(self) -> int:
@@ -72,9 +77,16 @@ class MoEConfig:
             raise ConfigError(
                 f"{prefix}.capacity_factor must be >= 0 (0 = dropless), got {self.capacity_factor}"
             )
-        if self.gmm_impl not in ("auto", "ragged_dot", "einsum", "blocked"):
+        if self.gmm_impl not in ("auto", "pallas", "ragged_dot", "einsum"):
             raise ConfigError(
-                f"{prefix}.gmm_impl={self.gmm_impl!r}: choose auto, ragged_dot, einsum or blocked"
+                f"{prefix}.gmm_impl={self.gmm_impl!r}: choose auto, pallas, ragged_dot or einsum"
+            )
+        if self.precision not in ("bf16", "mxfp8"):
+            raise ConfigError(f"{prefix}.precision={self.precision!r}: choose bf16 or mxfp8")
+        if self.precision == "mxfp8" and self.expert_hidden % 32:
+            raise ConfigError(
+                f"{prefix}.precision=mxfp8 quantizes blocks of 32 along the hidden size: "
+                f"{prefix}.expert_hidden={self.expert_hidden} must be a multiple of 32"
             )
         if self.lb_loss_type not in ("per_layer", "pooled"):
             raise ConfigError(
@@ -143,6 +155,7 @@ class TransformerConfig:
     dtype: str = "float32"  # compute dtype; parameters are always float32
     remat: str = "none"  # none | block | attention
     scan_unroll: int = 1  # layers per iteration of the layer scan (compile time grows with it)
+    attention_precision: str = "bf16"  # bf16 (= dtype) | mxfp8: q/k/v/o projection GEMMs
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     @property
@@ -194,5 +207,20 @@ class TransformerConfig:
             raise ConfigError(f"{prefix}.scan_unroll must be >= 1, got {self.scan_unroll}")
         if self.remat not in ("none", "block", "attention"):
             raise ConfigError(f"{prefix}.remat={self.remat!r}: choose none, block or attention")
+        if self.attention_precision not in ("bf16", "mxfp8"):
+            raise ConfigError(
+                f"{prefix}.attention_precision={self.attention_precision!r}: choose bf16 or mxfp8"
+            )
+        widths = (self.d_model, self.n_heads * self.head_size, self.kv_heads * self.head_size)
+        if self.attention_precision == "mxfp8" and any(w % 32 for w in widths):
+            raise ConfigError(
+                f"{prefix}.attention_precision=mxfp8 quantizes blocks of 32: d_model, "
+                f"n_heads*head_dim and n_kv_heads*head_dim ({widths}) must be multiples of 32"
+            )
+        if self.moe.precision == "mxfp8" and self.d_model % 32:
+            raise ConfigError(
+                f"{prefix}.moe.precision=mxfp8 quantizes blocks of 32 along d_model: "
+                f"{prefix}.d_model={self.d_model} must be a multiple of 32"
+            )
         self.moe.validate(prefix + ".moe")
         return self

@@ -2,20 +2,53 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from olmo_jax.model.params import ones_param
+from olmo_jax.model.vma import cotangent_like
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """x * rsqrt(mean(x^2) + eps) over all trailing axes that `weight` spans, times weight."""
-    axes = tuple(range(x.ndim - weight.ndim, x.ndim))
+    return _rms_norm(x, weight, eps)
+
+
+def _norm_axes(x, weight):
+    return tuple(range(x.ndim - weight.ndim, x.ndim))
+
+
+def _rms_norm_fwd(x, weight, eps):
+    axes = _norm_axes(x, weight)
     x32 = x.astype(jnp.float32)
-    var = jnp.mean(jnp.square(x32), axis=axes, keepdims=True)
-    y = (x32 * jax.lax.rsqrt(var + eps)).astype(x.dtype)
-    return weight.astype(x.dtype) * y
+    rstd = jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=axes, keepdims=True) + eps)
+    y = weight.astype(x.dtype) * (x32 * rstd).astype(x.dtype)
+    return y, (x, weight, rstd)
+
+
+def _rms_norm_bwd(eps, res, dy):
+    # Written by hand so the backward pass keeps only x and 1/rms, and the weight is not
+    # materialized at the activations' shape to be shared between the two passes.
+    x, weight, rstd = res
+    axes = _norm_axes(x, weight)
+    batch_axes = tuple(range(x.ndim - weight.ndim))
+    x32, dy32 = x.astype(jnp.float32), dy.astype(jnp.float32)
+    xhat = x32 * rstd
+    dweight = jnp.sum(dy32 * xhat, axis=batch_axes).astype(weight.dtype)
+    g = dy32 * weight.astype(jnp.float32)
+    dx = rstd * (g - xhat * jnp.mean(g * xhat, axis=axes, keepdims=True))
+    return cotangent_like(dx.astype(x.dtype), x), cotangent_like(dweight, weight)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _rms_norm(x, weight, eps):
+    return _rms_norm_fwd(x, weight, eps)[0]
+
+
+_rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
 class RMSNorm(nnx.Module):

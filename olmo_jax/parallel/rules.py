@@ -1,11 +1,27 @@
 """The one table that maps logical axis names (on parameters and activations) to mesh
-axes, and the helpers that turn a parameter tree into shardings.
+axes, per strategy, and the helpers that turn a parameter tree into specs/shardings.
 
-Placement plan (strategy `ddp`, the default: experts resident, tokens travel):
-  logical name    mesh axis     meaning
-  expert          expert        routed experts are split over the expert axis
-  act_batch       data, expert  a batch's rows (tokens) are split over data x expert
-  everything else replicated    non-expert weights are replicated (data parallel)
+Logical names come from the model (`olmo_jax/model/params.py`: embed, mlp, vocab,
+q_heads, kv_heads, head_dim, expert, router_expert, layers); anything not in a table is
+replicated. A parameter has two placements:
+  compute  how the model sees it inside the step's shard_map (after any gather);
+  storage  how it lives in the TrainState, with its AdamW moments (zero.py adds the
+           data-parallel split of ZeRO-1 and FSDP to the compute placement).
+
+Placement (mesh axes pipe x data x expert; tokens always split over data x expert):
+
+  strategy          parameter        compute      storage (params + AdamW moments)
+  ddp, zero1 on     routed experts   expert       expert, and data on one more dim
+  ddp, zero1 on     everything else  replicated   data x expert on one dim
+  ddp, zero1 off    routed experts   expert       expert (= compute)
+  ddp, zero1 off    everything else  replicated   replicated (= compute)
+  fsdp              every parameter  replicated   data x expert on one dim (experts too)
+
+"one dim": the first dimension not already split whose size the data-parallel device
+count divides (zero.py); a parameter with no such dimension stays replicated over those
+devices. Gradients follow storage: all-reduced (ddp), reduce-scattered (zero1, fsdp).
+The golden file tests/parallel/golden/placement.txt lists every leaf for a reference
+config.
 """
 
 from __future__ import annotations
@@ -17,9 +33,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from olmo_jax.parallel.mesh import BATCH_AXES
 
 DDP_RULES: dict[str, str | tuple[str, ...] | None] = {
-    "expert": "expert",
+    "expert": "expert",  # experts resident on their expert-axis rank
     "act_batch": BATCH_AXES,
 }
+FSDP_RULES: dict[str, str | tuple[str, ...] | None] = {
+    "act_batch": BATCH_AXES,  # parameters (experts too) gathered whole for use
+}
+RULES = {"ddp": DDP_RULES, "fsdp": FSDP_RULES}
+
+
+def is_spec(x) -> bool:
+    return isinstance(x, PartitionSpec)
 
 
 def logical_to_spec(names: tuple[str | None, ...], rules=DDP_RULES) -> PartitionSpec:
@@ -27,22 +51,16 @@ def logical_to_spec(names: tuple[str | None, ...], rules=DDP_RULES) -> Partition
 
 
 def param_specs(state: nnx.State, rules=DDP_RULES):
-    """PartitionSpec per leaf of an nnx.State of Variables (from their logical names)."""
+    """Compute PartitionSpec per leaf of an nnx.State of Variables (from logical names)."""
     logical = nnx.get_partition_spec(state)
     return jax.tree.map(
         lambda p: logical_to_spec(tuple(p) if p is not None else (), rules),
         logical,
-        is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None,
+        is_leaf=lambda x: is_spec(x) or x is None,
     )
 
 
 def param_shardings(state: nnx.State, mesh: Mesh, rules=DDP_RULES):
-    return jax.tree.map(
-        lambda s: NamedSharding(mesh, s),
-        param_specs(state, rules),
-        is_leaf=lambda x: isinstance(x, PartitionSpec),
-    )
+    specs = param_specs(state, rules)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=is_spec)
 
-
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, logical_to_spec(("act_batch", None)))

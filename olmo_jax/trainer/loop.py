@@ -15,8 +15,6 @@ import time
 import jax
 import ml_collections
 import numpy as np
-import optax
-from jax.sharding import NamedSharding, PartitionSpec
 from rich.console import Console
 from rich.table import Table
 
@@ -27,15 +25,14 @@ from olmo_jax.checkpoint.run import RunCheckpoints, truncate_metrics
 from olmo_jax.data import build_data
 from olmo_jax.model.config import ConfigError
 from olmo_jax.optim import build_optimizer
-from olmo_jax.parallel import mesh as mesh_lib
-from olmo_jax.parallel import rules
+from olmo_jax.parallel.strategy import build_plan
 from olmo_jax.trainer import guard as guard_lib
 from olmo_jax.trainer import preflight
 from olmo_jax.trainer import run_dir as run_dir_lib
 from olmo_jax.trainer.logger import ExpertCountsLog, MetricsLog, ProgressBar
 from olmo_jax.trainer.preemption import Preemption
 from olmo_jax.trainer.sample import generate
-from olmo_jax.trainer.state import TrainState, abstract_train_state, init_state
+from olmo_jax.trainer.state import abstract_model, abstract_train_state, init_state
 from olmo_jax.trainer.step import make_eval_step, make_train_step
 
 
@@ -54,38 +51,22 @@ class Summary:
     preempted: bool = False  # stopped by SIGTERM / SIGINT after saving a checkpoint
 
 
-def state_shardings(state: TrainState, tx, mesh) -> TrainState:
-    """Shardings for every leaf of the state: parameters from the rules table, optimizer
-    moments like their parameters, everything else replicated."""
-    replicated = NamedSharding(mesh, PartitionSpec())
-    param_sh = rules.param_shardings(state.params, mesh)
-    opt_sh = optax.tree_utils.tree_map_params(
-        tx, lambda _, s: s, state.opt_state, param_sh,
-        transform_non_params=lambda _: replicated,
-    )
-    return TrainState(
-        step=replicated,
-        params=param_sh,
-        opt_state=opt_sh,
-        model_state=jax.tree.map(lambda _: replicated, state.model_state),
-        rng=replicated,
-        guard=jax.tree.map(lambda _: replicated, state.guard),
-    )
-
-
-def _placer(batch_sh, seq_len: int):
-    """place(loader, step) -> the step's global batch on `batch_sh`, each process reading
+def _placer(plan, seq_len: int):
+    """place(loader, step, grad_accum=None) -> the step's global batch laid out as the plan
+    wants ([grad_accum, B / grad_accum, T + 1] on its batch sharding), each process reading
     only the rows its devices hold."""
-    def place(loader, step):
+    def place(loader, step, grad_accum=None):
+        ga = plan.grad_accum if grad_accum is None else grad_accum
+        B = loader.global_batch_size
         return distributed.place_batch(lambda rows: loader.batch(step, rows),
-                                       (loader.global_batch_size, seq_len + 1), batch_sh)
+                                       (ga, B // ga, seq_len + 1), plan.batch_sharding())
     return place
 
 
 def _eval_loss(eval_fn, state, loader, n_batches, place) -> float:
     ce, n = 0.0, 0.0
     for i in range(min(n_batches, max(1, loader.steps_per_epoch))):
-        batch = place(loader, i)
+        batch = place(loader, i, grad_accum=1)
         c, t = eval_fn(state.params, state.model_state, batch)
         ce, n = ce + float(c), n + float(t)
     return ce / max(n, 1.0)
@@ -111,50 +92,38 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
             f"model.vocab_size={model_cfg.vocab_size} is smaller than the data's vocabulary "
             f"({data.vocab_size}); set model.vocab_size >= {data.vocab_size} or 0 (= from the data)"
         )
-    mesh = mesh_lib.make_mesh(cfg.parallel)
-    ep, n_experts = mesh.shape["expert"], model_cfg.moe.num_experts
-    if model_cfg.n_moe_layers and n_experts % ep:
-        raise ConfigError(
-            f"model.moe.num_experts={n_experts} is not divisible by parallel.expert={ep}: every "
-            f"expert rank must hold the same number of experts; choose parallel.expert dividing "
-            f"{n_experts}"
-        )
-    shards = mesh_lib.batch_shards(mesh) * t_cfg.grad_accum
-    if t_cfg.global_batch_size % shards:
-        raise ConfigError(
-            f"trainer.global_batch_size={t_cfg.global_batch_size} must be divisible by data x "
-            f"expert x trainer.grad_accum = {shards}"
-        )
+    plan = build_plan(cfg, model_cfg)  # mesh, strategy, dispatcher (olmo_jax/parallel)
+    mesh = plan.mesh
 
     tx, schedule = build_optimizer(cfg.optim, t_cfg.max_steps)
     guard_cfg = guard_lib.GuardConfig.from_trainer(t_cfg)
-    graphdef, abstract = abstract_train_state(model_cfg, tx, guard_cfg=guard_cfg)
-    shardings = state_shardings(abstract, tx, mesh)
+    graphdef, abstract = abstract_train_state(model_cfg, tx, dispatcher=plan.dispatcher,
+                                              guard_cfg=guard_cfg)
+    shardings = plan.state_shardings(abstract, tx)
+    opt_bytes, opt_bytes_replicated = plan.optimizer_bytes(abstract, tx)
     metrics_path = run_dir / "metrics.jsonl"
     checkpoints = RunCheckpoints(cfg, run_dir, model_cfg, console)
     checkpoints.verify()  # the checkpoint to start from fits, before compiling
-    batch_sh = rules.batch_sharding(mesh)
-    place = _placer(batch_sh, t_cfg.seq_len)
-    replicated = NamedSharding(mesh, PartitionSpec())
+    place = _placer(plan, t_cfg.seq_len)
 
-    step_fn = jax.jit(
+    step_fn = plan.jit_train_step(
         guard_lib.guarded(make_train_step(
-            graphdef, model_cfg, tx, schedule, t_cfg.grad_accum,
-            batch_shards=mesh_lib.batch_shards(mesh), expert_ranks=mesh.shape["expert"],
+            graphdef, model_cfg, tx, schedule, t_cfg.grad_accum, parallel=plan,
+            expert_ranks=mesh.shape["expert"],
         ), guard_cfg),
-        in_shardings=(shardings, batch_sh),
-        out_shardings=(shardings, replicated),
-        donate_argnums=0,
+        shardings,
     )
-    eval_fn = jax.jit(make_eval_step(graphdef, model_cfg), out_shardings=replicated)
+    eval_fn = jax.jit(make_eval_step(graphdef, model_cfg, parallel=plan))
 
     # Preflight: compile on the abstract state (nothing allocated yet) and check it fits.
     stop = t_cfg.hard_stop or t_cfg.max_steps
     t0 = time.perf_counter()
     compiled, memory = None, None
     if checkpoints.latest is None or checkpoints.latest < stop:
+        ga = t_cfg.grad_accum
         batch_spec = jax.ShapeDtypeStruct(
-            (t_cfg.global_batch_size, t_cfg.seq_len + 1), np.int32, sharding=batch_sh)
+            (ga, t_cfg.global_batch_size // ga, t_cfg.seq_len + 1), np.int32,
+            sharding=plan.batch_sharding())
         try:
             compiled = step_fn.lower(_with_shardings(abstract, shardings), batch_spec).compile()
             memory = preflight.check(compiled, cfg)
@@ -168,7 +137,8 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
     # Resumed, or weights from trainer.init_from, or init(); placed on `shardings`.
     state = checkpoints.start(
         abstract, shardings, tx, data.train, metrics_path,
-        init=lambda: init_state(model_cfg, tx, t_cfg.seed, guard_cfg=guard_cfg)[1],
+        init=lambda: init_state(model_cfg, tx, t_cfg.seed, dispatcher=plan.dispatcher,
+                                guard_cfg=guard_cfg)[1],
     )
     start = int(state.step)
     if start >= stop:  # resumed a finished run: nothing to compile or train
@@ -185,8 +155,9 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
         f"[bold]olmo_jax[/] {model_cfg.n_layers} layers, d_model {model_cfg.d_model}, "
         f"{model_cfg.moe.num_experts} experts top-{model_cfg.moe.top_k}; "
         f"{metrics_lib.param_counts(model_cfg)[0] / 1e6:.2f}M params; mesh "
-        f"{dict(mesh.shape)}{procs}; {flops_tok / 1e6:.1f} MFLOP/token; compiled in "
-        f"{compile_s:.1f}s{mem}"
+        f"{dict(mesh.shape)}{procs} {plan.strategy}/{plan.dispatch}; optimizer state "
+        f"{opt_bytes / 1e6:.2f} MB/device ({opt_bytes_replicated / 1e6:.2f} replicated); "
+        f"{flops_tok / 1e6:.1f} MFLOP/token; compiled in {compile_s:.1f}s{mem}"
     )
 
     log = MetricsLog(metrics_path, append=checkpoints.resumed, enabled=main)
@@ -268,9 +239,9 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
         return summary
     if jax.process_count() == 1:  # sampling runs on one process's devices
         prompt = data.tokenizer.encode(t_cfg.sample_prompt)
-        sample_ids = generate(
-            graphdef, state.params, state.model_state, prompt, t_cfg.sample_tokens,
-            t_cfg.seq_len, data.tokenizer.pad_id, seed=t_cfg.seed,
+        sample_ids = generate(  # single-program sampling: the model with its local dispatch
+            abstract_model(model_cfg)[0], state.params, state.model_state, prompt,
+            t_cfg.sample_tokens, t_cfg.seq_len, data.tokenizer.pad_id, seed=t_cfg.seed,
         )
         summary = dataclasses.replace(summary, sample=data.tokenizer.decode(sample_ids))
     print_summary(summary, console)

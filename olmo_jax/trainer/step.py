@@ -7,6 +7,14 @@ Gradient accumulation splits the batch into `grad_accum` microbatches inside the
 (a `lax.scan`, gradients summed in float32). Metrics stay on the device; the host reads
 them only when it logs. Training randomness comes from TrainState.rng folded with the step;
 auxiliary-loss-free balancing updates the router biases in model_state after the update.
+
+On a device mesh, `parallel` (an `olmo_jax.parallel.strategy.ParallelPlan`) runs the loss
+and gradients per device inside `shard_map`: its `allsum` / `allgather` sum / stack over
+the devices the batch is split across (so the losses equal the single-device ones and
+per-shard routing metrics see every shard), and `parallel.shard_grads` owns parameter
+gathering and gradient reduction (DDP all-reduce, ZeRO-1 reduce-scatter, FSDP).
+Without a mesh, `row_shards` > 1 splits the batch rows into that many shards instead (the
+same per-shard metrics and `local` load-balancing loss, on one device).
 """
 
 from __future__ import annotations
@@ -46,6 +54,22 @@ class LossParts(NamedTuple):
         return jnp.sum(self.counts_LGE, axis=1)
 
 
+class SingleDevice:
+    """The batch-reduction interface of a ParallelPlan, for a batch on one device."""
+
+    @staticmethod
+    def allsum(tree):
+        return tree
+
+    @staticmethod
+    def allgather(x):
+        return x[None]
+
+    @staticmethod
+    def use_params(params):
+        return params
+
+
 def cross_entropy_sum(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
     logits_BTV = logits_BTV.astype(jnp.float32)
     lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
@@ -54,33 +78,49 @@ def cross_entropy_sum(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array
 
 
 def forward_losses(graphdef, params, model_state, batch_BT1, cfg: TransformerConfig,
-                   rng=None, shards: int = 1) -> LossParts:
-    """`rng`: a key in training (router jitter, random routing). `shards`: the data-parallel
-    shards the batch rows are split into (local LB granularity, local imbalance)."""
+                   rng=None, row_shards: int = 1, parallel=SingleDevice) -> LossParts:
+    """`rng`: a key in training (router jitter, random routing). `row_shards`: shards the
+    local batch rows are split into; `parallel.allsum` sums over the devices holding other
+    parts of the batch, so every loss is the one a single device computes on the whole
+    batch."""
     model = nnx.merge(graphdef, params, model_state)
     inputs_BT, targets_BT = batch_BT1[:, :-1], batch_BT1[:, 1:]
     out = model(inputs_BT, rng=rng)
-    ce_sum = cross_entropy_sum(out.logits_BTV, targets_BT)
-    n = jnp.asarray(targets_BT.size, jnp.float32)
-    return LossParts(ce_sum, n, **routing_parts(out.router_stats, cfg, shards))
+    ce_sum = parallel.allsum(cross_entropy_sum(out.logits_BTV, targets_BT))
+    n = parallel.allsum(jnp.asarray(targets_BT.size, jnp.float32))
+    return LossParts(ce_sum, n, **routing_parts(out.router_stats, cfg, row_shards, parallel))
 
 
-def routing_parts(stats: RouterStats | None, cfg: TransformerConfig, shards: int = 1) -> dict:
-    """The routing fields of LossParts from the model's stacked RouterStats."""
+def routing_parts(stats: RouterStats | None, cfg: TransformerConfig, row_shards: int = 1,
+                  parallel=SingleDevice) -> dict:
+    """The routing fields of LossParts from the model's stacked (local) RouterStats.
+
+    Shards are the devices' batch slices, each split into `row_shards` row groups. The
+    summed stats (`allsum`, tokens_per_row included) describe the whole batch, so
+    row-summed quantities from them are global."""
     m = cfg.moe
     if stats is None:
         zero, none = jnp.zeros((), jnp.float32), jnp.zeros((0,), jnp.float32)
         return dict(lb_loss=zero, z_loss=zero, lb_L=none, z_L=none, dropped_L=none,
-                    counts_LGE=jnp.zeros((0, shards, m.num_experts), jnp.float32))
-    lb_shards = shards if m.lb_granularity == "local" else 1
-    z_L = z_loss_per_layer(stats)
+                    counts_LGE=jnp.zeros((0, row_shards, m.num_experts), jnp.float32))
+    global_stats = parallel.allsum(stats)
+    if m.lb_granularity == "local":  # each shard's loss from its own counts, averaged
+        devices = parallel.allsum(jnp.ones((), jnp.float32))
+        lb = parallel.allsum(load_balancing_loss(stats, m.top_k, m.lb_loss_type, row_shards)) / devices
+        lb_L = parallel.allsum(load_balancing_per_layer(stats, m.top_k, row_shards)) / devices
+    else:
+        lb = load_balancing_loss(global_stats, m.top_k, m.lb_loss_type)
+        lb_L = load_balancing_per_layer(global_stats, m.top_k)
+    z_L = z_loss_per_layer(global_stats)
+    counts_GLSE = parallel.allgather(shard_sums(stats.counts_BE, row_shards))
+    G, L, S, E = counts_GLSE.shape
     return dict(
-        lb_loss=load_balancing_loss(stats, m.top_k, m.lb_loss_type, lb_shards),
+        lb_loss=lb,
         z_loss=jnp.sum(z_L),
-        lb_L=load_balancing_per_layer(stats, m.top_k, lb_shards),
+        lb_L=lb_L,
         z_L=z_L,
-        counts_LGE=shard_sums(stats.counts_BE, shards),
-        dropped_L=stats.dropped,
+        counts_LGE=counts_GLSE.transpose(1, 0, 2, 3).reshape(L, G * S, E),
+        dropped_L=global_stats.dropped,
     )
 
 
@@ -92,14 +132,15 @@ def total_loss(parts: LossParts, cfg: TransformerConfig) -> jax.Array:
     )
 
 
-def make_train_step(graphdef, cfg: TransformerConfig, tx: optax.GradientTransformation,
-                    schedule: optax.Schedule, grad_accum: int = 1, *, batch_shards: int = 1,
-                    expert_ranks: int = 1):
-    """`batch_shards`: data-parallel shards of the batch (local LB granularity and
-    imbalance); `expert_ranks`: expert-parallel ranks (rank_imbalance)."""
+def make_grads_fn(graphdef, cfg: TransformerConfig, grad_accum: int = 1, parallel=None,
+                  row_shards: int = 1):
+    """grads_fn(params, model_state, batch, rng) -> (grads, LossParts), gradients of the
+    total loss averaged over `grad_accum` microbatches (what one train step applies)."""
+    ops = parallel if parallel is not None else SingleDevice
 
     def loss_fn(params, model_state, batch, rng):
-        parts = forward_losses(graphdef, params, model_state, batch, cfg, rng, batch_shards)
+        parts = forward_losses(graphdef, ops.use_params(params), model_state, batch, cfg, rng,
+                               row_shards, ops)
         return total_loss(parts, cfg), parts
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -116,13 +157,27 @@ def make_train_step(graphdef, cfg: TransformerConfig, tx: optax.GradientTransfor
             (_, parts), grads = grad_fn(params, model_state, mb, key)
             return jax.tree.map(jnp.add, acc, (grads, parts)), None
 
-        first = jax.eval_shape(grad_fn, params, model_state, micro[0], keys[0])
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (first[1], first[0][1]))
+        parts_shape = jax.eval_shape(grad_fn, params, model_state, micro[0], keys[0])[0][1]
+        # zeros_like(params): inside shard_map a gradient varies over the same mesh axes
+        # as its parameter, and a scan carry must keep its type.
+        zeros = (jax.tree.map(jnp.zeros_like, params),
+                 jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), parts_shape))
         (grads, parts), _ = jax.lax.scan(body, zeros, (micro, keys))
         grads = jax.tree.map(lambda g: g / grad_accum, grads)
         parts = parts._replace(**{f: getattr(parts, f) / grad_accum
                                   for f in ("lb_loss", "z_loss", "lb_L", "z_L")})
         return grads, parts
+
+    return grads_and_parts if parallel is None else parallel.shard_grads(grads_and_parts)
+
+
+def make_train_step(graphdef, cfg: TransformerConfig, tx: optax.GradientTransformation,
+                    schedule: optax.Schedule, grad_accum: int = 1, *, parallel=None,
+                    row_shards: int = 1, expert_ranks: int = 1):
+    """`parallel`: a ParallelPlan (None: one device); `row_shards`: without a mesh, the
+    shards the batch rows are split into (local LB granularity and imbalance);
+    `expert_ranks`: expert-parallel ranks (rank_imbalance)."""
+    grads_and_parts = make_grads_fn(graphdef, cfg, grad_accum, parallel, row_shards)
 
     def train_step(state: TrainState, batch_BT1: jax.Array):
         # Training randomness (router jitter, random routing): the state's key and the step.
@@ -147,9 +202,12 @@ def make_train_step(graphdef, cfg: TransformerConfig, tx: optax.GradientTransfor
     return train_step
 
 
-def make_eval_step(graphdef, cfg: TransformerConfig):
+def make_eval_step(graphdef, cfg: TransformerConfig, parallel=None):
+    ops = parallel if parallel is not None else SingleDevice
+
     def eval_step(params, model_state, batch_BT1):
-        parts = forward_losses(graphdef, params, model_state, batch_BT1, cfg)
+        parts = forward_losses(graphdef, ops.use_params(params), model_state, batch_BT1, cfg,
+                               parallel=ops)
         return parts.ce_sum, parts.n_tokens
 
-    return eval_step
+    return eval_step if parallel is None else parallel.shard_eval(eval_step)

@@ -17,7 +17,7 @@ from olmo_jax.checkpoint.run import model_tree, train_tree
 from olmo_jax.checkpoint.tree import flatten_named, unflatten_named
 from olmo_jax.model import MoEConfig, TransformerConfig
 from olmo_jax.parallel import mesh as mesh_lib
-from olmo_jax.trainer.loop import state_shardings
+from olmo_jax.parallel import rules, strategy
 from olmo_jax.trainer.state import TrainState, abstract_model
 
 TX = optax.adamw(1e-3)
@@ -60,6 +60,11 @@ def mesh_of(layout: str) -> Mesh:
         return Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), mesh_lib.AXES)
     data, expert = {"replicated8": (8, 1), "expert8": (1, 8)}[layout]
     return mesh_lib.make_mesh(ml_collections.ConfigDict(dict(pipe=1, data=data, expert=expert)))
+
+
+def state_shardings(state: TrainState, tx, mesh: Mesh) -> TrainState:
+    """Parameters placed by the ddp rules table (experts over `expert`), moments alike."""
+    return strategy.state_shardings(state, tx, mesh, rules.param_shardings(state.params, mesh))
 
 
 def save_state(directory, state: TrainState, **kw) -> m.Checkpoints:

@@ -98,11 +98,11 @@ def test_counts_are_summed_over_micro_batches():
     tx = optax.sgd(0.0)
     graphdef, state = init_state(cfg, tx, seed=0)
     micro = jax.jit(make_train_step(graphdef, cfg, tx, optax.constant_schedule(0.0),
-                                    grad_accum=2, batch_shards=2, expert_ranks=2))
+                                    grad_accum=2, row_shards=2, expert_ranks=2))
     batch = _batch(8)
     new_state, m = micro(state, batch)
     whole = jax.jit(lambda: forward_losses(graphdef, state.params, state.model_state, batch,
-                                           cfg, shards=2))()
+                                           cfg, row_shards=2))()
     counts_LE = np.asarray(whole.counts_LE)  # the whole batch in one forward
     assert counts_LE.sum() == 2 * 8 * 8 * 2
     np.testing.assert_array_equal(m["expert_counts"], counts_LE)

@@ -24,6 +24,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from olmo_jax.model.vma import cotangent_like
+
 
 class BufferPlan(NamedTuple):
     row_Sk: jax.Array  # int32 destination row of each assignment (== n_rows when dropped)
@@ -116,12 +118,13 @@ def _gather_rows(x_SD, src_P, row_Sk):
 
 
 def _gather_rows_fwd(x_SD, src_P, row_Sk):
-    return _with_zero_row(x_SD)[src_P], row_Sk
+    return _with_zero_row(x_SD)[src_P], (row_Sk, x_SD)
 
 
-def _gather_rows_bwd(row_Sk, dx_PD):
+def _gather_rows_bwd(res, dx_PD):
+    row_Sk, x_SD = res
     dx_SD = jnp.sum(_with_zero_row(dx_PD)[row_Sk], axis=1)
-    return dx_SD, None, None
+    return cotangent_like(dx_SD, x_SD), None, None
 
 
 _gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
@@ -144,7 +147,7 @@ def _combine_rows_bwd(res, dy_SD):
     dy_PD = (w_a * _with_zero_row(dy_SD)[a_P // k]).astype(y_PD.dtype)
     y_SkD = _with_zero_row(y_PD)[row_Sk].astype(jnp.float32)
     dw_Sk = jnp.einsum("skd,sd->sk", y_SkD, dy_SD)
-    return dy_PD, dw_Sk, None, None
+    return cotangent_like(dy_PD, y_PD), cotangent_like(dw_Sk, w_Sk), None, None
 
 
 _combine_rows.defvjp(_combine_rows_fwd, _combine_rows_bwd)

@@ -1,12 +1,16 @@
 """The routed experts' weights and the grouped SwiGLU matmul over an expert-grouped buffer.
 
-Weights: w_gate, w_up [E, D, F]; w_down [E, F, D]. Implementations (`gmm_impl`):
+Weights: w_gate, w_up [E, D, F]; w_down [E, F, D]. Implementations (`gmm_impl`, resolved
+by `olmo_jax.kernels.resolve_gmm_impl`):
   ragged_dot  jax.lax.ragged_dot over the sorted layout (GPU/TPU grouped GEMM; on CPU
               it expands to a dense masked product, E times the FLOPs);
+  pallas      the sorted layout on the Pallas grouped-matmul kernels (Hopper GPUs;
+              olmo_jax/kernels/grouped_matmul.py);
   einsum      a padded batched einsum: over [E, C, D] capacity buffers, or, dropless,
               over blocks of the blocked layout with each block's expert's weights
               gathered ([B, b, D] x [B, D, F]); the fastest path on CPU;
-  auto        einsum on CPU, ragged_dot elsewhere.
+  auto        einsum on CPU, pallas on Hopper (bf16), ragged_dot elsewhere.
+MXFP8 versions of these FFNs: olmo_jax/model/moe/mxfp8_experts.py.
 """
 
 from __future__ import annotations
@@ -15,7 +19,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from olmo_jax.kernels import resolve_gmm_impl
 from olmo_jax.model.params import normal_param
+from olmo_jax.model.vma import cotangent_like
+
+__all__ = ["Experts", "ffn_batched", "ffn_blocked", "ffn_ragged", "resolve_gmm_impl"]
 
 
 class Experts(nnx.Module):
@@ -29,18 +37,13 @@ class Experts(nnx.Module):
         return tuple(w[...].astype(dtype) for w in (self.w_gate, self.w_up, self.w_down))
 
 
-def resolve_gmm_impl(gmm_impl: str) -> str:
-    if gmm_impl == "auto":
-        return "einsum" if jax.default_backend() == "cpu" else "ragged_dot"
-    return gmm_impl
-
-
-def ffn_ragged(x_RD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD):
-    """SwiGLU over rows sorted by expert; group_sizes_E rows per expert."""
+def ffn_ragged(x_RD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, gmm=jax.lax.ragged_dot):
+    """SwiGLU over rows sorted by expert; group_sizes_E rows per expert. `gmm(x, w, gs)`
+    is the grouped matmul (ragged_dot, or kernels.grouped_matmul.grouped_matmul)."""
     gs = group_sizes_E.astype(jnp.int32)
-    g_RF = jax.lax.ragged_dot(x_RD, w_gate_EDF, gs)
-    u_RF = jax.lax.ragged_dot(x_RD, w_up_EDF, gs)
-    return jax.lax.ragged_dot(jax.nn.silu(g_RF) * u_RF, w_down_EFD, gs)
+    g_RF = gmm(x_RD, w_gate_EDF, gs)
+    u_RF = gmm(x_RD, w_up_EDF, gs)
+    return gmm(jax.nn.silu(g_RF) * u_RF, w_down_EFD, gs)
 
 
 def _swiglu_groups_fwd(x_GCD, wgu_GDJ, wd_GFD):
@@ -90,7 +93,8 @@ def _ffn_batched_fwd(x_GCD, w_gate_GDF, w_up_GDF, w_down_GFD):
 def _ffn_batched_bwd(res, dy_GCD):
     x_GCD, gu_GCJ, wgu_GDJ, w_down_GFD = res
     dx, dwgu, dwd = _swiglu_groups_bwd(x_GCD, gu_GCJ, wgu_GDJ, w_down_GFD, dy_GCD)
-    return (dx, *_split_gate_up(dwgu, w_down_GFD.shape[1]), dwd)
+    dwg, dwu = _split_gate_up(cotangent_like(dwgu, wgu_GDJ), w_down_GFD.shape[1])
+    return cotangent_like(dx, x_GCD), dwg, dwu, cotangent_like(dwd, w_down_GFD)
 
 
 ffn_batched.defvjp(_ffn_batched_fwd, _ffn_batched_bwd)
@@ -124,7 +128,10 @@ def _ffn_blocked_bwd(res, dy_PD):
     onehot_BE = jax.nn.one_hot(block_expert_B, E, dtype=dwgu_BDJ.dtype)
     dwgu_EDJ = jnp.einsum("be,bdj->edj", onehot_BE, dwgu_BDJ)
     dwd_EFD = jnp.einsum("be,bfd->efd", onehot_BE, dwd_BFD)
-    return (dx_BbD.reshape(dy_PD.shape), None, *_split_gate_up(dwgu_EDJ, F), dwd_EFD)
+    dwg_EDF, dwu_EDF = _split_gate_up(dwgu_EDJ, F)
+    return (cotangent_like(dx_BbD.reshape(dy_PD.shape), x_BbD), None,
+            cotangent_like(dwg_EDF, w_gate_EDF), cotangent_like(dwu_EDF, w_up_EDF),
+            cotangent_like(dwd_EFD, w_down_EFD))
 
 
 ffn_blocked.defvjp(_ffn_blocked_fwd, _ffn_blocked_bwd)

@@ -18,14 +18,9 @@ from flax import nnx
 from olmo_jax.model.config import MoEConfig, TransformerConfig
 from olmo_jax.model.mlp import MLP
 from olmo_jax.model.moe import dispatch
-from olmo_jax.model.moe.experts import (
-    Experts,
-    ffn_batched,
-    ffn_blocked,
-    ffn_ragged,
-    resolve_gmm_impl,
-)
+from olmo_jax.model.moe.experts import Experts, resolve_gmm_impl
 from olmo_jax.model.moe.losses import RouterStats, router_stats
+from olmo_jax.model.moe.mxfp8_experts import expert_ffns
 from olmo_jax.model.moe.router import Router, Routing
 
 Dispatcher = Callable[..., tuple[jax.Array, jax.Array]]
@@ -49,24 +44,25 @@ def local_dispatch(x_SD, routing: Routing, experts: Experts, cfg: MoEConfig, dty
     E = cfg.num_experts
     w = experts.weights(dtype)
     x_SD = x_SD.astype(dtype)
-    impl = resolve_gmm_impl(cfg.gmm_impl)
+    impl = resolve_gmm_impl(cfg.gmm_impl, dtype)
+    ffn = expert_ffns(cfg, impl)  # per layout, in cfg.precision
     if cfg.capacity_factor > 0:
         C = expert_capacity(S, cfg.top_k, E, cfg.capacity_factor)
         plan = dispatch.capacity_plan(routing.idx_Sk, E, C)
         x_PD = dispatch.gather_rows(x_SD, plan)
-        if impl == "ragged_dot":
-            y_PD = ffn_ragged(x_PD, jnp.full((E,), C, jnp.int32), *w)
+        if impl in ("ragged_dot", "pallas"):
+            y_PD = ffn.ragged(x_PD, jnp.full((E,), C, jnp.int32), *w)
         else:
-            y_PD = ffn_batched(x_PD.reshape(E, C, -1), *w).reshape(E * C, -1)
+            y_PD = ffn.batched(x_PD.reshape(E, C, -1), *w).reshape(E * C, -1)
         dropped = jnp.sum(~plan.keep_Sk).astype(jnp.float32)
-    elif impl == "ragged_dot":
+    elif impl in ("ragged_dot", "pallas"):
         plan = dispatch.sorted_plan(routing.idx_Sk, E)
-        y_PD = ffn_ragged(dispatch.gather_rows(x_SD, plan), plan.group_sizes_E, *w)
+        y_PD = ffn.ragged(dispatch.gather_rows(x_SD, plan), plan.group_sizes_E, *w)
         dropped = jnp.zeros((), jnp.float32)
     elif impl == "einsum":
         b = block_size(routing.idx_Sk.size, E)
         plan, block_expert_B = dispatch.blocked_plan(routing.idx_Sk, E, b)
-        y_PD = ffn_blocked(dispatch.gather_rows(x_SD, plan), block_expert_B, *w)
+        y_PD = ffn.blocked(dispatch.gather_rows(x_SD, plan), block_expert_B, *w)
         dropped = jnp.zeros((), jnp.float32)
     else:
         raise ValueError(f"unknown gmm_impl {cfg.gmm_impl!r}")

@@ -1,0 +1,237 @@
+"""MXFP8 GEMMs for the model: every GEMM operand quantized in blocks of 32 along that
+GEMM's contracting dimension (`olmo_jax.kernels.mxfp8`), forward and input-gradient
+GEMMs in MXFP8, weight-gradient GEMMs in the compute dtype (optionally on MXFP8-rounded
+operands too).
+
+A "layout" names a bilinear product f(a, w, aux) between rows `a` and weights `w` whose
+contracting dimension is a's last and w's second-to-last (w is [K, N] or [E, K, N]):
+  dense    a [M, K] @ w [K, N]                    (attention projections)
+  batched  a [G, C, K], w [G, K, N] per group      (capacity buffers)
+  blocked  a [B, b, K], w [E, K, N], block b uses expert aux[b]   (dropless blocked)
+  ragged   a [R, K] sorted by expert, aux = group sizes: jax.lax.ragged_dot
+  pallas   the same with the Pallas grouped-matmul kernels (olmo_jax.kernels)
+The input and weight gradients of any layout are the vjp of f, so the MXFP8 versions
+below need only f:
+  forward  y  = f(Q(a) along K, Q(w) along K)
+  dgrad    da = vjp_a f(., Q(w) along N) applied to Q(dy) along N
+  wgrad    dw = vjp_w f(a_saved, .) applied to dy (bf16), or both rounded through MXFP8
+              along the rows when `quantize_wgrad`
+Each weight is quantized both ways in one pass in the forward (`quantize_weight`); the
+backward keeps its N-quantized copy (fp8) instead of the bf16 weight.
+`mx_nt` runs one quantized GEMM: on Blackwell (block-scaled MMA) `jax.nn.scaled_matmul`
+(cuDNN) for the dense, batched and blocked layouts; elsewhere, and for the ragged
+layouts, an emulation that dequantizes (exact in float32) and runs f in the compute dtype,
+so both agree up to accumulation order.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from olmo_jax.kernels import mxfp8 as mx
+from olmo_jax.kernels import platform
+
+PRECISIONS = ("bf16", "mxfp8")
+
+
+def _dense(a, w, aux):
+    return jnp.dot(a, w)
+
+
+def _batched(a, w, aux):
+    return jnp.einsum("gck,gkn->gcn", a, w)
+
+
+def _blocked(a, w, aux):
+    return jnp.einsum("bck,bkn->bcn", a, w[aux])
+
+
+def _ragged(a, w, aux):
+    return jax.lax.ragged_dot(a, w, aux)
+
+
+def _pallas(a, w, aux):
+    from olmo_jax.kernels.grouped_matmul import grouped_matmul
+
+    return grouped_matmul(a, w, aux)
+
+
+def _pallas_wgrad(a, dy, aux):
+    from olmo_jax.kernels.grouped_matmul import tgmm
+
+    return tgmm(a, dy, aux)
+
+
+LAYOUTS = {
+    "dense": _dense,
+    "batched": _batched,
+    "blocked": _blocked,
+    "ragged": _ragged,
+    "pallas": _pallas,
+}
+# Weight gradients computed directly instead of as f's vjp (which would also run f).
+WGRADS = {"pallas": _pallas_wgrad}
+SCALED_MATMUL_LAYOUTS = ("dense", "batched", "blocked")
+
+
+def quantize(x, axis: int, rounding: str):
+    """mx.quantize, padding `axis` with zeros to a multiple of 32 when needed (zeros do
+    not change a block's maximum); the pad is sliced off after dequantizing."""
+    n = x.shape[axis]
+    pad = -n % mx.BLOCK
+    if pad:
+        widths = [(0, 0)] * x.ndim
+        widths[axis % x.ndim] = (0, pad)
+        x = jnp.pad(x, widths)
+    return mx.quantize(x, axis, rounding)
+
+
+def dequantize(q, s, axis: int, dtype, n: int | None = None):
+    x = mx.dequantize(q, s, axis, dtype)
+    if n is not None and x.shape[axis] != n:
+        x = jax.lax.slice_in_dim(x, 0, n, axis=axis % x.ndim)
+    return x
+
+
+def round_trip(x, axis: int, rounding: str):
+    """x as an MXFP8 GEMM along `axis` sees it, in x's dtype."""
+    q, s = quantize(x, axis, rounding)
+    return dequantize(q, s, axis, x.dtype, x.shape[axis])
+
+
+def use_scaled_matmul(layout: str) -> bool:
+    return layout in SCALED_MATMUL_LAYOUTS and platform.block_scaled_mma_supported()
+
+
+def mx_nt(layout: str, a_q, a_s, bt_q, bt_s, aux, dtype):
+    """One MXFP8 GEMM: rows a [..., K] and weights given transposed, bt [.., N, K], both
+    quantized along K (their last dim). Returns f(a, bt^T) in `dtype`."""
+    if use_scaled_matmul(layout):
+        if layout == "blocked":
+            bt_q, bt_s = bt_q[aux], bt_s[aux]
+        if layout == "dense":
+            out = jax.nn.scaled_matmul(a_q[None], bt_q[None], a_s[None], bt_s[None])[0]
+        else:
+            out = jax.nn.scaled_matmul(a_q, bt_q, a_s, bt_s)
+        return out.astype(dtype)
+    a = mx.dequantize(a_q, a_s, -1, dtype)
+    w = jnp.swapaxes(mx.dequantize(bt_q, bt_s, -1, dtype), -1, -2)
+    return LAYOUTS[layout](a, w, aux).astype(dtype)
+
+
+class WeightQ(NamedTuple):
+    """A weight w [.., K, N] quantized both ways, from one pass over it
+    (`olmo_jax.kernels.mxfp8.quantize_rowcol`: the fused kernel on a GPU):
+    fwd_q, fwd_s    along K, transposed to [.., N, K] and [.., N, K/32] (forward GEMM)
+    dgrad_q, dgrad_s along N: [.., K, N] and [.., K, N/32] (input-gradient GEMM; this
+                    copy, not the bf16 weight, is what the backward pass keeps)"""
+
+    fwd_q: jax.Array
+    fwd_s: jax.Array
+    dgrad_q: jax.Array
+    dgrad_s: jax.Array
+
+
+def quantize_weight(w, rounding: str) -> WeightQ:
+    *lead, K, N = w.shape
+    if K % mx.BLOCK:
+        raise ValueError(f"MXFP8 weight: contracting size {K} is not a multiple of {mx.BLOCK}")
+    q_n, s_n, q_k, s_k = mx.quantize_rowcol(w.reshape(-1, N), rounding)  # [L*K, N] view
+    q_k = q_k.reshape(*lead, K, N)
+    s_k = s_k.reshape(*lead, K // mx.BLOCK, N)
+    return WeightQ(
+        jnp.swapaxes(q_k, -1, -2),
+        jnp.swapaxes(s_k, -1, -2),
+        q_n.reshape(*lead, K, N),
+        s_n.reshape(*lead, K, N // mx.BLOCK),
+    )
+
+
+def forward(layout, a, wq: WeightQ, aux, rounding):
+    """(y, (a_q, a_s)): the forward GEMM and a's quantized form (saved for backward)."""
+    a_q, a_s = mx.quantize(a, -1, rounding)
+    return mx_nt(layout, a_q, a_s, wq.fwd_q, wq.fwd_s, aux, a.dtype), (a_q, a_s)
+
+
+def dgrad(layout, dy, wq: WeightQ, aux, rounding):
+    """dL/da of f(a, w): Q(dy along N) times Q(w along N)^T."""
+    dy_q, dy_s = mx.quantize(dy, -1, rounding)
+    return mx_nt(layout, dy_q, dy_s, wq.dgrad_q, wq.dgrad_s, aux, dy.dtype)
+
+
+def wgrad(layout, a, dy, wq: WeightQ, aux, rounding, quantize_wgrad: bool):
+    """dL/dw of f(a, w) for cotangent dy: the transpose of the linear map w -> f(a, w)
+    (no forward product is run). With quantize_wgrad, a and dy are first rounded through
+    MXFP8 along the rows (axis -2). Returns a's dtype."""
+    dy = dy.astype(a.dtype)
+    if quantize_wgrad:
+        a, dy = round_trip(a, -2, rounding), round_trip(dy, -2, rounding)
+    if layout in WGRADS:
+        return WGRADS[layout](a, dy, aux).astype(a.dtype)
+    # w's type (shape, dtype, and inside shard_map its manual axes), from a saved copy;
+    # the conversion is dead code after the transpose and is never computed.
+    w_like = wq.dgrad_q.astype(a.dtype)
+    (dw,) = jax.linear_transpose(lambda w_: LAYOUTS[layout](a, w_, aux), w_like)(dy)
+    return dw
+
+
+# ----------------------------------------------------------------------------- dense
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def dense(x_MK, w_KN, rounding: str = "rceil", quantize_wgrad: bool = False):
+    """x @ w in MXFP8 (forward and input gradient), weight gradient in x's dtype."""
+    return _dense_fwd(x_MK, w_KN, rounding, quantize_wgrad)[0]
+
+
+def _dense_fwd(x_MK, w_KN, rounding, quantize_wgrad):
+    wq = quantize_weight(w_KN, rounding)
+    y, (x_q, x_s) = forward("dense", x_MK, wq, None, rounding)
+    return y, (x_q, x_s, wq._replace(fwd_q=None, fwd_s=None))
+
+
+def _dense_bwd(rounding, quantize_wgrad, res, dy):
+    x_q, x_s, wq = res
+    dt = dy.dtype
+    x = mx.dequantize(x_q, x_s, -1, dt)
+    dx = dgrad("dense", dy, wq, None, rounding)
+    dw = wgrad("dense", x, dy, wq, None, rounding, quantize_wgrad)
+    return dx, dw
+
+
+dense.defvjp(_dense_fwd, _dense_bwd)
+
+
+_EINSUM = re.compile(r"^([a-z]+),([a-z]+)->([a-z]+)$")
+
+
+@functools.cache
+def _einsum_plan(spec: str):
+    m = _EINSUM.match(spec.replace(" ", ""))
+    if not m:
+        raise ValueError(f"mxfp8 einsum: cannot parse {spec!r}")
+    xs, ws, out = m.groups()
+    contracted = "".join(c for c in xs if c in ws and c not in out)
+    batch, w_rest = xs[: len(xs) - len(contracted)], ws[len(contracted):]
+    if xs != batch + contracted or ws != contracted + w_rest or out != batch + w_rest:
+        raise ValueError(
+            f"mxfp8 einsum {spec!r}: needs x = batch + contracted, w = contracted + rest, "
+            "out = batch + rest (a plain matmul after reshaping)"
+        )
+    return len(batch), len(contracted)
+
+
+def einsum(spec: str, x, w, rounding: str = "rceil", quantize_wgrad: bool = False):
+    """An einsum that is one matmul after reshaping (e.g. "btd,dnh->btnh"), in MXFP8."""
+    nb, nc = _einsum_plan(spec)
+    batch, contracted, rest = x.shape[:nb], w.shape[:nc], w.shape[nc:]
+    k = 1
+    for d in contracted:
+        k *= d
+    y = dense(x.reshape(-1, k), w.reshape(k, -1), rounding, quantize_wgrad)
+    return y.reshape(*batch, *rest)

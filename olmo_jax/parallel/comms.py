@@ -1,0 +1,257 @@
+"""Collective accounting from compiled HLO: every collective of a compiled program, its
+bytes, and how many times one execution runs it (loop bodies times their trip counts;
+the model's layers run in a lax.scan, microbatches in another).
+
+    colls = collectives(jitted.lower(*args).compile())     # or the HLO text
+    print(format_table(colls, title="ddp step"))
+
+Bytes of one collective execution, per device, are the size of the full buffer it works
+on: the result of all-gather / all-reduce / all-to-all / collective-permute, the operand
+(result x group size) of reduce-scatter, and the output buffer of ragged-all-to-all (an
+upper bound: the rows it moves depend on routing). Multiply by the device count for
+the whole mesh (SPMD programs are symmetric). `backward` marks collectives that come from
+differentiation (their op_name has `transpose(`), `phase` says fwd / bwd / step (once per
+step: ZeRO parameter gathers and gradient reductions); op_name also carries the scopes
+the parallel code sets (`Collective.purpose`: zero_gather, zero_reduce, fsdp_gather,
+loss_allsum, moe_<backend>; "other" for what GSPMD adds, e.g. the gradient-norm sum).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import re
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
+         "collective-permute", "collective-broadcast")
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+               "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+               "f8e4m3fn": 1, "f8e5m2": 1, "f8e8m0fnu": 1, "s4": 1, "u4": 1}
+
+# Named scopes set by olmo_jax.parallel (zero.py, strategy.py, expert/*).
+SCOPES = ("zero_gather", "zero_reduce", "fsdp_gather", "loss_allsum", "moe_rowwise",
+          "moe_ragged", "moe_allgather")
+
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*->.*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*)$")
+_SHAPE = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
+_CALLEES = re.compile(
+    r"\b(?:body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_OPNAME = re.compile(r'op_name="([^"]*)"')
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_IOTA_GROUPS = re.compile(r"replica_groups=\[([\d,]+)\]<=")
+_LIST_GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
+_PARTITIONS = re.compile(r"num_partitions=(\d+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    kind: str
+    name: str
+    computation: str
+    shapes: tuple[str, ...]  # result array types, e.g. ("f32[4,2,16]",)
+    bytes: int  # per device, one execution
+    group_size: int  # devices taking part together
+    axes: tuple[str, ...]  # mesh axes of the group, when the HLO names them
+    count: int  # executions per program run (enclosing loop trip counts multiplied)
+    trip_counts_known: bool
+    op_name: str
+
+    @property
+    def backward(self) -> bool:
+        return "transpose(" in self.op_name
+
+    @property
+    def bytes_per_run(self) -> int:
+        return self.bytes * self.count
+
+    @property
+    def phase(self) -> str:
+        """fwd | bwd (from differentiation) | step (once-per-step parameter and gradient
+        traffic: ZeRO gathers/reductions and what GSPMD adds around the update)."""
+        if self.backward:
+            return "bwd"
+        return "step" if self.purpose in ("zero_gather", "zero_reduce", "other") else "fwd"
+
+    @property
+    def purpose(self) -> str:
+        """What moves, from the named scope the parallel code set (see module docstring)."""
+        for scope in SCOPES:  # "a/zero_gather/b", "jvp(loss_allsum)/psum", ...
+            if re.search(rf"(^|[/(:]){scope}[/):]", self.op_name):
+                return scope
+        return "other"
+
+
+def _hlo_text(program) -> str:
+    if isinstance(program, str):
+        return program
+    return program.as_text()
+
+
+def _shape_bytes(type_str: str) -> tuple[int, tuple[str, ...]]:
+    total, shapes = 0, []
+    for dtype, dims in _SHAPE.findall(type_str):
+        if dtype not in DTYPE_BYTES:
+            continue
+        n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+        total += n * DTYPE_BYTES[dtype]
+        shapes.append(f"{dtype}[{dims}]")
+    return total, tuple(shapes)
+
+
+def _group(line: str, n_partitions: int) -> tuple[int, tuple[str, ...]]:
+    if m := _MESH_GROUPS.search(line):
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
+        axes = tuple(re.findall(r"'(\w+)'", m.group(2)))
+        return math.prod(int(sizes[a]) for a in axes), axes
+    if m := _IOTA_GROUPS.search(line):
+        return int(m.group(1).split(",")[-1]), ()
+    if m := _LIST_GROUPS.search(line):
+        return len([d for d in m.group(1).split(",") if d]), ()
+    if "source_target_pairs" in line:
+        return 2, ()
+    return n_partitions, ()
+
+
+def _parse(text: str):
+    comps: dict[str, list[str]] = {}
+    entry, current = None, None
+    for line in text.splitlines():
+        if current is None:
+            if m := _HEADER.match(line):
+                current = m.group(2)
+                comps[current] = []
+                if m.group(1):
+                    entry = current
+        elif line.startswith("}"):
+            current = None
+        else:
+            comps[current].append(line)
+    return comps, entry
+
+
+def _multipliers(comps: dict[str, list[str]], entry: str) -> tuple[dict[str, int], dict[str, bool]]:
+    """Executions of each computation per run of `entry` (call graph is a DAG)."""
+    calls: dict[str, list[tuple[str, int, bool]]] = collections.defaultdict(list)
+    for name, lines in comps.items():
+        for line in lines:
+            callees = _CALLEES.findall(line)
+            if m := _BRANCHES.search(line):
+                callees += [c.strip().lstrip("%") for c in m.group(1).split(",") if c.strip()]
+            if not callees:
+                continue
+            is_while = re.search(r"\swhile\(", line) is not None
+            trip = _TRIP.search(line)
+            n = int(trip.group(1)) if trip else 1
+            for callee in callees:
+                if is_while and re.search(rf"body=%?{re.escape(callee)}\b", line):
+                    calls[name].append((callee, n, trip is not None))
+                elif is_while:  # condition: runs trip + 1 times; it holds no collectives
+                    calls[name].append((callee, n + 1 if trip else 1, trip is not None))
+                else:
+                    calls[name].append((callee, 1, True))
+    mult: dict[str, int] = collections.defaultdict(int)
+    known: dict[str, bool] = collections.defaultdict(lambda: True)
+    order: list[str] = []
+    seen: set[str] = set()
+
+    def visit(c):  # post-order for a topological order
+        if c in seen:
+            return
+        seen.add(c)
+        for callee, _, _ in calls.get(c, ()):
+            visit(callee)
+        order.append(c)
+
+    visit(entry)
+    mult[entry] = 1
+    for c in reversed(order):
+        for callee, factor, ok in calls.get(c, ()):
+            mult[callee] += mult[c] * factor
+            known[callee] = known[callee] and known[c] and ok
+    return mult, known
+
+
+def collectives(program) -> list[Collective]:
+    """Every collective in a compiled program (a jax Compiled, Lowered, or HLO text)."""
+    text = _hlo_text(program)
+    n_part = int(m.group(1)) if (m := _PARTITIONS.search(text)) else 1
+    comps, entry = _parse(text)
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    mult, known = _multipliers(comps, entry)
+    out = []
+    for comp, lines in comps.items():
+        for line in lines:
+            m = _INSTR.match(line)
+            if not m:
+                continue
+            name, type_str, op = m.group(1), m.group(2), m.group(3)
+            kind = op[: -len("-start")] if op.endswith("-start") else op
+            if kind not in KINDS or op.endswith("-done"):
+                continue
+            size, shapes = _shape_bytes(type_str)
+            started = op.endswith("-start") and kind in ("all-gather", "collective-permute")
+            if started and len(shapes) > 1:  # an (operand, result) tuple: count the result
+                size, shapes = _shape_bytes(shapes[-1])
+            group, axes = _group(line, n_part)
+            if kind == "reduce-scatter":
+                size *= group
+            op_name = m2.group(1) if (m2 := _OPNAME.search(line)) else ""
+            out.append(Collective(kind, name, comp, shapes, size, group, axes,
+                                  mult.get(comp, 0), known[comp], op_name))
+    return out
+
+
+def num_partitions(program) -> int:
+    m = _PARTITIONS.search(_hlo_text(program))
+    return int(m.group(1)) if m else 1
+
+
+def summary(colls: list[Collective]) -> list[dict]:
+    """One row per (kind, purpose, direction, axes): executions and per-device bytes per run."""
+    rows: dict[tuple, dict] = {}
+    for c in colls:
+        key = (c.kind, c.purpose, c.phase,
+               ",".join(c.axes) or f"group of {c.group_size}")
+        r = rows.setdefault(key, {"kind": key[0], "purpose": key[1], "phase": key[2],
+                                  "axes": key[3], "ops": 0, "executions": 0,
+                                  "bytes_per_device": 0})
+        r["ops"] += 1
+        r["executions"] += c.count
+        r["bytes_per_device"] += c.bytes_per_run
+    return sorted(rows.values(), key=lambda r: (r["kind"], r["purpose"], r["phase"], r["axes"]))
+
+
+def total_bytes(colls: list[Collective], kind: str | None = None,
+                backward: bool | None = None) -> int:
+    """Per-device bytes per run, optionally for one kind / direction."""
+    return sum(c.bytes_per_run for c in colls
+               if (kind is None or c.kind == kind) and (backward is None or c.backward == backward))
+
+
+def format_table(colls: list[Collective], title: str = "", n_devices: int | None = None) -> str:
+    rows = summary(colls)
+    head = (f"{'collective':<18} {'purpose':<13} {'phase':<5} {'axes':<14} {'ops':>4} {'runs':>5} "
+            f"{'MB/device':>10}")
+    if n_devices:
+        head += f" {'MB total':>10}"
+    lines = [title, head] if title else [head]
+    for r in rows:
+        line = (f"{r['kind']:<18} {r['purpose']:<13} {r['phase']:<5} {r['axes']:<14} {r['ops']:>4} "
+                f"{r['executions']:>5} {r['bytes_per_device'] / 1e6:>10.3f}")
+        if n_devices:
+            line += f" {r['bytes_per_device'] * n_devices / 1e6:>10.3f}"
+        lines.append(line)
+    total = total_bytes(colls)
+    lines.append(f"{'total':<62} {total / 1e6:>10.3f}"
+                 + (f" {total * n_devices / 1e6:>10.3f}" if n_devices else ""))
+    return "\n".join(lines)
+
+
+def to_json(colls: list[Collective]) -> str:
+    return json.dumps([dataclasses.asdict(c) | {"backward": c.backward} for c in colls], indent=1)

@@ -1,0 +1,114 @@
+"""Ragged (dropless) expert-parallel dispatch: every assignment is delivered, through
+`ragged_all_to_all` with offsets computed on the device.
+
+Sender: its assignments sorted by global expert (`dispatch.sorted_plan`), so the rows for
+expert e form one slice, and slice e goes to rank e // El. The per-(sender, expert)
+counts are all-gathered over `expert` (ep x E integers), from which every rank computes
+the same layout of every receive buffer: grouped by local expert j, then by sender s,
+
+    output_offset(s, e) = base(e) + sum_{s' < s} count(s', e),
+    base(e) = sum over the owner's earlier local experts j' < j of total(j')
+    (each total rounded up to `block` rows when the receiver runs the blocked matmul).
+
+So a rank receives its experts' rows contiguous and grouped (a grouped GEMM,
+`ragged_dot`, or the blocked batched matmul on CPU) with no permutation; the combine is
+the exact reverse ragged_all_to_all. The receive buffer is sized for the worst case
+(every assignment of the ep senders to one rank): static shapes, never a host sync.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from olmo_jax.model.moe import dispatch, payload
+from olmo_jax.model.moe.experts import resolve_gmm_impl
+from olmo_jax.model.moe.layer import block_size
+from olmo_jax.model.moe.mxfp8_experts import expert_ffns
+from olmo_jax.parallel.expert.ragged_a2a import ragged_all_to_all
+
+
+class RaggedLayout(NamedTuple):
+    """Arguments of the two ragged_all_to_alls (dispatch `fwd_*`, combine `bwd_*`) and the
+    receiver's per-local-expert row counts."""
+    fwd_input_offsets: jax.Array  # [E] slice e = my rows for expert e
+    fwd_send_sizes: jax.Array
+    fwd_output_offsets: jax.Array
+    fwd_recv_sizes: jax.Array  # [ep * El] slice s * El + j = rows from sender s for my expert j
+    bwd_input_offsets: jax.Array  # [ep * El] the same slices, sent back
+    bwd_send_sizes: jax.Array
+    bwd_output_offsets: jax.Array
+    bwd_recv_sizes: jax.Array  # [E]
+    group_sizes_J: jax.Array  # rows per local expert (before block padding)
+    padded_sizes_J: jax.Array  # rows per local expert run in the receive buffer
+
+
+def ragged_layout(counts_E: jax.Array, ep: int, block: int, axis: str) -> RaggedLayout:
+    E = counts_E.shape[0]
+    El = E // ep
+    me = jax.lax.axis_index(axis)
+    counts_sE = jax.lax.all_gather(counts_E, axis)  # [sender, E]
+    totals_E = jnp.sum(counts_sE, axis=0)
+    padded_rJ = ((totals_E + block - 1) // block * block).reshape(ep, El)
+    base_E = (jnp.cumsum(padded_rJ, axis=1) - padded_rJ).reshape(E)
+    before_sE = jnp.cumsum(counts_sE, axis=0) - counts_sE  # rows from lower-ranked senders
+    starts_sE = jnp.cumsum(counts_sE, axis=1) - counts_sE  # each sender's sorted-buffer starts
+    mine = lambda a: jax.lax.dynamic_slice_in_dim(a, me * El, El, axis=a.ndim - 1)  # noqa: E731
+    in_recv_sJ = mine(base_E)[None, :] + mine(before_sE)
+    return RaggedLayout(
+        fwd_input_offsets=starts_sE[me],
+        fwd_send_sizes=counts_E,
+        fwd_output_offsets=base_E + before_sE[me],
+        fwd_recv_sizes=mine(counts_sE).reshape(-1),
+        bwd_input_offsets=in_recv_sJ.reshape(-1),
+        bwd_send_sizes=mine(counts_sE).reshape(-1),
+        bwd_output_offsets=mine(starts_sE).reshape(-1),
+        bwd_recv_sizes=counts_E,
+        group_sizes_J=mine(totals_E),
+        padded_sizes_J=padded_rJ[me],
+    )
+
+
+def block_owners(padded_sizes_J: jax.Array, n_rows: int, block: int) -> jax.Array:
+    """The local expert owning each block of a buffer whose expert runs are padded to
+    `block` rows (trailing empty blocks go to the last expert; their rows are zeros)."""
+    ends_J = jnp.cumsum(padded_sizes_J)
+    starts_B = jnp.arange(n_rows // block, dtype=jnp.int32) * block
+    owner_B = jnp.searchsorted(ends_J, starts_B, side="right").astype(jnp.int32)
+    return jnp.minimum(owner_B, padded_sizes_J.shape[0] - 1)
+
+
+def ragged_dispatch(x_SD, routing, experts, cfg, dtype, *, axis: str, emulate: bool | None = None):
+    ep = jax.lax.axis_size(axis)
+    E = cfg.num_experts
+    El = E // ep
+    S, D = x_SD.shape
+    N = S * cfg.top_k
+    impl = resolve_gmm_impl(cfg.gmm_impl, dtype)
+    blocked = impl == "einsum"
+    block = block_size(ep * N, El) if blocked else 1
+    rows = dispatch.blocked_rows(ep * N, El, block) if blocked else ep * N
+
+    plan = dispatch.sorted_plan(routing.idx_Sk, E)
+    send_ND = dispatch.gather_rows(x_SD.astype(dtype), plan)
+    lay = ragged_layout(plan.group_sizes_E, ep, block, axis)
+    a2a = lambda *args: ragged_all_to_all(*args, axis_name=axis, emulate=emulate)  # noqa: E731
+
+    def exchange(a_NX):  # any payload width X (the MXFP8 payload is packed uint8 rows)
+        return a2a(a_NX, jnp.zeros((rows, a_NX.shape[-1]), a_NX.dtype), lay.fwd_input_offsets,
+                   lay.fwd_send_sizes, lay.fwd_output_offsets, lay.fwd_recv_sizes)
+
+    recv_RD = payload.transfer(send_ND, exchange, cfg.precision)
+    w = experts.weights(dtype)
+    ffn = expert_ffns(cfg, impl)
+    if blocked:
+        y_RD = ffn.blocked(recv_RD, block_owners(lay.padded_sizes_J, rows, block), *w)
+    else:
+        y_RD = ffn.ragged(recv_RD, lay.group_sizes_J, *w)
+    back_ND = a2a(y_RD, jnp.zeros((N, D), y_RD.dtype), lay.bwd_input_offsets,
+                  lay.bwd_send_sizes, lay.bwd_output_offsets, lay.bwd_recv_sizes)
+    y_SD = dispatch.combine_rows(back_ND, plan, routing.weights_Sk)
+    return y_SD, jnp.zeros((), jnp.float32)
+

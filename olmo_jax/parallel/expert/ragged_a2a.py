@@ -1,0 +1,74 @@
+"""`ragged_all_to_all` with jax.lax.ragged_all_to_all's exact semantics, on any platform.
+
+GPU and TPU run the primitive. CPU has none, so `emulated_ragged_all_to_all` reproduces
+it over a dense `all_to_all`, consuming the same (input_offsets, send_sizes,
+output_offsets, recv_sizes) the primitive would: each sender packs, for each peer, its
+slices for that peer back to back into an operand-sized slab (from input_offsets and
+send_sizes); the receiver learns where each slice lands from the all_to_all'ed
+output_offsets and cuts the received slab with recv_sizes, writing slice rows into
+`output`. Anything the offsets get wrong shows up in the result, which is what lets CPU
+tests prove them. The emulation moves ep times the operand (dense slabs); the primitive
+moves only the slices.
+
+Semantics (jax docs): arrays of K = ep * q slices; slice i of the sender goes to rank
+i // q and is written there at output_offsets[i]; slice i of the receiver came from rank
+i // q and has recv_sizes[i] rows (equal to what that sender put in send_sizes).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def native_ragged_all_to_all_available() -> bool:
+    return jax.default_backend() in ("gpu", "cuda", "rocm", "tpu")
+
+
+def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                      *, axis_name: str, emulate: bool | None = None):
+    """jax.lax.ragged_all_to_all where the platform has it (or emulate=False), else the
+    dense emulation (or emulate=True)."""
+    if emulate is None:
+        emulate = not native_ragged_all_to_all_available()
+    fn = emulated_ragged_all_to_all if emulate else jax.lax.ragged_all_to_all
+    return fn(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+              axis_name=axis_name)
+
+
+def _slot_of_rows(sizes_PQ: jax.Array, n_rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """For slabs holding slices of sizes_PQ[p] back to back: (slice q of each row [P, N],
+    the row's offset inside its slice, valid mask)."""
+    ends_PQ = jnp.cumsum(sizes_PQ, axis=1)
+    starts_PQ = ends_PQ - sizes_PQ
+    r_N = jnp.arange(n_rows, dtype=jnp.int32)
+    q_PN = jax.vmap(lambda e: jnp.searchsorted(e, r_N, side="right"))(ends_PQ).astype(jnp.int32)
+    valid_PN = q_PN < sizes_PQ.shape[1]
+    q_PN = jnp.minimum(q_PN, sizes_PQ.shape[1] - 1)
+    within_PN = r_N[None, :] - jnp.take_along_axis(starts_PQ, q_PN, axis=1)
+    return q_PN, within_PN, valid_PN
+
+
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                               recv_sizes, *, axis_name: str):
+    ep = jax.lax.axis_size(axis_name)
+    K = input_offsets.shape[0]
+    if K % ep:
+        raise ValueError(f"ragged_all_to_all: {K} slices is not a multiple of the axis size {ep}")
+    q = K // ep
+    N, M = operand.shape[0], output.shape[0]
+    # Sender: slab p holds the slices for peer p back to back.
+    q_PN, within_PN, valid_PN = _slot_of_rows(send_sizes.reshape(ep, q), N)
+    in_off_PQ = input_offsets.reshape(ep, q)
+    src_PN = jnp.take_along_axis(in_off_PQ, q_PN, axis=1) + within_PN
+    src_PN = jnp.where(valid_PN, src_PN, N)
+    padded = jnp.concatenate([operand, jnp.zeros((1, *operand.shape[1:]), operand.dtype)])
+    slab_PN = padded[src_PN]
+    recv_PN = jax.lax.all_to_all(slab_PN, axis_name, 0, 0)  # [sender, N, ...]
+    # Receiver: where each sender's slices go, and how long they are.
+    out_off_PQ = jax.lax.all_to_all(output_offsets.reshape(ep, q), axis_name, 0, 0)
+    q_PN, within_PN, valid_PN = _slot_of_rows(recv_sizes.reshape(ep, q), N)
+    dest_PN = jnp.take_along_axis(out_off_PQ, q_PN, axis=1) + within_PN
+    dest_PN = jnp.where(valid_PN, dest_PN, M)
+    flat = recv_PN.reshape(ep * N, *operand.shape[1:])
+    return output.at[dest_PN.reshape(-1)].set(flat, mode="drop")

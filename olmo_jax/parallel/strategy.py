@@ -1,0 +1,253 @@
+"""A run's parallel execution plan, from the config: mesh, strategy (ddp | fsdp), the
+MoE dispatcher, where every state leaf lives, how the batch is laid out, and the
+shard_map wrappers the train/eval steps run under.
+
+The whole forward and backward pass runs per device inside one `jax.shard_map` over the
+mesh, so every collective is explicit: expert dispatch (expert.py backends), the
+router-statistics and loss sums (`allsum`), and parameter gather / gradient reduction
+(zero.py). The optimizer update runs outside, elementwise on the stored shards.
+
+    plan = build_plan(cfg, model_cfg)          # validates the config against the devices
+    graphdef, state = init_state(model_cfg, tx, seed, dispatcher=plan.dispatcher)
+    shardings = plan.state_shardings(state, tx)
+    step = plan.jit_train_step(make_train_step(..., parallel=plan), shardings)
+    state, metrics = step(state, plan.place_batch(batch_BT1))
+
+Batch layout: a global batch [B, T+1] is placed as [grad_accum, B / grad_accum, T+1]
+with the middle axis split over data x expert, so microbatch i is the same set of
+sequences on any mesh (rows i*B/ga .. (i+1)*B/ga - 1 of the global batch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from olmo_jax.model.config import ConfigError, TransformerConfig
+from olmo_jax.parallel import expert as expert_lib
+from olmo_jax.parallel import mesh as mesh_lib
+from olmo_jax.parallel import rules, zero
+from olmo_jax.parallel.mesh import BATCH_AXES
+
+STRATEGIES = ("ddp", "fsdp")
+BATCH_SPEC = rules.logical_to_spec((None, "act_batch", None))  # [microbatch, rows, tokens]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ParallelPlan:
+    mesh: Mesh
+    strategy: str  # ddp | fsdp
+    zero1: bool
+    grad_accum: int
+    dispatch: str  # the expert-parallel backend, or "local" (no expert parallelism)
+    dispatcher: Callable | None  # the MoE layer's dispatcher (None = local_dispatch)
+    layouts: object  # tree of zero.ParamLayout, the params' structure
+
+    # ---- placement -------------------------------------------------------------------
+    def _specs(self, field: str):
+        return jax.tree.map(lambda lay: getattr(lay, field), self.layouts,
+                            is_leaf=lambda x: isinstance(x, zero.ParamLayout))
+
+    def storage_specs(self):
+        return self._specs("storage")
+
+    def param_shardings(self):
+        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.storage_specs(),
+                            is_leaf=rules.is_spec)
+
+    def state_shardings(self, state, tx: optax.GradientTransformation):
+        """TrainState of NamedShardings: params and their AdamW moments as stored,
+        everything else replicated."""
+        return state_shardings(state, tx, self.mesh, self.param_shardings())
+
+    def optimizer_bytes(self, state, tx: optax.GradientTransformation) -> tuple[int, int]:
+        """Per-device bytes of the optimizer state as stored, and as they would be with every
+        moment replicated over its parameter's data-parallel devices (ZeRO-1 off)."""
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        compute = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self._specs("compute"),
+                               is_leaf=rules.is_spec)
+        unsharded = optax.tree_utils.tree_map_params(
+            tx, lambda _, s: s, state.opt_state, compute,
+            transform_non_params=lambda _: replicated,
+        )
+        stored = self.state_shardings(state, tx).opt_state
+        return (zero.per_device_bytes(state.opt_state, stored),
+                zero.per_device_bytes(state.opt_state, unsharded))
+
+    def placement(self, state, tx: optax.GradientTransformation) -> list[str]:
+        """One line per state leaf: 'path shape spec' (params, then optimizer state)."""
+        shardings = self.state_shardings(state, tx)
+        lines = []
+        for part in ("params", "opt_state"):
+            leaves = jax.tree_util.tree_leaves_with_path(getattr(state, part))
+            shs = jax.tree.leaves(getattr(shardings, part),
+                                  is_leaf=lambda x: isinstance(x, NamedSharding))
+            for (path, x), sh in zip(leaves, shs, strict=True):
+                shape = "x".join(map(str, x.shape)) or "scalar"
+                lines.append(f"{part}/{zero.path_name(path)} {shape} {tuple(sh.spec)}")
+        return lines
+
+    def batch_sharding(self) -> NamedSharding:
+        return NamedSharding(self.mesh, BATCH_SPEC)
+
+    def place_batch(self, batch_BT1, grad_accum: int | None = None) -> jax.Array:
+        """[B, T+1] host (or device) tokens -> [ga, B/ga, T+1] on the mesh."""
+        ga = self.grad_accum if grad_accum is None else grad_accum
+        batch_BT1 = np.asarray(batch_BT1)
+        B = batch_BT1.shape[0]
+        check_batch(B, self.mesh, ga, "the batch")
+        return jax.device_put(batch_BT1.reshape(ga, B // ga, -1), self.batch_sharding())
+
+    def jit_train_step(self, train_step, state_shardings):
+        """train_step(state, batch) -> (state, metrics) jitted for this mesh: state in and
+        out with `state_shardings` (donated), batch as `batch_sharding`, metrics replicated."""
+        return jax.jit(
+            train_step,
+            in_shardings=(state_shardings, self.batch_sharding()),
+            out_shardings=(state_shardings, NamedSharding(self.mesh, PartitionSpec())),
+            donate_argnums=0,
+        )
+
+    # ---- inside the shard_map --------------------------------------------------------
+    def allsum(self, tree):
+        """Sum over every device holding a different part of the batch."""
+        with jax.named_scope("loss_allsum"):
+            return jax.lax.psum(tree, BATCH_AXES)
+
+    def allgather(self, x):
+        """Stack x over the devices holding the batch's parts, in batch order: [shards, ...].
+        A psum of each device's slot (not all_gather), so the result is typed replicated."""
+        shards = mesh_lib.batch_shards(self.mesh)
+        with jax.named_scope("metrics_allgather"):
+            slot = jax.nn.one_hot(jax.lax.axis_index(BATCH_AXES), shards, dtype=x.dtype)
+            return jax.lax.psum(slot.reshape((shards,) + (1,) * x.ndim) * x[None], BATCH_AXES)
+
+    def use_params(self, params):
+        """Applied inside each microbatch's loss: FSDP gathers here, ddp already has them."""
+        return zero.gather_for_use(params, self.layouts) if self.strategy == "fsdp" else params
+
+    def _outer_gather(self, params):
+        return zero.gather(params, self.layouts) if self.strategy == "ddp" else params
+
+    def shard_grads(self, grads_and_parts):
+        """grads_and_parts(params, model_state, batch_BT1, rng) -> (grads, parts), written
+        for one device, becomes a function of the global (stored) arrays: grads come back in
+        the params' storage placement, parts (already allsum'ed) replicated. Each batch
+        shard draws its randomness (router jitter, random routing) from `rng` folded with
+        its index."""
+
+        def local(params, model_state, batch, rng):
+            params = self._outer_gather(params)
+            rng = jax.random.fold_in(rng, jax.lax.axis_index(BATCH_AXES))
+            grads, parts = grads_and_parts(params, model_state, batch.reshape(-1, batch.shape[-1]), rng)
+            if self.strategy == "ddp":
+                grads = zero.reduce(grads, self.layouts)
+            return grads, parts
+
+        specs = self.storage_specs()
+        return jax.shard_map(
+            local, mesh=self.mesh,
+            in_specs=(specs, PartitionSpec(), BATCH_SPEC, PartitionSpec()),
+            out_specs=(specs, PartitionSpec()),
+        )
+
+    def shard_eval(self, eval_step):
+        """eval_step(params, model_state, batch_BT1) -> replicated sums, on the mesh."""
+
+        def local(params, model_state, batch):
+            return eval_step(self._outer_gather(params), model_state,
+                             batch.reshape(-1, batch.shape[-1]))
+
+        return jax.shard_map(
+            local, mesh=self.mesh,
+            in_specs=(self.storage_specs(), PartitionSpec(), BATCH_SPEC),
+            out_specs=PartitionSpec(),
+        )
+
+
+def state_shardings(state, tx: optax.GradientTransformation, mesh: Mesh, param_shardings):
+    """A TrainState of NamedShardings: `param_shardings` for the params, the same for the
+    optimizer moments that mirror them, everything else replicated."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    opt_sh = optax.tree_utils.tree_map_params(
+        tx, lambda _, s: s, state.opt_state, param_shardings,
+        transform_non_params=lambda _: replicated,
+    )
+    return type(state)(
+        step=replicated,
+        params=param_shardings,
+        opt_state=opt_sh,
+        model_state=jax.tree.map(lambda _: replicated, state.model_state),
+        rng=replicated,
+        guard=jax.tree.map(lambda _: replicated, state.guard),  # trainer/guard.py counters
+    )
+
+
+def check_batch(global_batch: int, mesh: Mesh, grad_accum: int,
+                what: str = "trainer.global_batch_size") -> None:
+    shards = mesh_lib.batch_shards(mesh)
+    if global_batch % (shards * grad_accum):
+        raise ConfigError(
+            f"{what}={global_batch} must be divisible by data x expert x trainer.grad_accum = "
+            f"{mesh.shape['data']} x {mesh.shape['expert']} x {grad_accum} = {shards * grad_accum}"
+        )
+
+
+def check_model_fits(model_cfg: TransformerConfig, mesh: Mesh, strategy: str) -> None:
+    ep = mesh.shape["expert"]
+    E = model_cfg.moe.num_experts
+    if strategy == "ddp" and model_cfg.n_moe_layers and E % ep:
+        raise ConfigError(
+            f"model.moe.num_experts={E} is not divisible by parallel.expert={ep}: every expert "
+            f"rank must hold the same number of experts; choose parallel.expert dividing {E}"
+        )
+    if strategy == "ddp" and ep > 1 and model_cfg.moe.capacity_factor > 0:
+        raise ConfigError(
+            f"model.moe.capacity_factor={model_cfg.moe.capacity_factor} applies to "
+            f"single-rank dispatch only; with parallel.expert={ep} set parallel.capacity_factor "
+            f"(rowwise) or use a dropless parallel.dispatch (ragged, allgather), and leave "
+            f"model.moe.capacity_factor=0"
+        )
+
+
+def build_plan(cfg, model_cfg: TransformerConfig, abstract_params=None,
+               devices=None) -> ParallelPlan:
+    """The plan for config `cfg` (ConfigDict with `parallel` and `trainer`). Raises
+    ConfigError naming the field for a mesh that does not fit the devices, experts that
+    do not divide over `expert`, or a batch that does not divide."""
+    p = cfg.parallel
+    if p.strategy not in STRATEGIES:
+        raise ConfigError(
+            f"parallel.strategy={p.strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    mesh = mesh_lib.make_mesh(p, devices)
+    if mesh.shape["pipe"] > 1:
+        raise ConfigError(
+            f"parallel.pipe={mesh.shape['pipe']}: pipeline stages are not part of this trainer's "
+            f"step; set parallel.pipe=1"
+        )
+    check_model_fits(model_cfg, mesh, p.strategy)
+    check_batch(cfg.trainer.global_batch_size, mesh, cfg.trainer.grad_accum)
+    ep = mesh.shape["expert"]
+    if p.strategy == "ddp" and ep > 1:
+        dispatcher = expert_lib.make_dispatcher(p.dispatch, p.capacity_factor)
+        dispatch = p.dispatch
+    else:
+        expert_lib.make_dispatcher(p.dispatch, p.capacity_factor)  # validates the fields
+        dispatcher, dispatch = None, "local"
+    if abstract_params is None:
+        from olmo_jax.trainer.state import abstract_model
+
+        abstract_params = abstract_model(model_cfg)[1]
+    compute = rules.param_specs(abstract_params, rules.RULES[p.strategy])
+    shard = p.zero1 or p.strategy == "fsdp"
+    layouts = jax.tree.map(
+        lambda x, spec: zero.param_layout(x.shape, spec, mesh, shard),
+        abstract_params, compute,
+    )
+    return ParallelPlan(mesh, p.strategy, bool(p.zero1), cfg.trainer.grad_accum, dispatch,
+                        dispatcher, layouts)

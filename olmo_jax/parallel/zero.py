@@ -1,0 +1,126 @@
+"""Data-parallel sharding of stored parameters and optimizer state (ZeRO-1 and FSDP),
+and the collectives that move between stored and compute placements.
+
+A parameter replicated over some batch axes in its compute placement (its data-parallel
+axes: data x expert for non-expert weights, data for experts) is stored split over those
+axes on one dimension (`ParamLayout.dim`). Inside the step's shard_map:
+  ZeRO-1 (ddp): `gather` all-gathers the fp32 shards once per step; gradients w.r.t. the
+         gathered copy stay per-device partial sums through the microbatch loop and
+         `reduce` reduce-scatters them once; AdamW then updates only the local shard
+         (outside the shard_map, elementwise), and the next step's gather is the
+         all-gather of the updated shards.
+  DDP without ZeRO: `gather` only marks the replicated copy per-device (no
+         communication); `reduce` all-reduces the gradients.
+  FSDP:  `gather_for_use` all-gathers inside every microbatch's loss; autodiff turns
+         the gather into the reduce-scatter of that microbatch's gradients.
+Each collective runs under a named scope "zero/<param path>" so the HLO accounting
+(comms.py) can attribute it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
+
+from olmo_jax.parallel.mesh import BATCH_AXES
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamLayout:
+    compute: PartitionSpec  # placement the model sees inside shard_map
+    storage: PartitionSpec  # placement in the TrainState (and of the AdamW moments)
+    axes: tuple[str, ...]  # data-parallel axes (size > 1) the compute copy is replicated over
+    dim: int | None  # the dimension split over `axes` in storage (None = kept replicated)
+
+
+def _used_axes(spec: PartitionSpec) -> set[str]:
+    used = set()
+    for entry in spec:
+        if entry is None:
+            continue
+        used.update(entry if isinstance(entry, tuple) else (entry,))
+    return used
+
+
+def param_layout(shape: tuple[int, ...], compute: PartitionSpec, mesh: Mesh,
+                 shard: bool) -> ParamLayout:
+    """Storage placement: `compute` plus, when `shard`, its data-parallel axes on the first
+    free dimension they divide."""
+    spec = tuple(compute) + (None,) * (len(shape) - len(compute))
+    axes = tuple(a for a in BATCH_AXES if a not in _used_axes(compute) and mesh.shape[a] > 1)
+    dp = math.prod(mesh.shape[a] for a in axes)
+    dim = None
+    if shard and axes:
+        free = [d for d, (n, e) in enumerate(zip(shape, spec, strict=True))
+                if e is None and n % dp == 0]
+        dim = free[0] if free else None
+    storage = list(spec)
+    if dim is not None:
+        storage[dim] = axes if len(axes) > 1 else axes[0]
+    return ParamLayout(PartitionSpec(*spec), PartitionSpec(*storage), axes, dim)
+
+
+def path_name(path) -> str:
+    """'moe_blocks/ffn/experts/w_gate' for a jax key path (Variable `.value` dropped)."""
+    parts = []
+    for k in path:
+        name = getattr(k, "key", getattr(k, "name", getattr(k, "idx", None)))
+        if name is not None and name != "value":
+            parts.append(str(name))
+    return "/".join(parts)
+
+
+def _scoped(prefix: str, fn):
+    def apply(path, x, lay):
+        with jax.named_scope(f"{prefix}/{path_name(path)}"):
+            return fn(x, lay)
+
+    return apply
+
+
+def _map(fn, prefix, tree, layouts):
+    return jax.tree_util.tree_map_with_path(_scoped(prefix, fn), tree, layouts)
+
+
+def _gather(x, lay: ParamLayout):
+    if lay.dim is not None:
+        return jax.lax.all_gather(x, lay.axes, axis=lay.dim, tiled=True)
+    return jax.lax.pcast(x, lay.axes, to="varying") if lay.axes else x
+
+
+def _reduce(g, lay: ParamLayout):
+    if lay.dim is not None:
+        return jax.lax.psum_scatter(g, lay.axes, scatter_dimension=lay.dim, tiled=True)
+    return jax.lax.psum(g, lay.axes) if lay.axes else g
+
+
+def _gather_for_use(x, lay: ParamLayout):
+    return jax.lax.all_gather(x, lay.axes, axis=lay.dim, tiled=True) if lay.dim is not None else x
+
+
+def gather(params, layouts):
+    """Stored shards -> per-device compute copies whose gradients stay partial (ddp)."""
+    return _map(_gather, "zero_gather", params, layouts)
+
+
+def reduce(grads, layouts):
+    """Per-device partial gradients -> stored placement (reduce-scatter or all-reduce)."""
+    return _map(_reduce, "zero_reduce", grads, layouts)
+
+
+def gather_for_use(params, layouts):
+    """FSDP: stored shards -> whole parameters, inside the loss (autodiff reduce-scatters)."""
+    return _map(_gather_for_use, "fsdp_gather", params, layouts)
+
+
+def per_device_bytes(tree, shardings) -> int:
+    """Bytes one device holds of `tree` (arrays or ShapeDtypeStructs) under `shardings`."""
+    leaves = jax.tree.leaves(tree)
+    shs = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    assert len(leaves) == len(shs), (len(leaves), len(shs))
+    return sum(math.prod(sh.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+               for x, sh in zip(leaves, shs, strict=True))

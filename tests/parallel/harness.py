@@ -1,0 +1,138 @@
+"""Shared pieces of the parallel tests: one tiny MoE config, its parameters initialized
+once on the host, deterministic batches, and runners cached per configuration so each
+mesh/strategy/backend compiles exactly one program (the trainer's jitted train step) per
+test session.
+
+The optimizer is the config's AdamW preceded by a pass-through that keeps the gradients
+it receives in its state (`recording`), so one compiled train step yields both the
+gradients of the first batch and the loss curve. Programs are compiled with XLA's backend
+optimization level 0: the same HLO and collectives, less LLVM time.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from olmo_jax.config import default_config, model_config
+from olmo_jax.optim import build_optimizer
+from olmo_jax.parallel.strategy import build_plan
+from olmo_jax.trainer.state import abstract_model, init_state
+from olmo_jax.trainer.step import make_train_step
+
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+VOCAB, BATCH, SEQ, STEPS = 64, 8, 16, 5
+NO_DROP_CF = 4.0  # >= num_experts / top_k: rowwise can never drop
+
+
+def make_cfg(data=1, expert=1, dispatch="rowwise", strategy="ddp", zero1=True, grad_accum=1,
+             capacity_factor=NO_DROP_CF, lb_granularity="global", batch=BATCH, seq=SEQ):
+    c = default_config()
+    m = c.model
+    m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.n_dense_layers = VOCAB, 32, 2, 2, 0
+    m.moe.num_experts, m.moe.top_k, m.moe.expert_hidden = 8, 2, 32
+    m.moe.lb_granularity = lb_granularity
+    c.optim.lr, c.optim.warmup_steps = 1e-2, 1
+    p = c.parallel
+    p.data, p.expert, p.dispatch, p.strategy = data, expert, dispatch, strategy
+    p.zero1, p.capacity_factor = zero1, capacity_factor
+    t = c.trainer
+    t.global_batch_size, t.seq_len, t.grad_accum, t.max_steps = batch, seq, grad_accum, 20
+    return c
+
+
+def recording(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """tx preceded by a pass-through whose state is the last gradients it saw."""
+    keep = optax.GradientTransformation(
+        lambda params: jax.tree.map(jnp.zeros_like, params),
+        lambda grads, state, params=None: (grads, grads),
+    )
+    return optax.chain(keep, tx)
+
+
+def to_numpy(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+@functools.cache
+def host_state(lb_granularity="global"):
+    """(model_cfg, tx, schedule, graphdef, state): built once; the state as numpy."""
+    cfg = make_cfg(lb_granularity=lb_granularity)
+    model_cfg = model_config(cfg)
+    tx, schedule = build_optimizer(cfg.optim, cfg.trainer.max_steps)
+    tx = recording(tx)
+    graphdef, state = init_state(model_cfg, tx, cfg.trainer.seed)
+    # Host copies: every run places its own (donated) device buffers.
+    return model_cfg, tx, schedule, graphdef, to_numpy(state)
+
+
+def batches(steps=STEPS, batch=BATCH, seq=SEQ, seed=0) -> np.ndarray:
+    """[steps, batch, seq + 1] int32 token windows: counting sequences (next = this + 1 mod
+    VOCAB) from random starts with 10% random tokens, so a few steps visibly learn."""
+    rng = np.random.default_rng(seed)
+    start = rng.integers(0, VOCAB, (steps, batch, 1))
+    tokens = (start + np.arange(seq + 1)) % VOCAB
+    noise = rng.random(tokens.shape) < 0.1
+    return np.where(noise, rng.integers(0, VOCAB, tokens.shape), tokens).astype(np.int32)
+
+
+class Run(NamedTuple):
+    metrics: list  # per step: the train step's metrics (numpy)
+    grads: object  # gradients of the first batch (numpy, the params' structure)
+    hlo: str  # the compiled train step
+    step: object  # the compiled train step
+    state: object  # the state after STEPS steps (on the device(s))
+    batch: object  # the last batch, placed as the step expects it
+
+    @property
+    def curve(self) -> np.ndarray:
+        return np.array([m["loss"] for m in self.metrics])
+
+
+def _execute(step, state, placed_batches) -> Run:
+    compiled = step.lower(state, placed_batches[0]).compile(FAST_COMPILE)
+    metrics, grads = [], None
+    for b in placed_batches:
+        state, m = compiled(state, b)
+        metrics.append(to_numpy(m))
+        grads = to_numpy(state.opt_state[0]) if grads is None else grads
+    return Run(metrics, grads, compiled.as_text(), compiled, state, placed_batches[-1])
+
+
+@functools.cache
+def reference_run(grad_accum=1, batch=BATCH) -> Run:
+    """One device, the model's local dispatch, no parallel plan."""
+    model_cfg, tx, schedule, graphdef, state = host_state()
+    dev = jax.devices()[0]
+    step = jax.jit(make_train_step(graphdef, model_cfg, tx, schedule, grad_accum))
+    placed = [jax.device_put(b, dev) for b in batches(batch=batch)]
+    return _execute(step, jax.device_put(state, dev), placed)
+
+
+@functools.cache
+def plan_run(data, expert, dispatch="rowwise", strategy="ddp", zero1=True, grad_accum=1,
+             batch=BATCH, capacity_factor=NO_DROP_CF) -> Run:
+    """The same on a pipe=1 x data x expert mesh through the trainer's ParallelPlan and
+    its jitted step (state shardings, donation)."""
+    model_cfg, tx, schedule, _, state = host_state()
+    cfg = make_cfg(data, expert, dispatch, strategy, zero1, grad_accum, capacity_factor,
+                   batch=batch)
+    plan = build_plan(cfg, model_cfg)
+    graphdef = abstract_model(model_cfg, plan.dispatcher)[0]
+    shardings = plan.state_shardings(state, tx)
+    step = plan.jit_train_step(
+        make_train_step(graphdef, model_cfg, tx, schedule, grad_accum, parallel=plan), shardings)
+    placed = [plan.place_batch(b) for b in batches(batch=batch)]
+    return _execute(step, jax.device_put(state, shardings), placed)
+
+
+def rel_err(a, b) -> float:
+    """max |a - b| / max |b| (0 when both are all zero)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    scale = np.max(np.abs(b))
+    return float(np.max(np.abs(a - b)) / scale) if scale > 0 else float(np.max(np.abs(a)))

@@ -1,0 +1,69 @@
+"""The parallel plan refuses configs that cannot run, naming the field and the fix."""
+
+import pytest
+
+from olmo_jax.config import model_config
+from olmo_jax.model.config import ConfigError, MoEConfig
+from olmo_jax.parallel.mesh import mesh_shape
+from olmo_jax.parallel.strategy import build_plan
+from tests.parallel.harness import make_cfg
+
+
+def _plan(cfg):
+    return build_plan(cfg, model_config(cfg))
+
+
+def test_mesh_fill_and_product_errors():
+    assert mesh_shape(1, -1, 4, 8) == (1, 2, 4)
+    with pytest.raises(ConfigError, match=r"2 x 2 x 4 = 16 does not match the 8 available"):
+        mesh_shape(2, 2, 4, 8)
+    with pytest.raises(ConfigError, match="only one of parallel.pipe/data/expert may be -1"):
+        mesh_shape(1, -1, -1, 8)
+    with pytest.raises(ConfigError, match=r"parallel.data=-1 cannot fill 8 devices"):
+        mesh_shape(1, -1, 3, 8)
+    with pytest.raises(ConfigError, match="parallel.expert=0 must be a positive size"):
+        mesh_shape(1, 8, 0, 8)
+
+
+def test_experts_must_divide_over_the_expert_axis():
+    cfg = make_cfg(data=2, expert=4)
+    cfg.model.moe.num_experts = 6
+    with pytest.raises(ConfigError, match=r"model.moe.num_experts=6 is not divisible by "
+                                          r"parallel.expert=4"):
+        _plan(cfg)
+
+
+def test_batch_must_divide_over_data_expert_and_microbatches():
+    cfg = make_cfg(data=2, expert=4, grad_accum=2)  # batch 8 over 8 devices x 2 microbatches
+    with pytest.raises(ConfigError, match=r"trainer.global_batch_size=8 must be divisible by "
+                                          r"data x expert x trainer.grad_accum = 2 x 4 x 2 = 16"):
+        _plan(cfg)
+    plan = _plan(make_cfg(data=2, expert=4))
+    with pytest.raises(ConfigError, match="the batch=4 must be divisible"):
+        plan.place_batch([[0, 1]] * 4)
+
+
+def test_other_refusals():
+    cfg = make_cfg(data=2, expert=4, dispatch="rowwise", capacity_factor=0.0)
+    with pytest.raises(ConfigError, match=r"parallel.capacity_factor=0.0 must be > 0"):
+        _plan(cfg)
+    cfg = make_cfg(data=2, expert=4)
+    cfg.model.moe.capacity_factor = 1.0
+    with pytest.raises(ConfigError, match="model.moe.capacity_factor=1.0 applies to single-rank"):
+        _plan(cfg)
+    cfg = make_cfg(data=2, expert=2)
+    cfg.parallel.pipe = 2
+    with pytest.raises(ConfigError, match="parallel.pipe=2: pipeline stages"):
+        _plan(cfg)
+    cfg = make_cfg(data=8, expert=1, strategy="zero3")
+    with pytest.raises(ConfigError, match="parallel.strategy='zero3': choose one of ddp, fsdp"):
+        _plan(cfg)
+    with pytest.raises(ConfigError, match="lb_granularity='rank': choose global or local"):
+        MoEConfig(lb_granularity="rank").validate()
+
+
+def test_dispatcher_choice():
+    assert _plan(make_cfg(data=2, expert=4, dispatch="ragged")).dispatch == "ragged"
+    # No expert parallelism (expert=1) or FSDP: every device runs all experts locally.
+    assert _plan(make_cfg(data=8, expert=1)).dispatcher is None
+    assert _plan(make_cfg(data=2, expert=4, strategy="fsdp")).dispatcher is None
