@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import runpy
 import sys
+import traceback
 
+import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -87,6 +89,12 @@ def run_training(cfg) -> int:
         return distributed.report_error(str(e), 2)
     except TrainingHalted as e:
         return distributed.report_error(str(e), 1)
+    except BaseException as e:
+        if jax.process_count() == 1 or isinstance(e, SystemExit):
+            raise
+        # Several processes: a crash here must not leave the others waiting in a collective.
+        traceback.print_exc()
+        return distributed.report_error(f"{type(e).__name__}: {e}", 1)
     distributed.finish()
     return 0
 

@@ -5,6 +5,8 @@ traceback. (Flag-level errors, an unknown or mistyped key and a wrong type, are 
 on the real command line in tests/test_configs.py; the checks themselves have unit tests
 next to their modules: tests/model, tests/data, tests/checkpoint, tests/trainer.)"""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -14,7 +16,7 @@ from olmo_jax.data import write_token_file
 from olmo_jax.optim import build_optimizer
 from olmo_jax.train import run_training
 from olmo_jax.trainer.run_dir import write_config
-from olmo_jax.trainer.state import init_state
+from olmo_jax.trainer.state import abstract_train_state
 from tests.run_config import run_config
 
 
@@ -28,7 +30,8 @@ def _other_model_checkpoint(path):
     cfg = run_config(path)
     cfg.model.d_model = 64
     model_cfg = model_config(cfg, 384)
-    _, state = init_state(model_cfg, build_optimizer(cfg.optim, 10)[0], 0)
+    _, abstract = abstract_train_state(model_cfg, build_optimizer(cfg.optim, 10)[0])
+    state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract)  # values do not matter
     with m.Checkpoints(path, async_save=False) as ckpts:
         ckpts.save(1, model={"params": state.params, "model_state": state.model_state},
                    json_items={m.CONFIG: {"config": cfg.to_dict(),

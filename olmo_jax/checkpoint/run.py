@@ -63,6 +63,12 @@ def train_tree(state: TrainState) -> dict:
             "guard": state.guard}
 
 
+def _fresh_guard(abstract: TrainState, shardings: TrainState):
+    """A new bad-step guard state (all zeros, as trainer/guard.py init_guard), placed."""
+    return jax.device_put(
+        jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract.guard), shardings.guard)
+
+
 def truncate_metrics(path: Path, step: int) -> list[dict]:
     """Keeps the records of steps <= `step` (and drops a line cut short by a crash);
     rewrites the file atomically; returns the kept records."""
@@ -177,8 +183,7 @@ class RunCheckpoints:
             opt_state=jax.jit(tx.init, out_shardings=shardings.opt_state)(model["params"]),
             model_state=model["model_state"],
             rng=jax.device_put(initial_rng(seed), shardings.rng),
-            guard=jax.device_put(  # a fresh guard: all zeros (trainer/guard.py init_guard)
-                jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract.guard), shardings.guard),
+            guard=_fresh_guard(abstract, shardings),
         )
 
     def _resume(self, step, abstract, shardings, train_loader, metrics_path) -> TrainState:
@@ -186,9 +191,15 @@ class RunCheckpoints:
         model = m.restore_tree(
             self.ckpts, step, m.MODEL, model_tree(abstract), model_tree(shardings)
         )
-        train = m.restore_tree(
-            self.ckpts, step, m.TRAIN, train_tree(abstract), train_tree(shardings)
-        )
+        like, on = train_tree(abstract), train_tree(shardings)
+        saved_names = self.ckpts.array_metadata(step, m.TRAIN)
+        if not any(name.startswith("guard/") for name in saved_names):
+            # Written before the bad-step guard existed: its counters start afresh.
+            like, on = {k: v for k, v in like.items() if k != "guard"}, {
+                k: v for k, v in on.items() if k != "guard"}
+        train = m.restore_tree(self.ckpts, step, m.TRAIN, like, on)
+        if "guard" not in train:
+            train["guard"] = _fresh_guard(abstract, shardings)
         train_loader.load_state_dict(self.ckpts.read_json(step, m.DATA))
         if train_loader.step != int(train["step"]) or step != int(train["step"]):
             raise CheckpointError(

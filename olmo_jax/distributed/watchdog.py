@@ -77,11 +77,11 @@ class Watchdog:
                 last_contact = time.monotonic()
             except Exception as e:  # the coordination service is unreachable
                 if time.monotonic() - last_contact > self.timeout:
-                    self._exit(f"lost contact with process 0 (the coordinator) of {self.n}: "
-                               f"{type(e).__name__} for {self.timeout:g} s")
+                    return self._exit(f"lost contact with process 0 (the coordinator) of "
+                                      f"{self.n}: {type(e).__name__} for {self.timeout:g} s")
                 continue
             if failed is not None:
-                self._exit(failed)
+                return self._exit(failed)
             lost = self._lost(beats)
             if lost is not None and not self._stop.is_set():
                 message = (f"lost process {lost} of {self.n}: no heartbeat for "
@@ -89,7 +89,7 @@ class Watchdog:
                            "or hangs (see its log)")
                 self.report(message)
                 time.sleep(2 * self.tick)  # let the others read it before the service goes
-                self._exit(message)
+                return self._exit(message)
 
     def _lost(self, beats: dict[int, str]) -> int | None:
         now = time.monotonic()
