@@ -30,6 +30,16 @@ from olmo_jax.model.config import ConfigError
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Path to a config file (configs/*.py).", lock_config=True
 )
+# A multi-process launch (olmo_jax/distributed/launch.py): flags, else OLMO_JAX_* / SLURM.
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator", None, "HOST:PORT of process 0 (multi-process runs; env OLMO_JAX_COORDINATOR)."
+)
+_NUM_PROCESSES = flags.DEFINE_integer(
+    "num_processes", None, "Number of processes in the run (env OLMO_JAX_NUM_PROCESSES)."
+)
+_PROCESS_ID = flags.DEFINE_integer(
+    "process_id", None, "This process's id in 0..num_processes-1 (env OLMO_JAX_PROCESS_ID)."
+)
 
 
 def _fail(msg: str) -> None:
@@ -106,7 +116,10 @@ def main(argv: list[str]) -> None:
         raise app.UsageError("--config=configs/<name>.py is required")
     logging.set_verbosity(logging.WARNING)  # jax's backend-probing INFO lines
     try:
-        distributed.initialize(distributed.detect(), _CONFIG.value.trainer.peer_timeout_s)
+        launch = distributed.detect({"coordinator": _COORDINATOR.value,
+                                     "num_processes": _NUM_PROCESSES.value,
+                                     "process_id": _PROCESS_ID.value})
+        distributed.initialize(launch, _CONFIG.value.trainer.peer_timeout_s)
     except ConfigError as e:
         _fail(str(e))
     sys.exit(run_training(_CONFIG.value))

@@ -17,19 +17,7 @@ import math
 import os
 from collections.abc import Mapping
 
-from absl import flags
-
 from olmo_jax.model.config import ConfigError
-
-_COORDINATOR = flags.DEFINE_string(
-    "coordinator", None, "HOST:PORT of process 0 (multi-process runs; env OLMO_JAX_COORDINATOR)."
-)
-_NUM_PROCESSES = flags.DEFINE_integer(
-    "num_processes", None, "Number of processes in the run (env OLMO_JAX_NUM_PROCESSES)."
-)
-_PROCESS_ID = flags.DEFINE_integer(
-    "process_id", None, "This process's id in 0..num_processes-1 (env OLMO_JAX_PROCESS_ID)."
-)
 
 ENV = {
     "coordinator": "OLMO_JAX_COORDINATOR",
@@ -82,12 +70,10 @@ def _slurm(environ: Mapping[str, str]) -> dict | None:
 
 def detect(flag_values: Mapping[str, object] | None = None,
            environ: Mapping[str, str] | None = None) -> Launch | None:
-    """The launch described by `flag_values` (coordinator / num_processes / process_id, None
-    where not given; default: the command-line flags), the environment and SLURM."""
+    """The launch described by `flag_values` (coordinator / num_processes / process_id from
+    the command line, None where not given), the environment and SLURM."""
     environ = os.environ if environ is None else environ
-    if flag_values is None:
-        flag_values = {"coordinator": _COORDINATOR.value, "num_processes": _NUM_PROCESSES.value,
-                       "process_id": _PROCESS_ID.value}
+    flag_values = flag_values or {}
     values: dict[str, object] = {}
     sources: dict[str, str] = {}
     for key, env_name in ENV.items():
