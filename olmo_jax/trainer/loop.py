@@ -148,7 +148,7 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
     prompt = data.tokenizer.encode(t_cfg.sample_prompt)
     sample_ids = generate(  # single-program sampling: the model with its local dispatch
         abstract_model(model_cfg)[0], state.params, state.model_state, prompt, t_cfg.sample_tokens,
-        t_cfg.seq_len, data.tokenizer.pad_id, seed=t_cfg.seed,
+        t_cfg.seq_len, data.tokenizer.pad_id, temperature=t_cfg.sample_temperature, seed=t_cfg.seed,
     )
     timed = history[1:] or history  # the first interval includes warm-up
     summary = Summary(
