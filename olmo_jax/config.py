@@ -101,8 +101,9 @@ def default_config() -> ml_collections.ConfigDict:
     t.eval_every = 50  # 0 = only at the end
     t.eval_batches = 4
     t.expert_counts_every = 0  # > 0: per-expert counts to {run_dir}/expert_counts.jsonl
-    t.sample_prompt = "def main():\n    "
+    t.sample_prompt = "import os\nimport sys\n\n\ndef "
     t.sample_tokens = 120
+    t.sample_temperature = 0.6  # 0 = greedy
     # Checkpoints (olmo_jax/checkpoint): {run_dir}/checkpoints, saved asynchronously.
     t.save_every = 100  # save every N steps (0 = only at the end / at hard_stop)
     t.keep_last = 3  # keep the N most recent checkpoints (0 = keep all)

@@ -241,7 +241,8 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
         prompt = data.tokenizer.encode(t_cfg.sample_prompt)
         sample_ids = generate(  # single-program sampling: the model with its local dispatch
             abstract_model(model_cfg)[0], state.params, state.model_state, prompt,
-            t_cfg.sample_tokens, t_cfg.seq_len, data.tokenizer.pad_id, seed=t_cfg.seed,
+            t_cfg.sample_tokens, t_cfg.seq_len, data.tokenizer.pad_id,
+            temperature=t_cfg.sample_temperature, seed=t_cfg.seed,
         )
         summary = dataclasses.replace(summary, sample=data.tokenizer.decode(sample_ids))
     print_summary(summary, console)

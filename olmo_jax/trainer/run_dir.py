@@ -29,7 +29,7 @@ from olmo_jax.model.config import ConfigError
 CONFIG_FILE = "config.json"
 FREE_TRAINER_FIELDS = {
     "run_dir", "cache_dir", "log_every", "eval_every", "eval_batches", "expert_counts_every",
-    "sample_prompt", "sample_tokens", "save_every", "keep_last", "keep_every", "resume",
+    "sample_prompt", "sample_tokens", "sample_temperature", "save_every", "keep_last", "keep_every", "resume",
     "init_from", "hard_stop", "overwrite", "grad_accum", "nan_policy", "max_skipped",
     "spike_sigma", "memory_limit_gb", "peer_timeout_s",
 }

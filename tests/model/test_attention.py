@@ -10,9 +10,9 @@ from olmo_jax.model.attention import causal_attention
 from tests.reference import naive_attention
 
 
-@pytest.mark.parametrize("n_heads,kv_heads", [(4, 4), (4, 2), (6, 1)])
-def test_attention_matches_reference_fwd_and_grads(n_heads, kv_heads):
-    B, T, H = 2, 12, 8
+@pytest.mark.parametrize("n_heads,kv_heads,T", [(4, 4, 12), (4, 2, 12), (6, 1, 12), (4, 2, 256), (2, 1, 512)])
+def test_attention_matches_reference_fwd_and_grads(n_heads, kv_heads, T):
+    B, H = 2, 8
     ks = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(ks[0], (B, T, n_heads, H))
     k = jax.random.normal(ks[1], (B, T, kv_heads, H))

@@ -43,7 +43,7 @@ def test_twenty_steps_loss_decreases(tmp_path):
     assert "eval_loss" in records[9] and "eval_loss" in records[19]
     assert records[-1]["expert_imbalance"] >= 1.0
     assert records[-1]["dropped_frac"] == 0.0
-    assert summary.sample.startswith("def main():")
+    assert summary.sample.startswith("import os\nimport sys")
     assert summary.final_eval_loss < records[0]["loss"]
     _check_expert_counts(Path(summary.metrics_path).parent, records)
 
