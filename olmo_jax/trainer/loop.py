@@ -107,6 +107,11 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
         f"{opt_bytes / 1e6:.2f} MB/device ({opt_bytes_replicated / 1e6:.2f} replicated); "
         f"{flops_tok / 1e6:.1f} MFLOP/token; compiled in {compile_s:.1f}s"
     )
+    if plan.pipeline is not None:
+        s = plan.pipeline.schedule
+        console.print(
+            f"pipeline {s.kind}: {s.stages} stages x {s.virtual} virtual, {s.microbatches} "
+            f"microbatches, {s.ticks} ticks, bubble {100 * s.bubble:.1f}% (logged as pipeline_bubble)")
 
     log = MetricsLog(metrics_path, append=checkpoints.resumed)
     if checkpoints.resumed:  # like metrics.jsonl: drop what was logged after the checkpoint
@@ -130,6 +135,7 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
                 tok_s = (done - step_last) * tokens_per_step / (now - t_last)
                 record = {"step": done, **{k: float(v) for k, v in m.items() if v.ndim == 0}}
                 record["tokens_per_s"] = tok_s
+                record["step_time_s"] = (now - t_last) / (done - step_last)
                 record["tflops_per_device"] = flops_tok * tok_s / n_dev / 1e12
                 record["mfu"] = flops_tok * tok_s / n_dev / peak
                 if is_eval or done == t_cfg.max_steps:
