@@ -69,6 +69,10 @@ def default_config() -> ml_collections.ConfigDict:
     p.dispatch = "rowwise"  # rowwise | ragged | allgather (expert-parallel dispatch, expert > 1)
     p.capacity_factor = 1.25  # rowwise: receive slots = ceil(cf * tokens * top_k / expert) per rank
     p.zero1 = True  # shard fp32 params + AdamW moments over the data-parallel devices
+    # Pipeline (parallel.pipe > 1; olmo_jax/parallel/pipeline):
+    p.pipeline_schedule = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
+    p.microbatches = 1  # microbatches per pipeline flush (the batch rows split in order)
+    p.virtual_stages = 1  # chunks per stage: interleaved_1f1b needs >= 2 (gpipe: circular)
 
     c.optim = o = ml_collections.ConfigDict()
     o.lr = 3e-3
@@ -128,6 +132,7 @@ _CHOICES = {
     "model.remat": ("none", "block", "attention"),
     "parallel.strategy": ("ddp", "fsdp"),
     "parallel.dispatch": ("rowwise", "ragged", "allgather"),
+    "parallel.pipeline_schedule": ("gpipe", "1f1b", "interleaved_1f1b"),
     "optim.schedule": ("cosine", "wsd", "constant"),
     "trainer.nan_policy": ("skip", "halt"),
 }
@@ -176,6 +181,9 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     for name in ("max_steps", "global_batch_size", "seq_len", "grad_accum", "log_every"):
         if t[name] < 1:
             raise ConfigError(f"trainer.{name} must be >= 1, got {t[name]}")
+    for name in ("microbatches", "virtual_stages"):
+        if cfg.parallel[name] < 1:
+            raise ConfigError(f"parallel.{name} must be >= 1, got {cfg.parallel[name]}")
     if t.expert_counts_every < 0:
         raise ConfigError(
             f"trainer.expert_counts_every must be >= 0 (0 = off), got {t.expert_counts_every}"

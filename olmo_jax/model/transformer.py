@@ -60,21 +60,25 @@ def _stacked_blocks(cfg: TransformerConfig, n: int, moe: bool, rngs: nnx.Rngs, d
     return make(rngs)
 
 
-def run_blocks(blocks: Block, x_BTD, cos_TH, sin_TH, remat: str = "none", rng=None, unroll: int = 1):
+def run_blocks(blocks: Block, x_BTD, cos_TH, sin_TH, remat: str = "none", rng=None, unroll: int = 1,
+               *, keys=None, keep_L=None):
     """Scan x through stacked blocks; returns (x, per-layer stats stacked on axis 0).
-    `rng` (training only): a key, split into one per block."""
+    `rng` (training only): a key, split into one per block; or `keys`: the blocks' keys.
+    `keep_L` (bool per block, pipeline padding): a False block passes x through unchanged
+    (its stats are still computed; the caller drops them)."""
     graphdef, state = nnx.split(blocks)
     n_layers = jax.tree.leaves(state)[0].shape[0]
-    keys = None if rng is None else jax.random.split(rng, n_layers)
+    if keys is None and rng is not None:
+        keys = jax.random.split(rng, n_layers)
 
     def body(x, xs):
-        layer_state, key = xs
+        layer_state, key, keep = xs
         y, stats = nnx.merge(graphdef, layer_state)(x, cos_TH, sin_TH, key)
-        return y, stats
+        return (y if keep is None else jnp.where(keep, y, x)), stats
 
     if remat == "block":
         body = jax.checkpoint(body)
-    return jax.lax.scan(body, x_BTD, (state, keys), unroll=unroll)
+    return jax.lax.scan(body, x_BTD, (state, keys, keep_L), unroll=unroll)
 
 
 class Output(NamedTuple):

@@ -13,7 +13,9 @@ the whole mesh (SPMD programs are symmetric). `backward` marks collectives that 
 differentiation (their op_name has `transpose(`), `phase` says fwd / bwd / step (once per
 step: ZeRO parameter gathers and gradient reductions); op_name also carries the scopes
 the parallel code sets (`Collective.purpose`: zero_gather, zero_reduce, fsdp_gather,
-loss_allsum, moe_<backend>; "other" for what GSPMD adds, e.g. the gradient-norm sum).
+loss_allsum, moe_<backend>, and for pipelines pipe_gather / pipe_reduce (parameters to the
+stages and gradients back) and pipe_send (activations and cotangents between stages);
+"other" for what GSPMD adds, e.g. the gradient-norm sum).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16"
 
 # Named scopes set by olmo_jax.parallel (zero.py, strategy.py, expert/*).
 SCOPES = ("zero_gather", "zero_reduce", "fsdp_gather", "loss_allsum", "moe_rowwise",
-          "moe_ragged", "moe_allgather")
+          "moe_ragged", "moe_allgather", "pipe_gather", "pipe_reduce", "pipe_send")
 
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*->.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*)$")
@@ -75,7 +77,8 @@ class Collective:
         traffic: ZeRO gathers/reductions and what GSPMD adds around the update)."""
         if self.backward:
             return "bwd"
-        return "step" if self.purpose in ("zero_gather", "zero_reduce", "other") else "fwd"
+        once = ("zero_gather", "zero_reduce", "pipe_gather", "pipe_reduce", "other")
+        return "step" if self.purpose in once else "fwd"
 
     @property
     def purpose(self) -> str:

@@ -15,7 +15,9 @@ router-statistics and loss sums (`allsum`), and parameter gather / gradient redu
 
 Batch layout: a global batch [B, T+1] is placed as [grad_accum, B / grad_accum, T+1]
 with the middle axis split over data x expert, so microbatch i is the same set of
-sequences on any mesh (rows i*B/ga .. (i+1)*B/ga - 1 of the global batch).
+sequences on any mesh (rows i*B/ga .. (i+1)*B/ga - 1 of the global batch). With a
+pipeline (parallel.pipe > 1, `pipeline`: olmo_jax/parallel/pipeline) the leading axis is
+grad_accum x parallel.microbatches: every pipeline microbatch is such a row block too.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from olmo_jax.parallel import expert as expert_lib
 from olmo_jax.parallel import mesh as mesh_lib
 from olmo_jax.parallel import rules, zero
 from olmo_jax.parallel.mesh import BATCH_AXES
+from olmo_jax.parallel.pipeline import Pipeline, build_pipeline, check_unpipelined
 
 STRATEGIES = ("ddp", "fsdp")
 BATCH_SPEC = rules.logical_to_spec((None, "act_batch", None))  # [microbatch, rows, tokens]
@@ -47,6 +50,12 @@ class ParallelPlan:
     dispatch: str  # the expert-parallel backend, or "local" (no expert parallelism)
     dispatcher: Callable | None  # the MoE layer's dispatcher (None = local_dispatch)
     layouts: object  # tree of zero.ParamLayout, the params' structure
+    pipeline: Pipeline | None = None  # parallel.pipe > 1
+
+    @property
+    def microbatches(self) -> int:
+        """Pipeline microbatches per accumulation step (1 without a pipeline)."""
+        return 1 if self.pipeline is None else self.pipeline.microbatches
 
     # ---- placement -------------------------------------------------------------------
     def _specs(self, field: str):
@@ -96,8 +105,9 @@ class ParallelPlan:
         return NamedSharding(self.mesh, BATCH_SPEC)
 
     def place_batch(self, batch_BT1, grad_accum: int | None = None) -> jax.Array:
-        """[B, T+1] host (or device) tokens -> [ga, B/ga, T+1] on the mesh."""
-        ga = self.grad_accum if grad_accum is None else grad_accum
+        """[B, T+1] host (or device) tokens -> [ga x M, B/(ga x M), T+1] on the mesh
+        (M: pipeline microbatches; evaluation passes grad_accum=1 and gets M = 1)."""
+        ga = self.grad_accum * self.microbatches if grad_accum is None else grad_accum
         batch_BT1 = np.asarray(batch_BT1)
         B = batch_BT1.shape[0]
         check_batch(B, self.mesh, ga, "the batch")
@@ -132,6 +142,8 @@ class ParallelPlan:
         return zero.gather_for_use(params, self.layouts) if self.strategy == "fsdp" else params
 
     def _outer_gather(self, params):
+        if self.pipeline is not None:  # this stage's chunks, gathered
+            return self.pipeline.gather(params)
         return zero.gather(params, self.layouts) if self.strategy == "ddp" else params
 
     def shard_grads(self, grads_and_parts):
@@ -145,7 +157,9 @@ class ParallelPlan:
             params = self._outer_gather(params)
             rng = jax.random.fold_in(rng, jax.lax.axis_index(BATCH_AXES))
             grads, parts = grads_and_parts(params, model_state, batch.reshape(-1, batch.shape[-1]), rng)
-            if self.strategy == "ddp":
+            if self.pipeline is not None:
+                grads = self.pipeline.reduce(grads)
+            elif self.strategy == "ddp":
                 grads = zero.reduce(grads, self.layouts)
             return grads, parts
 
@@ -189,12 +203,15 @@ def state_shardings(state, tx: optax.GradientTransformation, mesh: Mesh, param_s
 
 
 def check_batch(global_batch: int, mesh: Mesh, grad_accum: int,
-                what: str = "trainer.global_batch_size") -> None:
+                what: str = "trainer.global_batch_size", microbatches: int = 1) -> None:
     shards = mesh_lib.batch_shards(mesh)
-    if global_batch % (shards * grad_accum):
+    if global_batch % (shards * grad_accum * microbatches):
+        pipe = " x parallel.microbatches" if microbatches > 1 else ""
+        sizes = f" x {microbatches}" if microbatches > 1 else ""
         raise ConfigError(
-            f"{what}={global_batch} must be divisible by data x expert x trainer.grad_accum = "
-            f"{mesh.shape['data']} x {mesh.shape['expert']} x {grad_accum} = {shards * grad_accum}"
+            f"{what}={global_batch} must be divisible by data x expert x trainer.grad_accum"
+            f"{pipe} = {mesh.shape['data']} x {mesh.shape['expert']} x {grad_accum}{sizes} = "
+            f"{shards * grad_accum * microbatches}"
         )
 
 
@@ -225,13 +242,11 @@ def build_plan(cfg, model_cfg: TransformerConfig, abstract_params=None,
         raise ConfigError(
             f"parallel.strategy={p.strategy!r}: choose one of {', '.join(STRATEGIES)}")
     mesh = mesh_lib.make_mesh(p, devices)
-    if mesh.shape["pipe"] > 1:
-        raise ConfigError(
-            f"parallel.pipe={mesh.shape['pipe']}: pipeline stages are not part of this trainer's "
-            f"step; set parallel.pipe=1"
-        )
+    if mesh.shape["pipe"] == 1:
+        check_unpipelined(p)
     check_model_fits(model_cfg, mesh, p.strategy)
-    check_batch(cfg.trainer.global_batch_size, mesh, cfg.trainer.grad_accum)
+    check_batch(cfg.trainer.global_batch_size, mesh, cfg.trainer.grad_accum,
+                microbatches=p.microbatches)
     ep = mesh.shape["expert"]
     if p.strategy == "ddp" and ep > 1:
         dispatcher = expert_lib.make_dispatcher(p.dispatch, p.capacity_factor)
@@ -245,9 +260,14 @@ def build_plan(cfg, model_cfg: TransformerConfig, abstract_params=None,
         abstract_params = abstract_model(model_cfg)[1]
     compute = rules.param_specs(abstract_params, rules.RULES[p.strategy])
     shard = p.zero1 or p.strategy == "fsdp"
-    layouts = jax.tree.map(
-        lambda x, spec: zero.param_layout(x.shape, spec, mesh, shard),
-        abstract_params, compute,
-    )
+    pipeline = None
+    if mesh.shape["pipe"] > 1:
+        pipeline = build_pipeline(p, model_cfg, mesh, abstract_params, compute, shard)
+        layouts = pipeline.layouts
+    else:
+        layouts = jax.tree.map(
+            lambda x, spec: zero.param_layout(x.shape, spec, mesh, shard),
+            abstract_params, compute,
+        )
     return ParallelPlan(mesh, p.strategy, bool(p.zero1), cfg.trainer.grad_accum, dispatch,
-                        dispatcher, layouts)
+                        dispatcher, layouts, pipeline)

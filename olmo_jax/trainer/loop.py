@@ -53,10 +53,11 @@ class Summary:
 
 def _placer(plan, seq_len: int):
     """place(loader, step, grad_accum=None) -> the step's global batch laid out as the plan
-    wants ([grad_accum, B / grad_accum, T + 1] on its batch sharding), each process reading
+    wants ([ga, B / ga, T + 1] on its batch sharding; ga = grad_accum x pipeline microbatches
+    unless given), each process reading
     only the rows its devices hold."""
     def place(loader, step, grad_accum=None):
-        ga = plan.grad_accum if grad_accum is None else grad_accum
+        ga = plan.grad_accum * plan.microbatches if grad_accum is None else grad_accum
         B = loader.global_batch_size
         return distributed.place_batch(lambda rows: loader.batch(step, rows),
                                        (ga, B // ga, seq_len + 1), plan.batch_sharding())
@@ -159,6 +160,11 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
         f"{opt_bytes / 1e6:.2f} MB/device ({opt_bytes_replicated / 1e6:.2f} replicated); "
         f"{flops_tok / 1e6:.1f} MFLOP/token; compiled in {compile_s:.1f}s{mem}"
     )
+    if plan.pipeline is not None:
+        s = plan.pipeline.schedule
+        console.print(
+            f"pipeline {s.kind}: {s.stages} stages x {s.virtual} virtual, {s.microbatches} "
+            f"microbatches, {s.ticks} ticks, bubble {100 * s.bubble:.1f}% (logged as pipeline_bubble)")
 
     log = MetricsLog(metrics_path, append=checkpoints.resumed, enabled=main)
     if checkpoints.resumed and main:  # like metrics.jsonl: drop what was logged after the checkpoint
@@ -196,6 +202,7 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
                     tok_s = (done - step_last) * tokens_per_step / (now - t_last)
                     record = {"step": done, **{k: float(v) for k, v in m.items() if v.ndim == 0}}
                     record["tokens_per_s"] = tok_s
+                    record["step_time_s"] = (now - t_last) / (done - step_last)
                     record["tflops_per_device"] = flops_tok * tok_s / n_dev / 1e12
                     record["mfu"] = flops_tok * tok_s / n_dev / peak
                     if is_eval or done == t_cfg.max_steps:

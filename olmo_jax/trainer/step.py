@@ -86,9 +86,16 @@ def forward_losses(graphdef, params, model_state, batch_BT1, cfg: TransformerCon
     model = nnx.merge(graphdef, params, model_state)
     inputs_BT, targets_BT = batch_BT1[:, :-1], batch_BT1[:, 1:]
     out = model(inputs_BT, rng=rng)
-    ce_sum = parallel.allsum(cross_entropy_sum(out.logits_BTV, targets_BT))
+    return loss_parts(out.logits_BTV, targets_BT, out.router_stats, cfg, row_shards, parallel)
+
+
+def loss_parts(logits_BTV, targets_BT, stats: RouterStats | None, cfg: TransformerConfig,
+               row_shards: int = 1, parallel=SingleDevice) -> LossParts:
+    """LossParts of one (micro)batch from the model's logits and stacked RouterStats
+    (the pipeline's last stage calls this with the statistics of every stage)."""
+    ce_sum = parallel.allsum(cross_entropy_sum(logits_BTV, targets_BT))
     n = parallel.allsum(jnp.asarray(targets_BT.size, jnp.float32))
-    return LossParts(ce_sum, n, **routing_parts(out.router_stats, cfg, row_shards, parallel))
+    return LossParts(ce_sum, n, **routing_parts(stats, cfg, row_shards, parallel))
 
 
 def routing_parts(stats: RouterStats | None, cfg: TransformerConfig, row_shards: int = 1,
@@ -143,7 +150,9 @@ def make_grads_fn(graphdef, cfg: TransformerConfig, grad_accum: int = 1, paralle
                                row_shards, ops)
         return total_loss(parts, cfg), parts
 
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    pipeline = getattr(parallel, "pipeline", None)
+    grad_fn = (jax.value_and_grad(loss_fn, has_aux=True) if pipeline is None  # else: the
+               else pipeline.grad_fn(graphdef, cfg, row_shards, ops))  # stages' schedule
 
     def grads_and_parts(params, model_state, batch_BT1, rng):
         if grad_accum == 1:
@@ -195,6 +204,8 @@ def make_train_step(graphdef, cfg: TransformerConfig, tx: optax.GradientTransfor
             "lr": schedule(state.step),
             **routing_metrics(parts, expert_ranks=expert_ranks, first_block=cfg.n_dense_layers),
         }
+        if getattr(parallel, "pipeline", None) is not None:  # idle share of the schedule table
+            metrics["pipeline_bubble"] = jnp.asarray(parallel.pipeline.bubble, jnp.float32)
         new_state = state._replace(step=state.step + 1, params=params, opt_state=opt_state,
                                    model_state=model_state)
         return new_state, metrics
@@ -210,4 +221,6 @@ def make_eval_step(graphdef, cfg: TransformerConfig, parallel=None):
                                parallel=ops)
         return parts.ce_sum, parts.n_tokens
 
+    if getattr(parallel, "pipeline", None) is not None:  # forwards through the stages
+        eval_step = parallel.pipeline.eval_fn(graphdef, cfg, ops)
     return eval_step if parallel is None else parallel.shard_eval(eval_step)

@@ -1,7 +1,8 @@
-"""Shared pieces of the parallel tests: one tiny MoE config, its parameters initialized
-once on the host, deterministic batches, and runners cached per configuration so each
-mesh/strategy/backend compiles exactly one program (the trainer's jitted train step) per
-test session.
+"""Shared pieces of the parallel tests: one tiny MoE config (and a deeper variant with a
+dense-first block for the pipeline tests), its parameters initialized once on the host,
+deterministic batches, and runners cached per configuration so each
+mesh/strategy/backend/pipeline compiles exactly one program (the trainer's jitted train
+step) per test session.
 
 The optimizer is the config's AdamW preceded by a pass-through that keeps the gradients
 it receives in its state (`recording`), so one compiled train step yields both the
@@ -11,6 +12,7 @@ optimization level 0: the same HLO and collectives, less LLVM time.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -30,17 +32,32 @@ VOCAB, BATCH, SEQ, STEPS = 64, 8, 16, 5
 NO_DROP_CF = 4.0  # >= num_experts / top_k: rowwise can never drop
 
 
+class Pipe(NamedTuple):
+    """parallel.pipe and its schedule fields (pipe=1: no pipeline)."""
+    pipe: int = 1
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    virtual: int = 1
+
+
+NO_PIPE = Pipe()
+
+
 def make_cfg(data=1, expert=1, dispatch="rowwise", strategy="ddp", zero1=True, grad_accum=1,
-             capacity_factor=NO_DROP_CF, lb_granularity="global", batch=BATCH, seq=SEQ):
+             capacity_factor=NO_DROP_CF, lb_granularity="global", batch=BATCH, seq=SEQ,
+             layers=(2, 0), pipe: Pipe = NO_PIPE):
+    """`layers`: (model.n_layers, model.n_dense_layers)."""
     c = default_config()
     m = c.model
-    m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.n_dense_layers = VOCAB, 32, 2, 2, 0
+    m.vocab_size, m.d_model, m.n_heads = VOCAB, 32, 2
+    m.n_layers, m.n_dense_layers = layers
     m.moe.num_experts, m.moe.top_k, m.moe.expert_hidden = 8, 2, 32
     m.moe.lb_granularity = lb_granularity
     c.optim.lr, c.optim.warmup_steps = 1e-2, 1
     p = c.parallel
     p.data, p.expert, p.dispatch, p.strategy = data, expert, dispatch, strategy
     p.zero1, p.capacity_factor = zero1, capacity_factor
+    p.pipe, p.pipeline_schedule, p.microbatches, p.virtual_stages = pipe
     t = c.trainer
     t.global_batch_size, t.seq_len, t.grad_accum, t.max_steps = batch, seq, grad_accum, 20
     return c
@@ -60,9 +77,9 @@ def to_numpy(tree):
 
 
 @functools.cache
-def host_state(lb_granularity="global"):
+def host_state(lb_granularity="global", layers=(2, 0)):
     """(model_cfg, tx, schedule, graphdef, state): built once; the state as numpy."""
-    cfg = make_cfg(lb_granularity=lb_granularity)
+    cfg = make_cfg(lb_granularity=lb_granularity, layers=layers)
     model_cfg = model_config(cfg)
     tx, schedule = build_optimizer(cfg.optim, cfg.trainer.max_steps)
     tx = recording(tx)
@@ -94,8 +111,15 @@ class Run(NamedTuple):
         return np.array([m["loss"] for m in self.metrics])
 
 
-def _execute(step, state, placed_batches) -> Run:
-    compiled = step.lower(state, placed_batches[0]).compile(FAST_COMPILE)
+def _abstract(tree):
+    """ShapeDtypeStructs (with the arrays' shardings) of a tree of arrays."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def _execute(step, state, placed_batches, abstract=False) -> Run:
+    """`abstract`: compile from ShapeDtypeStructs (nothing allocated), then run."""
+    args = (state, placed_batches[0])
+    compiled = step.lower(*(_abstract(args) if abstract else args)).compile(FAST_COMPILE)
     metrics, grads = [], None
     for b in placed_batches:
         state, m = compiled(state, b)
@@ -105,9 +129,9 @@ def _execute(step, state, placed_batches) -> Run:
 
 
 @functools.cache
-def reference_run(grad_accum=1, batch=BATCH) -> Run:
+def reference_run(grad_accum=1, batch=BATCH, layers=(2, 0)) -> Run:
     """One device, the model's local dispatch, no parallel plan."""
-    model_cfg, tx, schedule, graphdef, state = host_state()
+    model_cfg, tx, schedule, graphdef, state = host_state(layers=layers)
     dev = jax.devices()[0]
     step = jax.jit(make_train_step(graphdef, model_cfg, tx, schedule, grad_accum))
     placed = [jax.device_put(b, dev) for b in batches(batch=batch)]
@@ -116,19 +140,22 @@ def reference_run(grad_accum=1, batch=BATCH) -> Run:
 
 @functools.cache
 def plan_run(data, expert, dispatch="rowwise", strategy="ddp", zero1=True, grad_accum=1,
-             batch=BATCH, capacity_factor=NO_DROP_CF) -> Run:
-    """The same on a pipe=1 x data x expert mesh through the trainer's ParallelPlan and
-    its jitted step (state shardings, donation)."""
-    model_cfg, tx, schedule, _, state = host_state()
+             batch=BATCH, capacity_factor=NO_DROP_CF, layers=(2, 0), pipe: Pipe = NO_PIPE,
+             remat="none", abstract=False) -> Run:
+    """The same on a pipe x data x expert mesh through the trainer's ParallelPlan and
+    its jitted step (state shardings, donation). `remat`: model.remat (same weights);
+    `abstract`: compile from ShapeDtypeStructs."""
+    model_cfg, tx, schedule, _, state = host_state(layers=layers)
+    model_cfg = dataclasses.replace(model_cfg, remat=remat)
     cfg = make_cfg(data, expert, dispatch, strategy, zero1, grad_accum, capacity_factor,
-                   batch=batch)
+                   batch=batch, layers=layers, pipe=pipe)
     plan = build_plan(cfg, model_cfg)
     graphdef = abstract_model(model_cfg, plan.dispatcher)[0]
     shardings = plan.state_shardings(state, tx)
     step = plan.jit_train_step(
         make_train_step(graphdef, model_cfg, tx, schedule, grad_accum, parallel=plan), shardings)
     placed = [plan.place_batch(b) for b in batches(batch=batch)]
-    return _execute(step, jax.device_put(state, shardings), placed)
+    return _execute(step, jax.device_put(state, shardings), placed, abstract)
 
 
 def rel_err(a, b) -> float:

@@ -1,0 +1,454 @@
+"""The pipeline executor: one `lax.scan` over the schedule's ticks, run per device inside
+the plan's shard_map (so expert dispatch over `expert` and the loss sums over the batch
+axes happen inside each stage), with one `ppermute` each way between neighbouring
+stages per tick.
+
+At every tick a device reads its stage's row of the schedule table (schedule.py) and
+  FWD (m, v)  runs chunk k = v * P + s on microbatch m through `jax.vjp`: for k = 0 the
+              embedding and dense blocks first (their VJP kept in the `prologue`
+              buffer); the chunk's MoE layers' residuals go into the `stash` slot the
+              table names (parameters are not stashed: the backward takes them from the
+              stage's weights again; `model.remat` decides what else is kept); for
+              k = K - 1 the final norm, LM head and loss run forward and backward at
+              once, their cotangent left in this stage's `bwd_in` inbox.
+  BWD (m, v)  rebuilds the chunk's VJP from the stash, applies it to the cotangent in its
+              inbox slot, adds the weight gradients to the stage's chunk rows and, for
+              k = 0, runs the prologue's VJP (embedding and dense-block gradients).
+and then sends its latest forward output to stage s + 1 and its latest input cotangent
+to stage s - 1; arrivals go into the inbox slots the table names. FWD and BWD each sit in
+a `lax.cond`: a device runs only its own op, and all devices of one stage take the same
+branch, so the collectives inside stay matched. Buffers have the sizes the table needs:
+for 1F1B about P microbatches whatever M is; for GPipe all M.
+
+Router statistics travel with the activations: a RouterStats buffer with a row per MoE
+block that every chunk fills in; the last chunk computes the losses from the whole buffer
+exactly as the single-device step does (`trainer.step.loss_parts`), and the cotangents
+of every block's statistics travel back with the activation cotangent, so load-balancing
+and z-loss gradients reach each router on the stage that owns it.
+
+Gradients come back in the compute layout: the stage's [V * c] chunk rows for the MoE
+blocks, per-device partial sums for everything else (zero outside the first / last
+stage); `layout.reduce` turns them into the stored placement.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from olmo_jax.model.config import TransformerConfig
+from olmo_jax.model.moe.losses import RouterStats
+from olmo_jax.model.rope import rope_tables
+from olmo_jax.model.transformer import run_blocks
+from olmo_jax.model.vma import varying_axes
+from olmo_jax.parallel.mesh import AXES
+from olmo_jax.parallel.pipeline import schedule as sched_lib
+from olmo_jax.parallel.pipeline.layout import PIPE, STAGE_KEY, Chunking
+from olmo_jax.parallel.pipeline.stash import SavedVJP
+from olmo_jax.trainer.step import LossParts, loss_parts, total_loss
+
+PROLOGUE_KEYS = ("embedding", "dense_blocks")  # weights stage 0 uses before chunk 0
+# model.remat = none: what a stashed VJP recomputes instead of keeping (cheap, and the
+# values derived from weights alone: casts, the fused qkv concatenation, reshapes).
+_RECOMPUTED = frozenset({"convert_element_type", "reshape", "transpose", "concatenate",
+                         "broadcast_in_dim", "squeeze", "expand_dims", "slice", "dynamic_slice",
+                         "copy", "copy_p"})
+
+
+def _stash_policy(prim, *_, **__) -> bool:
+    return prim.name not in _RECOMPUTED
+
+
+def _stashable(fn, remat: str):
+    """`fn` as its VJP is stashed: with model.remat = none, everything is kept except the
+    cheap ops above (so the stash holds activations, not per-microbatch copies of the
+    weights); block / attention keep the model's own checkpointing."""
+    return jax.checkpoint(fn, policy=_stash_policy) if remat == "none" else fn
+
+
+# ---- small tree helpers --------------------------------------------------------------------
+def _vary(tree, axes=AXES):
+    """Every leaf typed as differing over `axes` (scan carries and cond branches must agree)."""
+
+    def one(x):
+        missing = tuple(a for a in axes if a not in varying_axes(x))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(one, tree)
+
+
+def _own_axes(x) -> tuple[str, ...]:
+    """The mesh axes an array (or a ShapeDtypeStruct from eval_shape) varies over."""
+    mat = x.manual_axis_type if isinstance(x, jax.ShapeDtypeStruct) else None
+    return tuple(sorted(mat.varying if mat is not None else varying_axes(x)))
+
+
+def _zeros(tree, n=None, axes=AXES):
+    """Zeros shaped like `tree` (arrays or ShapeDtypeStructs), with a leading [n] if given,
+    varying over `axes` (None: over the axes each leaf varies over; stashed residuals must
+    keep their exact type, e.g. for the cotangent sums of hand-written VJPs)."""
+    lead = () if n is None else (n,)
+
+    def one(x):
+        own = _own_axes(x) if axes is None else axes
+        if n is not None:  # written at slots that differ per stage
+            own = tuple(sorted(set(own) | {PIPE}))
+        return _vary(jnp.zeros(lead + tuple(x.shape), x.dtype), own)
+
+    return jax.tree.map(one, tree)
+
+
+def _stage_index():
+    """A (zero) microbatch / virtual-stage index typed like one read from the stage's
+    table row (varying over pipe), for tracing the tick's pieces ahead of the scan."""
+    return _vary(jnp.zeros((), jnp.int32), (PIPE,))
+
+
+def _read(buf, i):
+    return jax.tree.map(lambda b: jax.lax.dynamic_index_in_dim(b, i, 0, keepdims=False), buf)
+
+
+def _write(buf, i, value):
+    def one(b, x):
+        x = _vary(x.astype(b.dtype), _own_axes(b))
+        return jax.lax.dynamic_update_index_in_dim(b, x, i, 0)
+
+    return jax.tree.map(one, buf, value)
+
+
+def _slot(i, n):
+    """Slot i, or the scratch slot n for 'none' (NO_SLOT)."""
+    return jnp.where(i < 0, n, i)
+
+
+def _select(state, keys, keep: bool):
+    return nnx.State({k: v for k, v in state.items() if (k in keys) == keep})
+
+
+def _join(*states):
+    """States with disjoint top-level keys -> one State."""
+    out = {}
+    for st in states:
+        out.update(dict(st.items()))
+    return nnx.State(out)
+
+
+class _Carry(NamedTuple):
+    stash: list  # per residual array: [slots, ...]
+    prologue: list
+    fwd_in: tuple  # (x [slots + 1, ...], RouterStats of [slots + 1, ...])
+    bwd_in: tuple
+    out_fwd: tuple  # the latest forward output (x, stats), sent each tick
+    out_bwd: tuple  # the latest input cotangent (dx, dstats), sent each tick
+    g_stage: object  # gradients of the stage's chunk rows
+    g_prologue: object
+    g_head: object
+    parts: LossParts  # summed over this stage's microbatches
+
+
+class StageProgram:
+    """The pieces of the model a stage runs, as pure functions of arrays, built per trace
+    from the step's (compute-layout) params and model state."""
+
+    def __init__(self, graphdef, cfg: TransformerConfig, chunks: Chunking, params, model_state,
+                 row_shards: int, ops):
+        self.cfg, self.chunks, self.ops, self.row_shards = cfg, chunks, ops, row_shards
+        self.graphdef = graphdef
+        P, c = chunks.stages, chunks.slots
+        self.P, self.c, self.K = P, c, chunks.chunks
+        self.s = jax.lax.axis_index(PIPE)
+        self.stage_params = params[STAGE_KEY]
+        self.head_keys = ("final_norm", "lm_head") + (("embedding",) if cfg.tie_embeddings else ())
+        self.prologue_params = _select(params, [k for k in PROLOGUE_KEYS if k in params], True)
+        self.head_params = _select(params, [k for k in self.head_keys if k in params], True)
+        self.other_params = _select(params, (STAGE_KEY,), False)
+        # Model state (router biases) rows of this stage's chunks; the rest as is.
+        self.model_state = model_state
+        if STAGE_KEY in model_state:
+            mine = jnp.asarray(chunks.rows)[self.s]
+            self.stage_state = jax.tree.map(lambda x: jnp.take(x, mine, axis=0),
+                                            model_state[STAGE_KEY])
+        else:
+            self.stage_state = nnx.State({})
+        self.blocks_def = nnx.split(nnx.merge(graphdef, params, model_state).moe_blocks)[0]
+        self.key_impl = None
+        self.keep = jnp.asarray(chunks.keep)[self.s]  # [V * c]
+        self.rows = jnp.asarray(chunks.rows)[self.s]
+        self.offsets = jnp.asarray(chunks.offsets)
+
+    # ---- chunk pieces --------------------------------------------------------------------
+    def chunk_rows(self, tree, v):
+        return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, v * self.c, self.c, 0), tree)
+
+    def _model(self, params):
+        """The Transformer over `params` (any subset merged with the other weights)."""
+        full = _join(self.other_params, params, nnx.State({STAGE_KEY: self.stage_params}))
+        return nnx.merge(self.graphdef, full, self.model_state)
+
+    def prologue(self, prologue_params, tokens_BT, cos_TH, sin_TH):
+        """Embedding and dense-first blocks (stage 0, before chunk 0)."""
+        model = self._model(prologue_params)
+        x_BTD = model.embed(tokens_BT)
+        if model.dense_blocks is not None:
+            x_BTD, _ = run_blocks(model.dense_blocks, x_BTD, cos_TH, sin_TH, self.cfg.remat,
+                                  unroll=self.cfg.scan_unroll)
+        return _vary(x_BTD)
+
+    def body(self, chunk_params, x_BTD, v, cos_TH, sin_TH, key_data):
+        """The MoE blocks of this stage's virtual stage v -> (x, RouterStats [c, ...])."""
+        blocks = nnx.merge(self.blocks_def, chunk_params, self.chunk_rows(self.stage_state, v))
+        keep = jax.lax.dynamic_slice_in_dim(self.keep, v * self.c, self.c)
+        keys = None if key_data is None else jax.random.wrap_key_data(key_data, impl=self.key_impl)
+        out = run_blocks(blocks, x_BTD, cos_TH, sin_TH, self.cfg.remat, unroll=self.cfg.scan_unroll,
+                         keys=keys, keep_L=keep)
+        return _vary(out)
+
+    def head_loss(self, head_params, x_BTD, stats: RouterStats, targets_BT, microbatches: int):
+        """Final norm, LM head and this microbatch's share of the step's loss."""
+        logits_BTV = self._model(head_params).head(x_BTD)
+        L = self.chunks.n_layers
+        stats = jax.tree.map(lambda a: a[:L], stats)
+        parts = loss_parts(logits_BTV, targets_BT, stats, self.cfg, self.row_shards, self.ops)
+        return total_loss(parts, self.cfg) / microbatches, parts
+
+    def layer_keys(self, key_m, v):
+        """Key data of the chunk's MoE blocks for microbatch key `key_m`, as the
+        single-device model draws them (split over all MoE blocks, in order)."""
+        if key_m is None:
+            return None
+        self.key_impl = jax.random.key_impl(key_m)
+        all_keys = jax.random.key_data(jax.random.split(key_m, self.chunks.n_layers))
+        return all_keys[jax.lax.dynamic_slice_in_dim(self.rows, v * self.c, self.c)]
+
+    def stats_write(self, buf, stats_c, k):
+        return jax.tree.map(lambda b, x: jax.lax.dynamic_update_slice_in_dim(b, x, self.offsets[k], 0),
+                            buf, stats_c)
+
+    def stats_rows(self, buf, k, v):
+        """The chunk's rows of a stats(-cotangent) buffer; padding slots zeroed."""
+        keep = jax.lax.dynamic_slice_in_dim(self.keep, v * self.c, self.c)
+        return jax.tree.map(
+            lambda b: jax.lax.dynamic_slice_in_dim(b, self.offsets[k], self.c, 0)
+            * keep.reshape((self.c,) + (1,) * (b.ndim - 1)).astype(b.dtype), buf)
+
+    def stats_clear(self, buf, k):
+        return jax.tree.map(lambda b: jax.lax.dynamic_update_slice_in_dim(
+            b, jnp.zeros((self.c,) + b.shape[1:], b.dtype), self.offsets[k], 0), buf)
+
+
+def _stats_buffer_shape(stats_c, n_layers: int, c: int):
+    """RouterStats of one chunk ([c, ...]) -> the shapes of the whole-model buffer: one row
+    per MoE block plus c rows of overflow for the last chunk's padding slots."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((n_layers + c,) + x.shape[1:], x.dtype),
+                        stats_c)
+
+
+def _ring(P: int, step: int):
+    return [(i, (i + step) % P) for i in range(P)]
+
+
+def make_grad_fn(schedule: sched_lib.Schedule, chunks: Chunking, graphdef, cfg: TransformerConfig,
+                 row_shards: int, ops):
+    """grad_fn(params, model_state, batch_BT1, rng) -> ((loss, LossParts), grads): the mean
+    over the schedule's M microbatches (rows of batch_BT1 split in M, in order), like
+    M-step gradient accumulation on one device; params / grads in the compute layout."""
+    P, M = schedule.stages, schedule.microbatches
+    table = np.asarray(schedule.table)
+    col = sched_lib.COL
+
+    def grad_fn(params, model_state, batch_BT1, rng):
+        prog = StageProgram(graphdef, cfg, chunks, params, model_state, row_shards, ops)
+        K, c = prog.K, prog.c
+        micro = batch_BT1.reshape(M, -1, batch_BT1.shape[-1])
+        T = micro.shape[-1] - 1
+        cos_TH, sin_TH = rope_tables(jnp.arange(T), cfg.head_size, cfg.rope_theta)
+        keys_M = None if rng is None else jax.random.split(rng, M)
+        pro_saver, body_saver = SavedVJP(), SavedVJP()
+
+        def key_of(m):
+            return None if keys_M is None else keys_M[m]
+
+        # ---- the forward pieces through jax.vjp (used by the probe and the FWD branch) ----
+        def prologue_vjp(m):
+            fn = _stashable(lambda p: prog.prologue(p, micro[m, :, :-1], cos_TH, sin_TH), cfg.remat)
+            x, vjp = jax.vjp(fn, prog.prologue_params)
+            return x, pro_saver.save(vjp, prog.prologue_params)
+
+        def body_vjp(x_BTD, m, v):
+            chunk_p = prog.chunk_rows(prog.stage_params, v)
+            keys = prog.layer_keys(key_of(m), v)
+            fn = _stashable(lambda p, x: prog.body(p, x, v, cos_TH, sin_TH, keys), cfg.remat)
+            (y, stats_c), vjp = jax.vjp(fn, chunk_p, x_BTD)
+            return y, stats_c, body_saver.save(vjp, chunk_p)
+
+        # Shapes of everything a tick keeps (traced once, nothing computed), with inputs
+        # typed as in the scan, so the residuals come out exactly as there.
+        x_shape, pro_res_shape = jax.eval_shape(lambda: prologue_vjp(_stage_index()))
+        _, stats_c_shape, body_res_shape = jax.eval_shape(
+            lambda: body_vjp(_zeros(x_shape), _stage_index(), _stage_index()))
+        stats_shape = _stats_buffer_shape(stats_c_shape, chunks.n_layers, c)
+        parts_shape = jax.eval_shape(
+            lambda: prog.head_loss(prog.head_params, jnp.zeros(x_shape.shape, x_shape.dtype),
+                                   _zeros(stats_shape), micro[0, :, 1:], M)[1])
+        slots = schedule.slots
+        act = (x_shape, stats_shape)
+        carry = _Carry(
+            stash=_zeros(body_res_shape, slots["stash"], axes=None),
+            prologue=_zeros(pro_res_shape, slots["prologue"], axes=None),
+            fwd_in=_zeros(act, slots["fwd_in"] + 1),  # + 1: the scratch slot
+            bwd_in=_zeros(act, slots["bwd_in"] + 1),
+            out_fwd=_zeros(act),
+            out_bwd=_zeros(act),
+            g_stage=_zeros(prog.stage_params, axes=None),
+            g_prologue=_zeros(prog.prologue_params, axes=None),
+            g_head=_zeros(prog.head_params, axes=None),
+            parts=_zeros(parts_shape, axes=(PIPE,)),
+        )
+
+        def fwd(carry: _Carry, cell):
+            m, v = cell[col["mb"]], cell[col["virtual"]]
+            k = v * P + prog.s
+            x_in, stats_in = _read(carry.fwd_in, cell[col["fwd_in"]])
+
+            def first(bufs):
+                x0, res = prologue_vjp(m)
+                return _write(bufs, cell[col["prologue"]], res), x0, _zeros(stats_shape)
+
+            pro_buf, x0, stats_in = jax.lax.cond(
+                k == 0, first, lambda bufs: (bufs, x_in, stats_in), carry.prologue)
+            y, stats_c, res = body_vjp(x0, m, v)
+            stash = _write(carry.stash, cell[col["stash"]], res)
+            stats_out = prog.stats_write(stats_in, stats_c, k)
+
+            def head(state):
+                bwd_in, g_head, parts = state
+                (loss, vjp, parts_m) = jax.vjp(
+                    lambda p, x, st: prog.head_loss(p, x, st, micro[m, :, 1:], M),
+                    prog.head_params, y, stats_out, has_aux=True)
+                # d(step loss) / d(this microbatch's share) = 1, typed like the loss
+                g, dx, dstats = vjp(_vary(jnp.ones((), loss.dtype), _own_axes(loss)))
+                bwd_in = _write(bwd_in, cell[col["head_out"]], (dx, dstats))
+                g_head = jax.tree.map(jnp.add, g_head, g)
+                parts = jax.tree.map(jnp.add, parts, _vary(parts_m, (PIPE,)))
+                return bwd_in, g_head, parts
+
+            bwd_in, g_head, parts = jax.lax.cond(
+                k == K - 1, head, lambda state: state, (carry.bwd_in, carry.g_head, carry.parts))
+            return carry._replace(stash=stash, prologue=pro_buf, bwd_in=bwd_in, g_head=g_head,
+                                  parts=parts, out_fwd=_vary((y, stats_out)))
+
+        def bwd(carry: _Carry, cell):
+            v = cell[col["virtual"]]
+            k = v * P + prog.s
+            dy, dstats_out = _read(carry.bwd_in, cell[col["bwd_in"]])
+            chunk_p = prog.chunk_rows(prog.stage_params, v)
+            vjp = body_saver.restore(_read(carry.stash, cell[col["stash"]]), chunk_p)
+            d_chunk, dx = vjp((dy, prog.stats_rows(dstats_out, k, v)))
+            g_stage = jax.tree.map(
+                lambda g, d: jax.lax.dynamic_update_slice_in_dim(
+                    g, jax.lax.dynamic_slice_in_dim(g, v * c, c, 0) + d, v * c, 0),
+                carry.g_stage, d_chunk)
+
+            def first(g_pro):
+                pro_vjp = pro_saver.restore(_read(carry.prologue, cell[col["prologue"]]),
+                                            prog.prologue_params)
+                (d_pro,) = pro_vjp(dx)
+                return jax.tree.map(jnp.add, g_pro, d_pro)
+
+            g_pro = jax.lax.cond(k == 0, first, lambda g: g, carry.g_prologue)
+            return carry._replace(g_stage=g_stage, g_prologue=g_pro,
+                                  out_bwd=_vary((dx, prog.stats_clear(dstats_out, k))))
+
+        def tick(carry: _Carry, row):
+            cell = row[prog.s]
+            op = cell[col["op"]]
+            carry = jax.lax.cond(op == sched_lib.FWD, fwd, lambda cr, _: cr, carry, cell)
+            carry = jax.lax.cond(op == sched_lib.BWD, bwd, lambda cr, _: cr, carry, cell)
+            with jax.named_scope("pipe_send"):
+                arrived_f = jax.lax.ppermute(carry.out_fwd, PIPE, _ring(P, 1))
+                arrived_b = jax.lax.ppermute(carry.out_bwd, PIPE, _ring(P, -1))
+            fwd_in = _write(carry.fwd_in, _slot(cell[col["recv_fwd"]], slots["fwd_in"]), arrived_f)
+            bwd_in = _write(carry.bwd_in, _slot(cell[col["recv_bwd"]], slots["bwd_in"]), arrived_b)
+            return carry._replace(fwd_in=fwd_in, bwd_in=bwd_in), None
+
+        carry, _ = jax.lax.scan(tick, carry, jnp.asarray(table))
+        parts = jax.lax.psum(carry.parts, PIPE)  # only the last stage computed losses
+        parts = parts._replace(**{f: getattr(parts, f) / M
+                                  for f in ("lb_loss", "z_loss", "lb_L", "z_L")})
+        grads = {STAGE_KEY: carry.g_stage}
+        for key in params.keys():
+            if key == STAGE_KEY:
+                continue
+            pieces = [g[key] for g in (carry.g_prologue, carry.g_head) if key in g]
+            grads[key] = pieces[0] if len(pieces) == 1 else jax.tree.map(jnp.add, *pieces)
+        # The params' own tree type (subtrees may have come back as dicts).
+        grads = jax.tree.unflatten(jax.tree.structure(params),
+                                   jax.tree.leaves(nnx.State(grads)))
+        return (total_loss(parts, cfg), parts), grads
+
+    return grad_fn
+
+
+def make_eval_fn(stages: int, virtual: int, microbatches: int, chunks: Chunking, graphdef,
+                 cfg: TransformerConfig, ops):
+    """eval_fn(params, model_state, batch_BT1) -> (ce_sum, n_tokens): forwards only, the
+    local rows split into `microbatches` when they divide (else one)."""
+    P = stages
+    col = sched_lib.COL
+
+    def eval_fn(params, model_state, batch_BT1):
+        rows = batch_BT1.shape[0]
+        M = microbatches if rows % microbatches == 0 else 1
+        schedule = sched_lib.forward_only(P, virtual, M)
+        prog = StageProgram(graphdef, cfg, chunks, params, model_state, 1, ops)
+        K, c = prog.K, prog.c
+        micro = batch_BT1.reshape(M, -1, batch_BT1.shape[-1])
+        T = micro.shape[-1] - 1
+        cos_TH, sin_TH = rope_tables(jnp.arange(T), cfg.head_size, cfg.rope_theta)
+
+        def prologue(m):
+            return prog.prologue(prog.prologue_params, micro[m, :, :-1], cos_TH, sin_TH)
+
+        def body(x, v):
+            return prog.body(prog.chunk_rows(prog.stage_params, v), x, v, cos_TH, sin_TH, None)
+
+        x_shape = jax.eval_shape(lambda: prologue(_stage_index()))
+        stats_c_shape = jax.eval_shape(lambda: body(_zeros(x_shape), _stage_index()))[1]
+        act = (x_shape, _stats_buffer_shape(stats_c_shape, chunks.n_layers, c))
+        n_in = schedule.slots["fwd_in"]
+        carry0 = (_zeros(act, n_in + 1), _zeros(act), _zeros((jax.ShapeDtypeStruct((), jnp.float32),) * 2,
+                                                              axes=(PIPE,)))
+
+        def fwd(carry, cell):
+            fwd_in, _, sums = carry
+            m, v = cell[col["mb"]], cell[col["virtual"]]
+            k = v * P + prog.s
+            x_in, stats_in = _read(fwd_in, cell[col["fwd_in"]])
+            x0, stats_in = jax.lax.cond(k == 0, lambda: (prologue(m), _zeros(act[1])),
+                                        lambda: (x_in, stats_in))
+            y, stats_c = body(x0, v)
+            stats_out = prog.stats_write(stats_in, stats_c, k)
+
+            def head(sums):
+                parts = prog.head_loss(prog.head_params, y, stats_out, micro[m, :, 1:], M)[1]
+                return jax.tree.map(jnp.add, sums, _vary((parts.ce_sum, parts.n_tokens), (PIPE,)))
+
+            sums = jax.lax.cond(k == K - 1, head, lambda s: s, sums)
+            return fwd_in, _vary((y, stats_out)), sums
+
+        def tick(carry, row):
+            cell = row[prog.s]
+            carry = jax.lax.cond(cell[col["op"]] == sched_lib.FWD, fwd, lambda cr, _: cr, carry, cell)
+            fwd_in, out, sums = carry
+            arrived = jax.lax.ppermute(out, PIPE, _ring(P, 1))
+            fwd_in = _write(fwd_in, _slot(cell[col["recv_fwd"]], n_in), arrived)
+            return (fwd_in, out, sums), None
+
+        (_, _, sums), _ = jax.lax.scan(tick, carry0, jnp.asarray(schedule.table))
+        return jax.lax.psum(sums, PIPE)
+
+    return eval_fn
