@@ -7,9 +7,10 @@ interleaved round by round, so machine noise hits every variant alike):
    the ratio to 8 experts.
 2. Expert-matmul efficiency: the routed SwiGLU FFN (dispatch, expert matmuls, combine;
    forward + backward, `local_dispatch`) per implementation, its achieved FLOP/s (useful
-   FLOPs: 3 x 6 x tokens x k x d x h) as a fraction of a dense SwiGLU of exactly those
-   FLOPs (all assignments through one expert's weights), and the compiled program's
-   matmul FLOPs per useful FLOP: padded batched einsum over the blocked dropless layout,
+   FLOPs: 3 x 6 x tokens x k x d x h) as a fraction of one dense matmul of exactly those
+   FLOPs ([tokens x k, d] x [d, 9h]; also shown: a dense SwiGLU, forward + backward, of
+   the same rows through one expert's weights), and the compiled program's matmul FLOPs
+   per useful FLOP: padded batched einsum over the blocked dropless layout,
    over capacity buffers (capacity_factor 1.25), and jax.lax.ragged_dot (a dense masked
    product over every expert on CPU). Pallas (interpret mode) is excluded.
 3. Dispatch backends under expert parallelism on 8 fake CPU devices: tools/bench_parallel
@@ -54,16 +55,23 @@ from olmo_jax.trainer.state import init_state  # noqa: E402
 from olmo_jax.trainer.step import make_train_step  # noqa: E402
 
 
-def interleaved(fns: dict, rounds: int, calls: int) -> dict[str, float]:
-    """Median seconds per call of each fn() (already compiled), timed round by round."""
+def interleaved(fns: dict, rounds: int, calls: int | None = None,
+                round_s: float = 1.0) -> dict[str, float]:
+    """Median seconds per call of each fn() (compiled and warm), timed round by round;
+    `calls` per fn per round, or (None) as many as fill about `round_s` seconds."""
+    n = {}
+    for name, fn in fns.items():
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        n[name] = calls or max(1, round(round_s / (time.perf_counter() - t0)))
     times = {k: [] for k in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
             t0 = time.perf_counter()
-            for _ in range(calls):
+            for _ in range(n[name]):
                 out = fn()
             jax.block_until_ready(out)
-            times[name].append((time.perf_counter() - t0) / calls)
+            times[name].append((time.perf_counter() - t0) / n[name])
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -140,6 +148,7 @@ def efficiency(args) -> list[dict]:
     x = jax.random.normal(keys[0], (S, D), jnp.float32)
     x_rows = jax.random.normal(keys[6], (S * k, D), jnp.float32)  # the dense reference's
     ct_rows = jax.random.normal(keys[7], (S * k, D), jnp.float32)
+    w_dense = jax.random.normal(keys[1], (D, 9 * F), jnp.float32) * 0.02
     w = tuple(jax.random.normal(kk, shape, jnp.float32) * 0.02 for kk, shape in
               zip(keys[1:4], [(E, D, F), (E, D, F), (E, F, D)], strict=True))
     routing = random_routing(keys[4], S, E, k)
@@ -147,16 +156,20 @@ def efficiency(args) -> list[dict]:
     useful = 3 * 6 * S * k * D * F  # forward + backward of the routed assignments
 
     def moe_loss(cfg):
-        def loss(x, w):
+        def loss(x, w, routing, ct):
             y, _ = local_dispatch(x, routing, _Weights(w), cfg, jnp.float32)
             return jnp.sum(y * ct)
         return loss
 
-    def dense_loss(x, w):  # the same FLOPs: S x k rows through one expert's weights
-        return jnp.sum(swiglu(x, w[0][0], w[1][0], w[2][0]) * ct_rows)
+    def dense_matmul(x, w, routing, ct):  # one matmul of the same FLOPs: [S k, D] x [D, 9F]
+        return x @ w
+
+    def dense_loss(x, w, routing, ct):  # the same FLOPs: S x k rows through one expert
+        return jnp.sum(swiglu(x, w[0][0], w[1][0], w[2][0]) * ct)
 
     impls = {
-        "dense SwiGLU, same FLOPs (reference)": dense_loss,
+        "dense matmul, same FLOPs (reference)": dense_matmul,
+        "dense SwiGLU, same rows, one expert": dense_loss,
         "batched einsum, blocked dropless layout": moe_loss(MoEConfig(E, k, F, gmm_impl="einsum")),
         "batched einsum, capacity buffers (cf 1.25)": moe_loss(
             MoEConfig(E, k, F, gmm_impl="einsum", capacity_factor=1.25)),
@@ -164,14 +177,20 @@ def efficiency(args) -> list[dict]:
     }
     fns, rows = {}, []
     for name, loss in impls.items():
-        inp = x_rows if loss is dense_loss else x
-        compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(inp, w).compile()
+        if loss is dense_matmul:
+            args_, fn = (x_rows, w_dense, routing, ct), jax.jit(dense_matmul)
+        else:
+            args_ = (x_rows, w, routing, ct_rows) if loss is dense_loss else (x, w, routing, ct)
+            # value_and_grad: the loss value needs the forward's last matmul too (with grad
+            # alone XLA drops it, the loss being linear in the FFN's output).
+            fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+        compiled = fn.lower(*args_).compile()
         hlo_dots = hlo_cost.program_cost(comms.parse_module(compiled)).total_dot_flops
-        compiled(inp, w)
-        fns[name] = lambda c=compiled, inp=inp: c(inp, w)
+        compiled(*args_)
+        fns[name] = lambda c=compiled, a=args_: c(*a)
         rows.append({"implementation": name, "hlo_dot_flops_per_useful": hlo_dots / useful})
         print(f"compiled {name}", file=sys.stderr)
-    secs = interleaved(fns, args.rounds, args.eff_calls)
+    secs = interleaved(fns, args.rounds)
     dense = useful / secs[rows[0]["implementation"]]
     for r in rows:
         r["gflop_per_s"] = useful / secs[r["implementation"]] / 1e9
@@ -237,9 +256,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256, help="expert hidden size")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--eff-tokens", type=int, default=4096)
+    ap.add_argument("--eff-tokens", type=int, default=2048)
     ap.add_argument("--eff-experts", type=int, default=32)
-    ap.add_argument("--eff-calls", type=int, default=3)
     ap.add_argument("--ep-steps", type=int, default=5, help="steps per round (dispatch)")
     ap.add_argument("--out", default="bench_results.json")
     args = ap.parse_args()

@@ -107,8 +107,8 @@ class _Namer:
         if ins is None or depth > 8:
             return "other"
         op = ins.opcode
-        if op == "parameter" and ins.op_name.startswith("state."):
-            return f"argument: {re.match(r'state[.](\w+)', ins.op_name).group(1)}"
+        if op == "parameter" and (arg := re.match(r"state[.](\w+)", ins.op_name)):
+            return f"argument: {arg.group(1)}"  # the jitted step's argument name
         if op == "parameter" and ins.computation in self.body_of and index:
             loop = self.body_of[ins.computation]  # carried through the loop: its start value
             init = self.module.instruction(loop.operands[0])
@@ -138,24 +138,31 @@ class _Namer:
         tail = re.sub(r"[.]\d+$", "", ins.op_name.rsplit("/", 1)[-1] if ins.op_name else op)
         return f"other ({tail})"
 
-    def _loop_buffer_update(self, ins) -> str | None:
+    def _loop_buffer_update(self, ins):
         """For a buffer that starts a layer scan's stacked output (a zero-initialized value
-        in a while loop's initial tuple), what the loop body writes into it."""
+        in a while loop's initial tuple): (what the loop body writes into it, the writer)."""
         for user in self.walker.users[ins.name]:
-            if user.opcode != "tuple":
+            if user.opcode != "tuple" or ins.name not in user.operands:
                 continue
-            i = user.operands.index(ins.name) if ins.name in user.operands else -1
+            i = user.operands.index(ins.name)
             for loop in self.walker.users[user.name]:
                 body = loop.attr("body") if loop.opcode == "while" else None
-                if body is None or i < 0:
-                    continue
-                for gte in self.walker.comp[body.lstrip("%")]:
-                    if gte.opcode != "get-tuple-element" or gte.attr("index") != str(i):
-                        continue
-                    for writer in self.walker.users[gte.name]:
+                for ref in self._element_refs(body.lstrip("%"), i) if body else ():
+                    for writer in self.walker.users[ref.split("#")[0]]:
+                        if ref not in writer.operands:
+                            continue
                         if (written := self._stacked_update(writer)) is not None:
                             return written
         return None
+
+    def _element_refs(self, body: str, i: int) -> list[str]:
+        """Operand references that stand for element i of a loop body's parameter: its
+        get-tuple-elements, and "param#i"."""
+        params = {ins.name for ins in self.walker.comp[body] if ins.opcode == "parameter"}
+        gtes = [ins.name for ins in self.walker.comp[body]
+                if ins.opcode == "get-tuple-element" and ins.attr("index") == str(i)
+                and ins.operands and ins.operands[0] in params]
+        return gtes + [f"{p}#{i}" for p in params]
 
     def _stacked_update(self, ins):
         """For a value written by a dynamic-update-slice (a scan stacking one layer's value

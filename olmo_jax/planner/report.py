@@ -194,16 +194,14 @@ def _reference(plan: Plan) -> str | None:
 
 
 def _scores_note(plan: Plan, seq: int) -> str:
-    f = plan.formula["attention_scores"]
-    n = plan.hlo["attention_scores"] / f * 6 * (seq + 1) / (2 * seq) if f else 0
-    note = f"full {seq}x{seq} scores (no causal skipping: x2)"
-    if round(n) != 6:
-        note += f", {n:.0f} score matmuls where the formula counts 6"
-    if round(n) > 6:
-        note += ": the backward recomputes QK^T from the saved log-sum-exp"
-        if plan.step.cfg.model.remat != "none" and round(n) > 7:
-            note += (f", model.remat={plan.step.cfg.model.remat} reruns the forward's "
-                     "(their op_names lost in XLA:CPU's rewrite, so they count here)")
+    """Why the compiled score FLOPs differ: the formula counts the causal triangle,
+    s(s+1)/2 of the s^2 entries, and 6 score matmuls (2 forward, 4 backward)."""
+    note = (f"(entries computed / causal) x (matmuls / 6): masked blocks above the diagonal "
+            f"are computed (all of them: x{2 * seq / (seq + 1):.2f}); the backward recomputes "
+            "QK^T from the saved log-sum-exp (7 matmuls: x1.17)")
+    if plan.step.cfg.model.remat != "none":
+        note += (f"; model.remat={plan.step.cfg.model.remat} reruns the forward's where XLA:CPU's "
+                 "rewrite dropped their op_names")
     return note
 
 
