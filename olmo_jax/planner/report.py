@@ -306,8 +306,8 @@ def _projection_section(plan: Plan) -> list[str]:
         f"GB/s, network {spec.inter_bw / 1e9:,.0f} GB/s per direction",
         f"  compute      {p.compute_s:8.3f} s   dot FLOPs at peak",
         f"  roofline     {p.roofline_s:8.3f} s   per operation max(FLOPs/peak, bytes/HBM); HBM "
-        f"traffic {_bytes(p.hbm_bytes)} (XLA:CPU's fusions; the attention core's score "
-        "matrices left out: on chip in a GPU kernel)",
+        f"traffic {_bytes(p.hbm_bytes)} (XLA:CPU's operations, less the attention core's "
+        "score matrices, on chip in a GPU kernel, and XLA:CPU's own converts and copies)",
         f"  collectives  {p.links_s:8.3f} s   NVLink {p.link_s['nvlink']:.3f} s, network "
         f"{p.link_s['network']:.3f} s (ring bus bytes, one after another)",
         f"  step         {p.step_s:8.3f} s   nothing overlapped: {p.tokens_per_s():,.0f} "
