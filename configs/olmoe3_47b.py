@@ -31,6 +31,9 @@ def olmoe3_base(num_experts: int):
     t = c.trainer
     t.seq_len = 8192
     t.global_batch_size = 64
+    # One 8192-token sequence per device per microbatch on 8 devices: without accumulation
+    # the step needs ~730 GB per device (python -m olmo_jax.plan shows where it goes).
+    t.grad_accum = 8
     t.run_dir = f"runs/olmoe3_{num_experts}e"
     return c
 

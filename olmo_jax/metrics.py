@@ -36,14 +36,23 @@ def attention_params(cfg: TransformerConfig) -> int:
     return D * N * H * 2 + D * K * H * 2
 
 
-def flops_per_token(cfg: TransformerConfig, seq_len: int) -> float:
+def flops_per_token_parts(cfg: TransformerConfig, seq_len: int) -> dict[str, float]:
+    """The terms of `flops_per_token`, summed over the layers that have them."""
     D, m = cfg.d_model, cfg.moe
-    attn = 6 * attention_params(cfg) + 12 * cfg.n_heads * cfg.head_size * (seq_len + 1) / 2
-    moe = 6 * D * m.num_experts + 18 * D * m.expert_hidden * m.top_k
-    moe += 18 * D * m.shared_hidden * m.n_shared_experts
-    dense = 18 * D * cfg.dense_hidden_size
-    head = 6 * D * cfg.vocab_size
-    return cfg.n_layers * attn + cfg.n_moe_layers * moe + cfg.n_dense_layers * dense + head
+    L, L_moe = cfg.n_layers, cfg.n_moe_layers
+    return {
+        "attention_proj": L * 6 * attention_params(cfg),
+        "attention_scores": L * 12 * cfg.n_heads * cfg.head_size * (seq_len + 1) / 2,
+        "router": L_moe * 6 * D * m.num_experts,
+        "routed_experts": L_moe * 18 * D * m.expert_hidden * m.top_k,
+        "shared_experts": L_moe * 18 * D * m.shared_hidden * m.n_shared_experts,
+        "dense_mlp": cfg.n_dense_layers * 18 * D * cfg.dense_hidden_size,
+        "lm_head": 6 * D * cfg.vocab_size,
+    }
+
+
+def flops_per_token(cfg: TransformerConfig, seq_len: int) -> float:
+    return sum(flops_per_token_parts(cfg, seq_len).values())
 
 
 def param_counts(cfg: TransformerConfig) -> tuple[int, int]:

@@ -58,7 +58,7 @@ def variants():
             ("fsdp (local capacity 1.25)", "fsdp", "rowwise", 1.25)]
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=5, help="timed steps per round")
     ap.add_argument("--rounds", type=int, default=3)
@@ -71,8 +71,12 @@ def main():
     ap.add_argument("--expert", type=int, default=4)
     ap.add_argument("--grad-accum", type=int, default=1,
                     help="microbatches per step (fsdp re-gathers weights for each)")
-    args = ap.parse_args()
+    return ap
 
+
+def measure(args) -> dict:
+    """Compiles every variant, times them interleaved; returns {name: result} with
+    tokens_per_s, the step's collectives, compile_s, dropped (and the timing internals)."""
     cfg = bench_config(args)
     model_cfg = model_config(cfg)
     tx, schedule = build_optimizer(cfg.optim, 1000)
@@ -91,7 +95,8 @@ def main():
         graphdef = abstract_model(model_cfg, plan.dispatcher)[0]
         shardings = plan.state_shardings(host, tx)
         step = plan.jit_train_step(
-            make_train_step(graphdef, model_cfg, tx, schedule, args.grad_accum, plan), shardings)
+            make_train_step(graphdef, model_cfg, tx, schedule, args.grad_accum, parallel=plan),
+            shardings)
         state, batch = jax.device_put(host, shardings), plan.place_batch(batch_np)
         t0 = time.perf_counter()
         compiled = step.lower(state, batch).compile()
@@ -112,19 +117,29 @@ def main():
                 r["state"], metrics = r["step"](r["state"], r["batch"])
             jax.block_until_ready(metrics)
             r["times"].append((time.perf_counter() - t0) / args.steps)
+    for r in runs.values():
+        r["tokens_per_s"] = tokens / statistics.median(r["times"])
+    return runs
 
+
+def main():
+    args = parser().parse_args()
+    runs = measure(args)
+    cfg = bench_config(args)
+    tokens = args.batch * args.seq
     base = runs["ddp+rowwise"]
-    base_tps = tokens / statistics.median(base["times"])
+    base_tps = base["tokens_per_s"]
     base_bytes = comms.total_bytes(base["colls"])
-    print(f"\n{model_cfg.n_moe_layers} MoE layers, d_model {args.d_model}, {args.experts} experts "
-          f"top-2, {tokens} tokens/step, float32, mesh data={args.data} x expert={args.expert} "
-          f"(8 fake CPU devices), {args.grad_accum} microbatch(es)/step; rowwise capacity_factor "
-          f"{cfg.parallel.capacity_factor}; median of {args.rounds} rounds x {args.steps} steps")
+    print(f"\n{model_config(cfg).n_moe_layers} MoE layers, d_model {args.d_model}, {args.experts} "
+          f"experts top-2, {tokens} tokens/step, float32, mesh data={args.data} x expert="
+          f"{args.expert} (8 fake CPU devices), {args.grad_accum} microbatch(es)/step; rowwise "
+          f"capacity_factor {cfg.parallel.capacity_factor}; median of {args.rounds} rounds x "
+          f"{args.steps} steps")
     head = (f"{'variant':<30} {'tokens/s':>9} {'x rowwise':>9} {'MB/dev/step':>11} "
             f"{'x rowwise':>9}" + "".join(f" {k:>14}" for k in KINDS) + f" {'dropped':>8}")
     print(head)
     for name, r in runs.items():
-        tps = tokens / statistics.median(r["times"])
+        tps = r["tokens_per_s"]
         total = comms.total_bytes(r["colls"])
         per_kind = "".join(f" {comms.total_bytes(r['colls'], k) / 1e6:>14.3f}" for k in KINDS)
         print(f"{name:<30} {tps:>9.0f} {tps / base_tps:>9.2f} {total / 1e6:>11.3f} "

@@ -158,5 +158,6 @@ class Attention(nnx.Module):
             q_BTNH, k_BTKH, v_BTKH = (jnp.clip(a, -c, c) for a in (q_BTNH, k_BTKH, v_BTKH))
         q_BTNH = apply_rope(q_BTNH, cos_TH, sin_TH)
         k_BTKH = apply_rope(k_BTKH, cos_TH, sin_TH)
-        o_BTNH = causal_attention(q_BTNH, k_BTKH, v_BTKH)
+        with jax.named_scope("attention_scores"):  # named for olmo_jax/planner
+            o_BTNH = causal_attention(q_BTNH, k_BTKH, v_BTKH)
         return self._proj("btnh,nhd->btd", o_BTNH, self.o_proj[...].astype(dt))

@@ -43,11 +43,13 @@ class Block(nnx.Module):
         attn = self.attn
         if self.remat_attention:
             attn = nnx.remat(attn)
-        h_BTD = x_BTD + attn(self.attn_norm(x_BTD), cos_TH, sin_TH).astype(x_BTD.dtype)
+        with jax.named_scope("attention"):  # scopes name the HLO ops (olmo_jax/planner)
+            h_BTD = x_BTD + attn(self.attn_norm(x_BTD), cos_TH, sin_TH).astype(x_BTD.dtype)
         if self.is_moe:
             f_BTD, stats = self.ffn(self.ffn_norm(h_BTD), rng)
         else:
-            f_BTD, stats = self.ffn(self.ffn_norm(h_BTD)), None
+            with jax.named_scope("dense_mlp"):
+                f_BTD, stats = self.ffn(self.ffn_norm(h_BTD)), None
         return h_BTD + f_BTD.astype(h_BTD.dtype), stats
 
 
@@ -124,7 +126,9 @@ class Transformer(nnx.Module):
         dt = self.cfg.compute_dtype
         h_BTD = self.final_norm(x_BTD).astype(dt)
         w_DV = self.embedding[...].T if self.lm_head is None else self.lm_head[...]
-        return jnp.einsum("btd,dv->btv", h_BTD, w_DV.astype(dt), preferred_element_type=jnp.float32)
+        with jax.named_scope("lm_head"):
+            return jnp.einsum("btd,dv->btv", h_BTD, w_DV.astype(dt),
+                              preferred_element_type=jnp.float32)
 
     def __call__(self, tokens_BT: jax.Array, rng: jax.Array | None = None) -> Output:
         """`rng` is given in training only (router jitter, random routing); evaluation and

@@ -16,6 +16,13 @@ the parallel code sets (`Collective.purpose`: zero_gather, zero_reduce, fsdp_gat
 loss_allsum, moe_<backend>, and for pipelines pipe_gather / pipe_reduce (parameters to the
 stages and gradients back) and pipe_send (activations and cotangents between stages);
 "other" for what GSPMD adds, e.g. the gradient-norm sum).
+A backend may widen a collective's payload (XLA:CPU sends bf16 as f32, converting before
+and after): `bytes` is what the compiled program moves, `jax_bytes` what the JAX program
+asked for (the dtype before the backend's convert), which is what a GPU sends.
+
+The parsed module itself (`parse_module`: every instruction with its execution count and
+whether it runs on its own, inside a fusion or as a per-element reducer) is public for
+other accounting built on the same walk (olmo_jax/planner: FLOPs and bytes per step).
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ SCOPES = ("zero_gather", "zero_reduce", "fsdp_gather", "loss_allsum", "moe_rowwi
           "moe_ragged", "moe_allgather", "pipe_gather", "pipe_reduce", "pipe_send")
 
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*->.*\{\s*$")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*)$")
+_INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*)$")
 _SHAPE = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
 _CALLEES = re.compile(
     r"\b(?:body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
@@ -62,6 +69,20 @@ class Collective:
     count: int  # executions per program run (enclosing loop trip counts multiplied)
     trip_counts_known: bool
     op_name: str
+    jax_bytes: int = -1  # per execution at the JAX program's dtype (-1: = bytes)
+
+    def __post_init__(self):
+        if self.jax_bytes < 0:
+            object.__setattr__(self, "jax_bytes", self.bytes)
+
+    @property
+    def widened(self) -> bool:
+        """True where the backend sends a wider dtype than the program asked for."""
+        return self.jax_bytes != self.bytes
+
+    @property
+    def jax_bytes_per_run(self) -> int:
+        return self.jax_bytes * self.count
 
     @property
     def backward(self) -> bool:
@@ -179,34 +200,175 @@ def _multipliers(comps: dict[str, list[str]], entry: str) -> tuple[dict[str, int
     return mult, known
 
 
-def collectives(program) -> list[Collective]:
-    """Every collective in a compiled program (a jax Compiled, Lowered, or HLO text)."""
-    text = _hlo_text(program)
-    n_part = int(m.group(1)) if (m := _PARTITIONS.search(text)) else 1
-    comps, entry = _parse(text)
-    if entry is None:
-        raise ValueError("no ENTRY computation in the HLO text")
-    mult, known = _multipliers(comps, entry)
-    out = []
-    for comp, lines in comps.items():
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    """One HLO instruction of a parsed module."""
+
+    name: str
+    computation: str
+    type_str: str  # the result type, e.g. "bf16[8,128]{1,0}" or a tuple "(f32[], s32[4])"
+    opcode: str
+    args: str  # the text after "opcode(": operands, then attributes
+    is_root: bool
+    count: int  # executions per program run (0: unreachable from the entry)
+    trip_counts_known: bool
+    # "top": runs as its own operation; "fused": inside a fusion (one kernel with its
+    # fusion instruction); "applied": in a reducer / comparator applied per element.
+    context: str
+
+    @property
+    def op_name(self) -> str:
+        return m.group(1) if (m := _OPNAME.search(self.args)) else ""
+
+    @property
+    def operands(self) -> list[str]:
+        """The operands (the text up to the closing parenthesis): instruction names, or
+        "name#i" for element i of a tuple-shaped instruction (HloModule.type_of)."""
+        depth, end = 1, len(self.args)
+        for i, ch in enumerate(self.args):
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth == 0:
+                end = i
+                break
+        return _OPERAND.findall(self.args[:end])
+
+    def attr(self, key: str) -> str | None:
+        m = re.search(rf"\b{re.escape(key)}=(\{{[^}}]*\}}|%?[\w.\-]+)", self.args)
+        return m.group(1) if m else None
+
+
+_OPERAND = re.compile(r"%([\w.\-]+(?:#\d+)?)")
+
+
+def tuple_elements(type_str: str) -> list[str]:
+    """The element types of a tuple type string (one element for an array type)."""
+    text = re.sub(r"/\*.*?\*/", "", type_str).strip()
+    if not text.startswith("("):
+        return [text]
+    out, depth, start = [], 0, 1
+    for i, ch in enumerate(text[1:-1], 1):
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if ch == "," and depth == 0:
+            out.append(text[start:i].strip())
+            start = i + 1
+    last = text[start:-1].strip()
+    return out + [last] if last else out
+
+
+@dataclasses.dataclass(frozen=True)
+class HloModule:
+    instructions: list[Instruction]
+    by_name: dict[str, Instruction]
+    roots: dict[str, Instruction]  # computation -> its ROOT instruction
+    num_partitions: int
+
+    def instruction(self, ref: str) -> Instruction | None:
+        """The instruction an operand reference ("name" or "name#i") points into."""
+        return self.by_name.get(ref.split("#", 1)[0])
+
+    def type_of(self, ref: str) -> str:
+        """The type of an operand reference: element i of a tuple for "name#i"."""
+        ins = self.instruction(ref)
+        if ins is None:
+            return ""
+        if "#" in ref:
+            elems = tuple_elements(ins.type_str)
+            i = int(ref.split("#", 1)[1])
+            return elems[i] if i < len(elems) else ""
+        return ins.type_str
+
+
+def _contexts(comps: dict[str, list[str]]) -> dict[str, str]:
+    """How each computation runs: inside a fusion, applied per element, or on its own."""
+    ctx: dict[str, str] = {}
+    for lines in comps.values():
         for line in lines:
             m = _INSTR.match(line)
             if not m:
                 continue
-            name, type_str, op = m.group(1), m.group(2), m.group(3)
-            kind = op[: -len("-start")] if op.endswith("-start") else op
-            if kind not in KINDS or op.endswith("-done"):
+            for attr, callee in re.findall(r"\b(calls|to_apply)=%?([\w.\-]+)", line):
+                if attr == "to_apply":
+                    ctx[callee] = "applied"
+                elif m.group(4) == "fusion":
+                    ctx[callee] = "fused"
+    # A computation called from a fused/applied one inherits that context.
+    changed = True
+    while changed:
+        changed = False
+        for name, lines in comps.items():
+            if name not in ctx:
                 continue
-            size, shapes = _shape_bytes(type_str)
-            started = op.endswith("-start") and kind in ("all-gather", "collective-permute")
-            if started and len(shapes) > 1:  # an (operand, result) tuple: count the result
-                size, shapes = _shape_bytes(shapes[-1])
-            group, axes = _group(line, n_part)
-            if kind == "reduce-scatter":
-                size *= group
-            op_name = m2.group(1) if (m2 := _OPNAME.search(line)) else ""
-            out.append(Collective(kind, name, comp, shapes, size, group, axes,
-                                  mult.get(comp, 0), known[comp], op_name))
+            for line in lines:
+                for callee in _CALLEES.findall(line):
+                    if ctx.get(callee) != ctx[name] and ctx.get(callee, "top") == "top":
+                        ctx[callee], changed = ctx[name], True
+    return ctx
+
+
+def parse_module(program) -> HloModule:
+    """Every instruction of a compiled program (a jax Compiled, Lowered, or HLO text) with
+    the number of times one program run executes it."""
+    text = _hlo_text(program)
+    comps, entry = _parse(text)
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    mult, known = _multipliers(comps, entry)
+    ctx = _contexts(comps)
+    out, roots = [], {}
+    for comp, lines in comps.items():
+        for line in lines:
+            if m := _INSTR.match(line):
+                ins = Instruction(m.group(2), comp, m.group(3), m.group(4), m.group(5),
+                                  bool(m.group(1)), mult.get(comp, 0), known[comp],
+                                  ctx.get(comp, "top"))
+                out.append(ins)
+                if ins.is_root:
+                    roots[comp] = ins
+    n_part = int(m.group(1)) if (m := _PARTITIONS.search(text)) else 1
+    return HloModule(out, {i.name: i for i in out}, roots, n_part)
+
+
+def _narrowed_source(module: HloModule, operand: str) -> str | None:
+    """The type an operand had before a backend-inserted widening convert (a convert, or a
+    fusion whose root is a convert, with no op_name of its own), else None."""
+    ins = None if "#" in operand else module.instruction(operand)
+    if ins is not None and ins.opcode == "fusion" and (callee := ins.attr("calls")):
+        ins = module.roots.get(callee.lstrip("%"))
+    if ins is None or ins.opcode != "convert" or ins.op_name or not ins.operands:
+        return None
+    return module.type_of(ins.operands[0]) or None
+
+
+def _jax_bytes(module: HloModule, ins: Instruction, size: int) -> int:
+    """`size` rescaled to the dtype the operands had before a widening convert."""
+    src_types = [_narrowed_source(module, o) for o in ins.operands]
+    if not src_types or any(t is None for t in src_types):
+        return size
+    src_bytes = sum(_shape_bytes(t)[0] for t in src_types)
+    op_bytes = sum(_shape_bytes(module.type_of(o))[0] for o in ins.operands)
+    return size * src_bytes // op_bytes if 0 < src_bytes < op_bytes else size
+
+
+def collectives(program) -> list[Collective]:
+    """Every collective in a compiled program (a jax Compiled, Lowered, or HLO text)."""
+    module = program if isinstance(program, HloModule) else parse_module(program)
+    out = []
+    for ins in module.instructions:
+        op = ins.opcode
+        kind = op[: -len("-start")] if op.endswith("-start") else op
+        if kind not in KINDS or op.endswith("-done"):
+            continue
+        size, shapes = _shape_bytes(ins.type_str)
+        started = op.endswith("-start") and kind in ("all-gather", "collective-permute")
+        if started and len(shapes) > 1:  # an (operand, result) tuple: count the result
+            size, shapes = _shape_bytes(shapes[-1])
+        group, axes = _group(ins.args, module.num_partitions)
+        if kind == "reduce-scatter":
+            size *= group
+        out.append(Collective(kind, ins.name, ins.computation, shapes, size, group, axes,
+                              ins.count, ins.trip_counts_known, ins.op_name,
+                              _jax_bytes(module, ins, size)))
     return out
 
 
@@ -216,17 +378,19 @@ def num_partitions(program) -> int:
 
 
 def summary(colls: list[Collective]) -> list[dict]:
-    """One row per (kind, purpose, direction, axes): executions and per-device bytes per run."""
+    """One row per (kind, purpose, direction, axes): executions and per-device bytes per run
+    (as compiled, and at the JAX program's dtypes)."""
     rows: dict[tuple, dict] = {}
     for c in colls:
         key = (c.kind, c.purpose, c.phase,
                ",".join(c.axes) or f"group of {c.group_size}")
         r = rows.setdefault(key, {"kind": key[0], "purpose": key[1], "phase": key[2],
                                   "axes": key[3], "ops": 0, "executions": 0,
-                                  "bytes_per_device": 0})
+                                  "bytes_per_device": 0, "jax_bytes_per_device": 0})
         r["ops"] += 1
         r["executions"] += c.count
         r["bytes_per_device"] += c.bytes_per_run
+        r["jax_bytes_per_device"] += c.jax_bytes_per_run
     return sorted(rows.values(), key=lambda r: (r["kind"], r["purpose"], r["phase"], r["axes"]))
 
 

@@ -90,11 +90,14 @@ class MoELayer(nnx.Module):
         B, T, D = x_BTD.shape
         m = self.cfg
         x_SD = x_BTD.reshape(B * T, D)
-        routing = self.router(x_SD, rng)
-        y_SD, dropped = self.dispatcher(x_SD, routing, self.experts, m, self.dtype)
+        with jax.named_scope("router"):  # scopes name the HLO ops (olmo_jax/planner)
+            routing = self.router(x_SD, rng)
+        with jax.named_scope("routed_experts"):
+            y_SD, dropped = self.dispatcher(x_SD, routing, self.experts, m, self.dtype)
         y_SD = y_SD.astype(self.dtype)
         if self.shared is not None:
-            y_SD = y_SD + self.shared(x_SD)
+            with jax.named_scope("shared_experts"):
+                y_SD = y_SD + self.shared(x_SD)
         stats = router_stats(routing.probs_SE, routing.logits_SE, routing.idx_Sk, m.num_experts,
                              dropped, rows=B)
         return y_SD.reshape(B, T, D), stats

@@ -1,0 +1,91 @@
+"""Ahead-of-time compilation of a config's real training step on abstract inputs.
+
+The step is the trainer's (`make_train_step` under the config's `ParallelPlan`, jitted by
+`plan.jit_train_step` with the state's shardings), lowered on `jax.ShapeDtypeStruct`s that
+carry those shardings: nothing is initialized or allocated. The devices are whatever the
+caller passes (the planner's fake CPU devices), so the program is XLA:CPU's.
+
+XLA writes its buffer assignment and live ranges into a dump folder (compile option
+`xla_dump_to`), which memory.py reads for the buffers live at the peak. The backend is
+compiled at optimization level 0: the same HLO, buffers and collectives, less LLVM time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from olmo_jax import config as config_lib
+from olmo_jax.data import load_tokenizer
+from olmo_jax.model import TransformerConfig
+from olmo_jax.optim import build_optimizer
+from olmo_jax.parallel import comms
+from olmo_jax.parallel.strategy import ParallelPlan, build_plan
+from olmo_jax.planner import memory
+from olmo_jax.trainer.state import TrainState, abstract_train_state
+from olmo_jax.trainer.step import make_train_step
+
+
+@dataclasses.dataclass
+class CompiledStep:
+    cfg: ml_collections.ConfigDict
+    model_cfg: TransformerConfig
+    plan: ParallelPlan
+    compiled: jax.stages.Compiled
+    module: comms.HloModule
+    state: TrainState  # of ShapeDtypeStructs with their shardings
+    shardings: TrainState
+    batch: jax.ShapeDtypeStruct
+    lower_s: float
+    compile_s: float
+    live_range: str  # XLA's live-range report ("" when it wrote none)
+
+    @property
+    def n_devices(self) -> int:
+        return self.plan.mesh.devices.size
+
+
+def model_config(cfg: ml_collections.ConfigDict) -> TransformerConfig:
+    """The model config; model.vocab_size 0 takes the tokenizer's (padded) vocabulary, as
+    the trainer does, without reading any data."""
+    vocab = cfg.data.vocab_size or None
+    if not cfg.model.vocab_size and vocab is None:
+        vocab = load_tokenizer(cfg.data.tokenizer).padded_vocab_size
+    return config_lib.model_config(cfg, vocab)
+
+
+def compile_train_step(cfg: ml_collections.ConfigDict, devices) -> CompiledStep:
+    """Lowers and compiles `cfg`'s train step for a mesh over `devices`."""
+    config_lib.validate(cfg)
+    t0 = time.perf_counter()
+    model_cfg = model_config(cfg)
+    plan = build_plan(cfg, model_cfg, devices=devices)
+    t = cfg.trainer
+    tx, schedule = build_optimizer(cfg.optim, t.max_steps)
+    graphdef, abstract = abstract_train_state(model_cfg, tx, dispatcher=plan.dispatcher)
+    shardings = plan.state_shardings(abstract, tx)
+    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                         abstract, shardings)
+    batch = jax.ShapeDtypeStruct(
+        (t.grad_accum, t.global_batch_size // t.grad_accum, t.seq_len + 1), jnp.int32,
+        sharding=plan.batch_sharding())
+    step = plan.jit_train_step(
+        make_train_step(graphdef, model_cfg, tx, schedule, t.grad_accum, parallel=plan,
+                        expert_ranks=plan.mesh.shape["expert"]),
+        shardings)
+    lowered = step.lower(state, batch)
+    t1 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="olmo_jax_plan_") as dump:
+        compiled = lowered.compile({"xla_backend_optimization_level": 0, "xla_dump_to": dump,
+                                    "xla_dump_hlo_module_re": ".*train_step.*"})
+        path = memory.live_range_file(Path(dump))
+        live_range = path.read_text() if path else ""
+    t2 = time.perf_counter()
+    return CompiledStep(cfg, model_cfg, plan, compiled, comms.parse_module(compiled), state,
+                        shardings, batch, t1 - t0, t2 - t1, live_range)

@@ -1,0 +1,212 @@
+"""Per-device memory of a compiled step: the arguments by part of the train state (from
+the shardings, exact), the compiled memory analysis, and which buffers are live at the
+peak (from XLA's buffer live-range dump), grouped by what they hold.
+
+Every buffer live at the peak is named after what produced it: an argument by its
+train-state path (XLA keeps the JAX argument name as the parameter's op_name); a value
+made under one of the model's named scopes by that scope (forward or backward); a value
+carried through a loop by the value the loop started from; a zero-initialized buffer
+(gradient accumulators, stacked residuals of the layer scan) by the parameter whose
+per-device shape it has, when one has it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from olmo_jax.parallel import zero
+from olmo_jax.parallel.comms import HloModule
+from olmo_jax.planner.hlo_cost import OTHER, Walker, dims, scope_of, type_bytes
+
+_PEAK_HEADER = re.compile(r"^\s*Live ranges at \d+ \(peak\):")
+_PEAK_LINE = re.compile(r"^\s+([\w.\-]+)\{([\d,]*)\}: (\d+) bytes")
+
+
+@dataclasses.dataclass(frozen=True)
+class PeakGroup:
+    label: str
+    bytes: int
+    values: int
+    example: str  # one value's type
+
+
+def argument_bytes(state, shardings, batch) -> dict[str, int]:
+    """Per-device bytes of each part of the step's arguments."""
+    out = {part: zero.per_device_bytes(getattr(state, part), getattr(shardings, part))
+           for part in ("params", "opt_state", "model_state")}
+    out["step, rng"] = zero.per_device_bytes((state.step, state.rng),
+                                             (shardings.step, shardings.rng))
+    out["batch"] = int(math.prod(batch.sharding.shard_shape(batch.shape))
+                       * np.dtype(batch.dtype).itemsize)
+    return out
+
+
+def param_shapes(params, plan) -> dict[tuple[int, ...], str]:
+    """Per-device shapes of the parameters (as computed with and as stored) -> the names of
+    the parameters with that shape ("a/b/{c,d}" when several share it)."""
+    names: dict[tuple[int, ...], list[str]] = collections.defaultdict(list)
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    layouts = jax.tree.leaves(plan.layouts, is_leaf=lambda x: isinstance(x, zero.ParamLayout))
+    for (path, x), lay in zip(leaves, layouts, strict=True):
+        for spec in (lay.storage, lay.compute):
+            shape = tuple(NamedSharding(plan.mesh, spec).shard_shape(x.shape))
+            if zero.path_name(path) not in names[shape]:
+                names[shape].append(zero.path_name(path))
+    out = {}
+    for shape, group in names.items():
+        prefix = group[0].rsplit("/", 1)[0]
+        same_dir = all(n.rsplit("/", 1)[0] == prefix for n in group)
+        out[shape] = (group[0] if len(group) == 1 else
+                      f"{prefix}/{{{','.join(sorted(n.rsplit('/', 1)[1] for n in group))}}}"
+                      if same_dir else f"{group[0]} (+{len(group) - 1} more)")
+    return out
+
+
+def read_peak(live_range_text: str) -> list[tuple[str, str, int]]:
+    """(instruction, tuple index, bytes) of every value live at the peak."""
+    out, inside = [], False
+    for line in live_range_text.splitlines():
+        if _PEAK_HEADER.match(line):
+            inside = True
+            continue
+        if inside:
+            m = _PEAK_LINE.match(line)
+            if not m:
+                break
+            out.append((m.group(1), m.group(2), int(m.group(3))))
+    return out
+
+
+def _ref(operand: str) -> tuple[str, str]:
+    """An operand reference "name" / "name#i" as (name, tuple index)."""
+    name, _, index = operand.partition("#")
+    return name, index
+
+
+class _Namer:
+    def __init__(self, module: HloModule, shapes: dict[tuple[int, ...], str]):
+        self.module = module
+        self.shapes = shapes
+        self.walker = Walker(module)
+        self.body_of = {}  # loop body computation -> its while instruction
+        for ins in module.instructions:
+            if ins.opcode == "while" and (body := ins.attr("body")):
+                self.body_of[body.lstrip("%")] = ins
+
+    def label(self, name: str, index: str = "", depth: int = 0) -> str:
+        ref = f"{name}#{index.split(',')[0]}" if index else name
+        ins = self.module.instruction(ref)
+        if ins is None or depth > 8:
+            return "other"
+        op = ins.opcode
+        if op == "parameter" and (arg := re.match(r"state[.](\w+)", ins.op_name)):
+            return f"argument: {arg.group(1)}"  # the jitted step's argument name
+        if op == "parameter" and ins.computation in self.body_of and index:
+            loop = self.body_of[ins.computation]  # carried through the loop: its start value
+            init = self.module.instruction(loop.operands[0])
+            i = int(index.split(",")[0])
+            if init is not None and init.opcode == "tuple" and i < len(init.operands):
+                return self.label(*_ref(init.operands[i]), depth + 1)
+        if op == "get-tuple-element" and ins.operands:
+            return self.label(_ref(ins.operands[0])[0], ins.attr("index") or "", depth + 1)
+        if op in ("copy", "bitcast") and ins.operands:
+            return self.label(*_ref(ins.operands[0]), depth + 1)
+        type_str = self.module.type_of(ref)
+        shape = tuple(dims(type_str))
+        if shape in self.shapes and scope_of(ins.op_name) == OTHER:
+            return (f"{type_str.split('[', 1)[0]} {shape} = per-device {self.shapes[shape]} "
+                    "(gradients, weight copies)")
+        written = self._stacked_update(ins) or self._loop_buffer_update(ins)
+        if written is not None:
+            update, writer = written
+            what = ("per-layer outputs of the backward scan" if "transpose(" in writer.op_name
+                    else "scan residuals for the backward pass")
+            return f"{what}: {self.label(*_ref(update), depth + 1)}"
+        scope = self.walker.scope(ins)
+        if scope != OTHER:
+            return f"{scope} ({'backward' if 'transpose(' in ins.op_name else 'forward'})"
+        if op == "parameter":
+            return "argument: batch" if ins.computation.startswith("main") else "loop state"
+        tail = re.sub(r"[.]\d+$", "", ins.op_name.rsplit("/", 1)[-1] if ins.op_name else op)
+        return f"other ({tail})"
+
+    def _loop_buffer_update(self, ins):
+        """For a buffer that starts a layer scan's stacked output (a zero-initialized value
+        in a while loop's initial tuple): (what the loop body writes into it, the writer)."""
+        for user in self.walker.users[ins.name]:
+            if user.opcode != "tuple" or ins.name not in user.operands:
+                continue
+            i = user.operands.index(ins.name)
+            for loop in self.walker.users[user.name]:
+                body = loop.attr("body") if loop.opcode == "while" else None
+                for ref in self._element_refs(body.lstrip("%"), i) if body else ():
+                    for writer in self.walker.users[ref.split("#")[0]]:
+                        if ref not in writer.operands:
+                            continue
+                        if (written := self._stacked_update(writer)) is not None:
+                            return written
+        return None
+
+    def _element_refs(self, body: str, i: int) -> list[str]:
+        """Operand references that stand for element i of a loop body's parameter: its
+        get-tuple-elements, and "param#i"."""
+        params = {ins.name for ins in self.walker.comp[body] if ins.opcode == "parameter"}
+        gtes = [ins.name for ins in self.walker.comp[body]
+                if ins.opcode == "get-tuple-element" and ins.attr("index") == str(i)
+                and ins.operands and ins.operands[0] in params]
+        return gtes + [f"{p}#{i}" for p in params]
+
+    def _stacked_update(self, ins):
+        """For a value written by a dynamic-update-slice (a scan stacking one layer's value
+        into its [layers, ...] buffer): (the operand holding the update, the writer)."""
+        if ins.opcode == "dynamic-update-slice":
+            return ins.operands[1], ins
+        if ins.opcode != "fusion" or not (callee := ins.attr("calls")):
+            return None
+        root = self.module.roots.get(callee.lstrip("%"))
+        while root is not None and root.opcode == "bitcast":
+            root = self.module.instruction(root.operands[0])
+        if root is None or root.opcode != "dynamic-update-slice":
+            return None
+        update = self.module.instruction(root.operands[1])
+        while update is not None and update.opcode in ("bitcast", "copy", "convert"):
+            update = self.module.instruction(update.operands[0])
+        if update is None:
+            return None
+        if update.opcode == "parameter":
+            index = int(update.args.split(")", 1)[0])
+            return (ins.operands[index], ins) if index < len(ins.operands) else None
+        return update.name, ins
+
+
+def peak_groups(live_range_text: str, module: HloModule,
+                shapes: dict[tuple[int, ...], str]) -> tuple[int, list[PeakGroup]]:
+    """(bytes live at the peak, the live values grouped by label, largest first)."""
+    namer = _Namer(module, shapes)
+    groups: dict[str, list] = collections.defaultdict(lambda: [0, 0, ""])
+    total = 0
+    for name, index, size in read_peak(live_range_text):
+        g = groups[namer.label(name, index)]
+        g[0] += size
+        g[1] += 1
+        total += size
+        ref = f"{name}#{index.split(',')[0]}" if index else name
+        if not g[2] or size >= type_bytes(g[2]):
+            g[2] = module.type_of(ref).split("{")[0]
+    out = [PeakGroup(k, v[0], v[1], v[2]) for k, v in groups.items()]
+    return total, sorted(out, key=lambda g: -g.bytes)
+
+
+def live_range_file(dump_dir: Path) -> Path | None:
+    """The live-range report XLA wrote for the train step (newest when several)."""
+    files = sorted(Path(dump_dir).glob("*train_step*live-range.txt"),
+                   key=lambda p: p.stat().st_mtime)
+    return files[-1] if files else None

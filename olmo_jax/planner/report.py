@@ -1,0 +1,375 @@
+"""A run's plan from its compiled step: parameters, FLOPs (formula vs compiled HLO, term by
+term), memory per device, collectives per step and the projected step time, as one
+`Plan` (numbers) and its text rendering; and several plans side by side.
+
+Per-token HLO figures are per-device program FLOPs x devices / tokens per step (every
+device runs the same program on its share of the batch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from olmo_jax import metrics
+from olmo_jax.kernels import resolve_gmm_impl
+from olmo_jax.model.moe.dispatch import blocked_rows
+from olmo_jax.model.moe.layer import block_size, expert_capacity
+from olmo_jax.parallel import comms
+from olmo_jax.parallel.expert import slots_per_expert
+from olmo_jax.parallel.mesh import batch_shards
+from olmo_jax.planner import hardware, hlo_cost, memory, roofline
+from olmo_jax.planner.compile import CompiledStep
+
+TERMS = {  # formula term -> label
+    "attention_proj": "attention q/k/v/o",
+    "attention_scores": "attention scores",
+    "router": "router",
+    "routed_experts": "routed experts",
+    "shared_experts": "shared experts",
+    "dense_mlp": "dense MLP",
+    "lm_head": "LM head",
+}
+# The terms that are matmuls against parameters (everything but the attention scores).
+PARAM_TERMS = tuple(t for t in TERMS if t != "attention_scores")
+
+# What the reference measured (OLMo-core 3, DESIGN §6), keyed by the model's shape
+# (d_model, n_layers, num_experts, top_k, seq_len).
+REFERENCE = {
+    (4096, 8, 128, 4, 8192): ("47B on 8 B300 with EP8", "b300", 52e3, None),
+    (6144, 63, 128, 4, 8192): ("1.2T on 512 GPUs with EP8 x PP8", "b300", None, 858e12),
+}
+
+
+@dataclasses.dataclass
+class Plan:
+    step: CompiledStep
+    spec: hardware.DeviceSpec
+    label: str  # e.g. "ddp + rowwise"
+    formula: dict[str, float]  # FLOPs per token by term
+    hlo: dict[str, float]  # dot FLOPs per token by term (+ "other"), recomputation excluded
+    recomputed: dict[str, float]  # dot FLOPs per token the backward pass recomputes (remat)
+    cost: hlo_cost.ProgramCost
+    xla_flops_once: float  # XLA's cost analysis, loop bodies counted once (per device)
+    walk_flops_once: float  # this walk, loop bodies counted once
+    buffer_factor: float | None  # expected routed-expert buffer rows / routed rows
+    buffer_note: str
+    colls: list[comms.Collective]
+    args: dict[str, int]
+    peak_bytes: int
+    peak: list[memory.PeakGroup]
+    projection: roofline.Projection
+    notes: list[str]
+
+    @property
+    def matmul_ratio(self) -> float:
+        """HLO / formula for the parameter matmuls, the routed experts' buffer padding
+        taken out (the number that should be 1)."""
+        pad = self.buffer_factor or 1.0
+        hlo = sum(self.hlo.get(t, 0.0) for t in PARAM_TERMS) - self.hlo["routed_experts"]
+        hlo += self.hlo["routed_experts"] / pad
+        return hlo / sum(self.formula[t] for t in PARAM_TERMS)
+
+    def to_json(self) -> dict:
+        s, p = self.step, self.projection
+        mem = s.compiled.memory_analysis()
+        return {
+            "label": self.label, "devices": s.n_devices, "mesh": dict(s.plan.mesh.shape),
+            "device_kind": self.spec.kind, "params": metrics.param_counts(s.model_cfg),
+            "flops_per_token_formula": self.formula, "flops_per_token_hlo": self.hlo,
+            "flops_per_token_recomputed": self.recomputed,
+            "matmul_ratio": self.matmul_ratio, "buffer_factor": self.buffer_factor,
+            "xla_flops_once": self.xla_flops_once, "walk_flops_once": self.walk_flops_once,
+            "argument_bytes": mem.argument_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes,
+            "argument_parts": self.args, "peak_bytes": self.peak_bytes,
+            "peak": [dataclasses.asdict(g) for g in self.peak[:8]],
+            "collectives": comms.summary(self.colls),
+            "collective_bytes": comms.total_bytes(self.colls),
+            "collective_jax_bytes": sum(c.jax_bytes_per_run for c in self.colls),
+            "compute_s": p.compute_s, "roofline_s": p.roofline_s, "link_s": p.link_s,
+            "hbm_bytes": p.hbm_bytes, "step_s": p.step_s, "overlapped_s": p.overlapped_s,
+            "tokens_per_s_per_device": p.tokens_per_s(), "mfu": p.mfu(),
+            "tokens_per_s_per_device_overlapped": p.tokens_per_s(True),
+            "mfu_overlapped": p.mfu(True), "lower_s": s.lower_s, "compile_s": s.compile_s,
+            "notes": self.notes,
+        }
+
+
+def tokens_per_step(step: CompiledStep) -> int:
+    t = step.cfg.trainer
+    return t.global_batch_size * t.seq_len
+
+
+def expert_buffer_factor(step: CompiledStep) -> tuple[float | None, str]:
+    """Rows the compiled expert matmuls run over, per routed (token, choice) row, from the
+    dispatcher's own sizing functions, and what sets it."""
+    m, plan, t = step.model_cfg.moe, step.plan, step.cfg.trainer
+    S = t.global_batch_size // t.grad_accum // batch_shards(plan.mesh) * t.seq_len
+    E, k, N = m.num_experts, m.top_k, S * m.top_k
+    ep = plan.mesh.shape["expert"]
+    impl = resolve_gmm_impl(m.gmm_impl, step.model_cfg.compute_dtype)
+    if not step.model_cfg.n_moe_layers:
+        return None, "no MoE layers"
+    if plan.dispatch == "rowwise":
+        cf = step.cfg.parallel.capacity_factor
+        return (E * slots_per_expert(S, k, E, cf) / N,
+                f"rowwise receive slots (parallel.capacity_factor={cf})")
+    if plan.dispatch in ("ragged", "allgather"):
+        groups = E // ep + (plan.dispatch == "allgather")
+        if impl != "einsum":
+            return None, f"{plan.dispatch} buffers sized for the worst case ({impl})"
+        rows = blocked_rows(ep * N, groups, block_size(ep * N, groups))
+        return rows / N, (f"{plan.dispatch} receive buffer sized for the worst case (every "
+                          f"assignment of the {ep} senders to one rank)")
+    if m.capacity_factor > 0:
+        return (E * expert_capacity(S, k, E, m.capacity_factor) / N,
+                f"capacity buffers (model.moe.capacity_factor={m.capacity_factor})")
+    if impl == "einsum":
+        b = block_size(N, E)
+        return (blocked_rows(N, E, b) / N,
+                f"blocked dropless layout, blocks of {b} rows, sized for the worst padding")
+    return None, f"gmm_impl={impl} (on CPU ragged_dot expands to a dense product over experts)"
+
+
+def build(step: CompiledStep, spec: hardware.DeviceSpec, label: str = "",
+          notes: list[str] | None = None) -> Plan:
+    n, tokens = step.n_devices, tokens_per_step(step)
+    per_token = n / tokens
+    cost = hlo_cost.program_cost(step.module)
+    formula = metrics.flops_per_token_parts(step.model_cfg, step.cfg.trainer.seq_len)
+    def by_term(flops: dict[str, float]) -> dict[str, float]:
+        out = {hlo_cost.SCOPE_TERM.get(k, k): v * per_token for k, v in flops.items()}
+        return {t: out.get(t, 0.0) for t in (*TERMS, hlo_cost.OTHER)}
+
+    recomputed = by_term(cost.recomputed_dot_flops)
+    hlo = {t: v - recomputed[t] for t, v in by_term(cost.dot_flops).items()}
+    ca = step.compiled.cost_analysis()
+    ca = ca[0] if isinstance(ca, list) else ca
+    factor, note = expert_buffer_factor(step)
+    colls = [c for c in comms.collectives(step.module) if c.group_size > 1]  # 1: no traffic
+    links = [roofline.LinkUse(c.kind, c.jax_bytes, c.count, c.group_size, c.axes)
+             for c in colls]
+    dtype = step.cfg.model.dtype
+    model_flops = metrics.flops_per_token(step.model_cfg, step.cfg.trainer.seq_len) * tokens / n
+    proj = roofline.project(cost.ops, links, spec, dtype, dict(step.plan.mesh.shape),
+                            tokens / n, model_flops)
+    shapes = memory.param_shapes(step.state.params, step.plan)
+    peak_bytes, peak = memory.peak_groups(step.live_range, step.module, shapes)
+    return Plan(step, spec, label or f"{step.plan.strategy} + {step.plan.dispatch}", formula,
+                hlo, recomputed, cost, float(ca.get("flops", 0.0)),
+                hlo_cost.program_cost(step.module, loops_once=True).flops, factor, note, colls,
+                memory.argument_bytes(step.state, step.shardings, step.batch), peak_bytes, peak,
+                proj, list(notes or []))
+
+
+# ---- text ------------------------------------------------------------------------------
+
+def _g(x: float, unit: float = 1e9) -> str:
+    return f"{x / unit:,.3f}"
+
+
+def _bytes(x: float) -> str:
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(x) >= size:
+            return f"{x / size:,.2f} {unit}"
+    return f"{x:,.0f} B"
+
+
+def _reference(plan: Plan) -> str | None:
+    c, t = plan.step.model_cfg, plan.step.cfg.trainer
+    ref = REFERENCE.get((c.d_model, c.n_layers, c.moe.num_experts, c.moe.top_k, t.seq_len))
+    if ref is None:
+        return None
+    what, kind, tok_s, tflops = ref
+    peak = hardware.DEVICES[kind].peak("bfloat16")
+    fpt = metrics.flops_per_token(c, t.seq_len)
+    if tok_s is None:
+        tok_s = tflops / fpt
+    achieved = tok_s * fpt
+    line = (f"  reference   OLMo-core measured {what}: {tok_s / 1e3:,.1f}k tokens/s/GPU = "
+            f"{achieved / 1e12:,.0f} TFLOP/s = {achieved / peak:.0%} MFU of a {kind.upper()}")
+    if plan.spec.kind == kind:
+        line += (f"; this projection is {plan.projection.tokens_per_s() / tok_s:.2f}x that "
+                 f"(no overlap), {plan.projection.tokens_per_s(True) / tok_s:.2f}x (overlap)")
+    return line
+
+
+def _scores_note(plan: Plan, seq: int) -> str:
+    """Why the compiled score FLOPs differ: the formula counts the causal triangle,
+    s(s+1)/2 of the s^2 entries, and 6 score matmuls (2 forward, 4 backward)."""
+    note = (f"(entries computed / causal) x (matmuls / 6): masked blocks above the diagonal "
+            f"are computed (all of them: x{2 * seq / (seq + 1):.2f}); the backward recomputes "
+            "QK^T from the saved log-sum-exp (7 matmuls: x1.17)")
+    if plan.step.cfg.model.remat != "none":
+        note += (f"; model.remat={plan.step.cfg.model.remat} reruns the forward's where XLA:CPU's "
+                 "rewrite dropped their op_names")
+    return note
+
+
+def _flops_section(plan: Plan) -> list[str]:
+    ft, ht = sum(plan.formula.values()), sum(plan.hlo.values())
+    rt = sum(plan.recomputed.values())
+    unit, name = (1e9, "GFLOP") if ft >= 1e9 else (1e6, "MFLOP")
+    lines = [f"FLOPs per token, training (forward + backward), {name}",
+             f"  {'term':<20} {'formula':>9} {'compiled':>9} {'ratio':>7}  why they differ"]
+    seq = plan.step.cfg.trainer.seq_len
+    why = {
+        "attention_scores": _scores_note(plan, seq),
+        "routed_experts": f"expert buffers hold padding: {plan.buffer_note}"
+                          + (f", {plan.buffer_factor:.3f}x the routed rows"
+                             if plan.buffer_factor else ""),
+    }
+    for term, label in TERMS.items():
+        f, h = plan.formula[term], plan.hlo[term]
+        ratio = f"{h / f:7.3f}" if f else f"{'-':>7}"
+        lines.append(f"  {label:<20} {_g(f, unit):>9} {_g(h, unit):>9} {ratio}  "
+                     f"{why.get(term, '')}".rstrip())
+    other = plan.hlo[hlo_cost.OTHER]
+    lines.append(f"  {'other dots':<20} {_g(0):>9} {_g(other, unit):>9}"
+                 + (f" {'':>7}  outside the model's scopes" if other else ""))
+    lines.append(f"  {'total':<20} {_g(ft, unit):>9} {_g(ht, unit):>9} {ht / ft:7.3f}")
+    if rt:
+        lines.append(f"  {'+ recomputed':<20} {'':>9} {_g(rt, unit):>9} {'':>7}  "
+                     f"model.remat={plan.step.cfg.model.remat}: the backward pass reruns parts "
+                     "of the forward (not model FLOPs; not in the rows above)")
+    per_token = plan.step.n_devices / tokens_per_step(plan.step)
+    ew = sum(plan.cost.other_flops.values()) * per_token
+    lines += [
+        f"  matmul part (parameter matmuls, expert buffer padding taken out): compiled / "
+        f"formula = {plan.matmul_ratio:.4f}",
+        f"  not in the formula: elementwise ops and reductions {_g(ew, unit)} {name}/token "
+        f"({ew / ft:.1%} of the formula), transcendentals "
+        f"{_g(plan.cost.transcendentals * per_token, unit)} {name[0]}/token",
+        f"  per device per step: {plan.cost.flops / 1e12:,.2f} TFLOP from the HLO walk (loop "
+        f"bodies x trip counts); XLA's cost analysis counts each loop body once: "
+        f"{plan.xla_flops_once / 1e12:,.2f} TFLOP (this walk, loops once: "
+        f"{plan.walk_flops_once / 1e12:,.2f})",
+    ]
+    return lines
+
+
+def _memory_section(plan: Plan) -> list[str]:
+    mem = plan.step.compiled.memory_analysis()
+    args = ", ".join(f"{k} {_bytes(v)}" for k, v in plan.args.items() if v)
+    hbm = plan.spec.hbm_bytes
+    lines = ["Memory per device (compiled memory analysis)",
+             f"  arguments    {_bytes(mem.argument_size_in_bytes)}: {args}",
+             f"  temporaries  {_bytes(mem.temp_size_in_bytes)}; outputs "
+             f"{_bytes(mem.output_size_in_bytes)} ({_bytes(mem.alias_size_in_bytes)} reuse the "
+             "donated arguments)"]
+    if plan.peak_bytes:
+        fit = (f" of {_bytes(hbm)} HBM on a {plan.spec.kind.upper()}: "
+               f"{'fits' if plan.peak_bytes <= hbm else 'does NOT fit'}") if hbm else ""
+        lines.append(f"  live at the peak (arguments included)  {_bytes(plan.peak_bytes)}{fit}; "
+                     "the largest parts:")
+        for g in plan.peak[:7]:
+            lines.append(f"    {g.bytes / plan.peak_bytes:5.1%}  {_bytes(g.bytes):>10}  "
+                         f"{g.label} ({g.values} buffer{'s' * (g.values > 1)}, e.g. {g.example})")
+        scores = sum(g.bytes for g in plan.peak if g.label.startswith("attention_scores"))
+        if scores:
+            lines.append(f"  {_bytes(scores)} of the peak are attention score matrices XLA:CPU "
+                         f"materializes; a GPU's fused attention keeps them on chip: "
+                         f"{_bytes(plan.peak_bytes - scores)} without them")
+    else:
+        lines.append("  XLA wrote no live-range report: the peak's buffers are not known")
+    return lines
+
+
+def _collectives_section(plan: Plan) -> list[str]:
+    mesh = dict(plan.step.plan.mesh.shape)
+    rows = comms.summary(plan.colls)
+    widened = any(c.widened for c in plan.colls)
+    lines = ["Collectives per step, per device (loop bodies x trip counts; bytes at the JAX "
+             "program's dtypes)",
+             f"  {'collective':<18} {'purpose':<13} {'phase':<5} {'axes':<13} {'link':<7} "
+             f"{'runs':>6} {'MB':>12}"]
+    for r in rows:  # axes: "data,expert" or "group of N" (a group the compiler built)
+        axes = tuple(a for a in r["axes"].split(",") if a in mesh)
+        group = int(r["axes"].rsplit(" ", 1)[-1]) if not axes else 0
+        link = "nvlink" if hardware.intra_node(mesh, axes, group, plan.spec) else "network"
+        lines.append(f"  {r['kind']:<18} {r['purpose']:<13} {r['phase']:<5} {r['axes']:<13} "
+                     f"{link:<7} {r['executions']:>6} {r['jax_bytes_per_device'] / 1e6:>12,.1f}")
+    total = sum(c.jax_bytes_per_run for c in plan.colls)
+    lines.append(f"  {'total':<66} {total / 1e6:>12,.1f}")
+    if widened:
+        lines.append(f"  (XLA:CPU sends bf16 collectives as f32: the compiled CPU program moves "
+                     f"{comms.total_bytes(plan.colls) / 1e6:,.1f} MB)")
+    return lines
+
+
+def _projection_section(plan: Plan) -> list[str]:
+    p, spec = plan.projection, plan.spec
+    dtype = plan.step.cfg.model.dtype
+    src = "measured on this machine" if spec.measured else "datasheets, olmo_jax/planner/hardware.py"
+    lines = [
+        f"Projected step on {spec.kind.upper()} ({src}): peak {spec.peak(dtype) / 1e12:,.0f} "
+        f"TFLOP/s {dtype}, HBM {spec.hbm_bw / 1e12:.2f} TB/s, NVLink {spec.intra_bw / 1e9:,.0f} "
+        f"GB/s, network {spec.inter_bw / 1e9:,.0f} GB/s per direction",
+        f"  compute      {p.compute_s:8.3f} s   dot FLOPs at peak",
+        f"  roofline     {p.roofline_s:8.3f} s   per operation max(FLOPs/peak, bytes/HBM); HBM "
+        f"traffic {_bytes(p.hbm_bytes)} (XLA:CPU's operations, less the attention core's "
+        "score matrices, on chip in a GPU kernel, and XLA:CPU's own converts and copies)",
+        f"  collectives  {p.links_s:8.3f} s   NVLink {p.link_s['nvlink']:.3f} s, network "
+        f"{p.link_s['network']:.3f} s (ring bus bytes, one after another)",
+        f"  step         {p.step_s:8.3f} s   nothing overlapped: {p.tokens_per_s():,.0f} "
+        f"tokens/s/device, {p.model_flops_per_device / p.step_s / 1e12:,.0f} TFLOP/s, "
+        f"MFU {p.mfu():.1%}",
+        f"               {p.overlapped_s:8.3f} s   collectives fully overlapped: "
+        f"{p.tokens_per_s(True):,.0f} tokens/s/device, MFU {p.mfu(True):.1%}",
+    ]
+    if (ref := _reference(plan)) is not None:
+        lines.append(ref)
+    return lines
+
+
+def format_plan(plan: Plan, config_path: str = "") -> str:
+    s, c = plan.step, plan.step.model_cfg
+    t, mesh = s.cfg.trainer, s.plan.mesh.shape
+    total, active = metrics.param_counts(c)
+    mesh_txt = " x ".join(f"{k}={v}" for k, v in mesh.items())
+    zero1 = ", ZeRO-1" if s.plan.zero1 and s.plan.strategy == "ddp" else ""
+    head = [
+        f"olmo_jax plan{': ' + config_path if config_path else ''}",
+        f"  program     the real train step, compiled by XLA:CPU for {s.n_devices} fake CPU "
+        f"devices on abstract inputs (nothing allocated): mesh {mesh_txt}, "
+        f"{s.plan.strategy}, dispatch {s.plan.dispatch}{zero1}, {s.cfg.model.dtype} compute; "
+        f"lowered in {s.lower_s:.1f} s, compiled in {s.compile_s:.1f} s",
+        "              XLA:CPU's fusions, buffers and collective dtypes are not a GPU's; "
+        "parameters, FLOPs and bytes sent are the program's",
+        f"  model       {c.n_layers} blocks ({c.n_dense_layers} dense), d_model {c.d_model}, "
+        f"{c.n_heads}/{c.kv_heads} heads of {c.head_size}, {c.moe.num_experts} experts top-"
+        f"{c.moe.top_k} + {c.moe.n_shared_experts} shared; {t.global_batch_size} x {t.seq_len} "
+        f"tokens per step in {t.grad_accum} microbatch(es)",
+        f"  parameters  {total / 1e9:,.3f} B total, {active / 1e9:,.3f} B active per token",
+    ]
+    head += [f"  note        {n}" for n in plan.notes]
+    sections = [head, _flops_section(plan), _memory_section(plan),
+                _collectives_section(plan), _projection_section(plan)]
+    return "\n\n".join("\n".join(sec) for sec in sections)
+
+
+def format_comparison(plans: list[Plan]) -> str:
+    """Strategies side by side: bytes moved per step and projected tokens/s."""
+    width = max(22, *(len(p.label) + 2 for p in plans))
+    rows = [
+        ("collective bytes / device / step", lambda p: _bytes(sum(c.jax_bytes_per_run
+                                                                   for c in p.colls))),
+        ("  of which all-to-all", lambda p: _bytes(sum(c.jax_bytes_per_run for c in p.colls
+                                                       if "all-to-all" in c.kind))),
+        ("  of which gathers + reductions", lambda p: _bytes(sum(
+            c.jax_bytes_per_run for c in p.colls if c.kind in ("all-gather", "reduce-scatter",
+                                                               "all-reduce")))),
+        ("collective time (s)", lambda p: f"{p.projection.links_s:.3f}"),
+        ("roofline time (s)", lambda p: f"{p.projection.roofline_s:.3f}"),
+        ("tokens/s/device (no overlap)", lambda p: f"{p.projection.tokens_per_s():,.0f}"),
+        ("MFU (no overlap)", lambda p: f"{p.projection.mfu():.1%}"),
+        ("tokens/s/device (overlap)", lambda p: f"{p.projection.tokens_per_s(True):,.0f}"),
+        ("live at the peak", lambda p: _bytes(p.peak_bytes)),
+        ("compiled HLO GFLOP/token", lambda p: _g(sum(p.hlo.values())
+                                                   + sum(p.recomputed.values()))),
+    ]
+    kind = plans[0].spec.kind.upper()
+    lines = [f"Strategies side by side (projected on {kind})",
+             f"  {'':<34}" + "".join(f"{p.label:>{width}}" for p in plans)]
+    for name, fn in rows:
+        lines.append(f"  {name:<34}" + "".join(f"{fn(p):>{width}}" for p in plans))
+    return "\n".join(lines)

@@ -1,0 +1,101 @@
+"""Projected step time of a compiled program on a device kind: a roofline per operation
+plus the collectives on the links, and the tokens/s and MFU that follow.
+
+  compute    sum over operations of dot FLOPs / peak (the router's float32 dots at the
+             float32 peak, every other dot at the compute dtype's)
+  roofline   sum over operations of max(dot FLOPs / peak, bytes / HBM bandwidth): each
+             operation is bound by its arithmetic or by its memory traffic
+  links      sum over collectives of bus bytes / link bandwidth (hardware.link_seconds),
+             one after another
+  step       roofline + links (nothing overlapped: an upper bound on the step time);
+             `overlapped` = max(roofline, links) is the lower bound
+  MFU        model FLOPs per device (OLMo-core's formula) / step time / peak
+
+Left out of the HBM term: the attention core's bytes (XLA:CPU materializes the [T, S]
+score matrices in memory, a GPU's fused attention kernel keeps them on chip; its FLOPs
+stay), the converts and layout copies XLA:CPU inserts around its matmuls (bf16 widened to
+f32; no op_name: not the JAX program's), and collectives (their bytes are on the links).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from olmo_jax.planner.hardware import DeviceSpec, intra_node, link_seconds
+from olmo_jax.planner.hlo_cost import OpCost
+
+ON_CHIP_SCOPES = ("attention_scores",)  # fused on a GPU: no HBM traffic of their own
+FLOAT32_SCOPES = ("router",)  # float32 (precision=highest) dots whatever model.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkUse:
+    """One collective of the compiled program, as the roofline sees it."""
+
+    kind: str
+    bytes: float  # per execution, per device (at the JAX program's dtype)
+    count: int
+    group_size: int
+    axes: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Projection:
+    compute_s: float
+    roofline_s: float
+    hbm_bytes: float  # per step per device, as counted by the roofline
+    link_s: dict[str, float]  # seconds per link class ("nvlink", "network")
+    tokens_per_device: float  # per step
+    model_flops_per_device: float  # per step, OLMo-core's formula
+    peak_flops: float  # of the compute dtype
+
+    @property
+    def links_s(self) -> float:
+        return sum(self.link_s.values())
+
+    @property
+    def step_s(self) -> float:
+        return self.roofline_s + self.links_s
+
+    @property
+    def overlapped_s(self) -> float:
+        return max(self.roofline_s, self.links_s)
+
+    def tokens_per_s(self, overlapped: bool = False) -> float:
+        return self.tokens_per_device / (self.overlapped_s if overlapped else self.step_s)
+
+    def mfu(self, overlapped: bool = False) -> float:
+        step = self.overlapped_s if overlapped else self.step_s
+        return self.model_flops_per_device / step / self.peak_flops
+
+
+def op_seconds(op: OpCost, spec: DeviceSpec, dtype: str) -> tuple[float, float]:
+    """(compute, roofline) seconds of one execution of an operation."""
+    peak = spec.peak("float32" if op.scope in FLOAT32_SCOPES else dtype)
+    compute = op.dot_flops / peak
+    return compute, max(compute, hbm_bytes(op) / spec.hbm_bw)
+
+
+def hbm_bytes(op: OpCost) -> float:
+    """The bytes the HBM term counts for one execution (see the module docstring)."""
+    if op.collective or op.backend_inserted or op.scope in ON_CHIP_SCOPES:
+        return 0.0
+    return op.bytes
+
+
+def project(ops: list[OpCost], links: list[LinkUse], spec: DeviceSpec, dtype: str,
+            mesh_shape: dict[str, int], tokens_per_device: float,
+            model_flops_per_device: float) -> Projection:
+    compute = roofline = hbm = 0.0
+    for op in ops:
+        c, r = op_seconds(op, spec, dtype)
+        compute += op.count * c
+        roofline += op.count * r
+        hbm += op.count * hbm_bytes(op)
+    link_s = {"nvlink": 0.0, "network": 0.0}
+    for c in links:
+        intra = intra_node(mesh_shape, c.axes, c.group_size, spec)
+        link_s["nvlink" if intra else "network"] += c.count * link_seconds(
+            c.kind, c.bytes, c.group_size, intra, spec)
+    return Projection(compute, roofline, hbm, link_s, tokens_per_device,
+                      model_flops_per_device, spec.peak(dtype))

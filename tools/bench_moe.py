@@ -1,0 +1,279 @@
+"""MoE benchmarks on this CPU, as ratios measured side by side in ONE run (timings are
+interleaved round by round, so machine noise hits every variant alike):
+
+1. Expert scaling (the reference's headline: 8 -> 128 experts cost it < 5% on GPUs): the
+   same small MoE (top-4, the same active parameters: only the number of experts changes)
+   at 8, 32 and 128 experts, the trainer's full train step on one device; tokens/s and
+   the ratio to 8 experts.
+2. Expert-matmul efficiency: the routed SwiGLU FFN (dispatch, expert matmuls, combine;
+   forward + backward, `local_dispatch`) per implementation, its achieved FLOP/s (useful
+   FLOPs: 3 x 6 x tokens x k x d x h) as a fraction of one dense matmul of exactly those
+   FLOPs ([tokens x k, d] x [d, 9h]; also shown: a dense SwiGLU, forward + backward, of
+   the same rows through one expert's weights), and the compiled program's matmul FLOPs
+   per useful FLOP: padded batched einsum over the blocked dropless layout,
+   over capacity buffers (capacity_factor 1.25), and jax.lax.ragged_dot (a dense masked
+   product over every expert on CPU). Pallas (interpret mode) is excluded.
+3. Dispatch backends under expert parallelism on 8 fake CPU devices: tools/bench_parallel
+   (tokens/s and collective bytes per step, from the compiled HLO).
+
+    .venv/bin/python tools/bench_moe.py [--rounds 3] [--out bench_results.json]
+
+Prints Markdown tables and writes every number to the JSON file.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import bench_parallel  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from olmo_jax import metrics  # noqa: E402
+from olmo_jax.config import default_config, model_config  # noqa: E402
+from olmo_jax.model import MoEConfig  # noqa: E402
+from olmo_jax.model.mlp import swiglu  # noqa: E402
+from olmo_jax.model.moe.layer import local_dispatch  # noqa: E402
+from olmo_jax.model.moe.router import Routing  # noqa: E402
+from olmo_jax.optim import build_optimizer  # noqa: E402
+from olmo_jax.parallel import comms  # noqa: E402
+from olmo_jax.planner import hlo_cost  # noqa: E402
+from olmo_jax.trainer.state import init_state  # noqa: E402
+from olmo_jax.trainer.step import make_train_step  # noqa: E402
+
+
+def interleaved(fns: dict, rounds: int, calls: int | None = None,
+                round_s: float = 1.0) -> dict[str, float]:
+    """Median seconds per call of each fn() (compiled and warm), timed round by round;
+    `calls` per fn per round, or (None) as many as fill about `round_s` seconds."""
+    n = {}
+    for name, fn in fns.items():
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        n[name] = calls or max(1, round(round_s / (time.perf_counter() - t0)))
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(n[name]):
+                out = fn()
+            jax.block_until_ready(out)
+            times[name].append((time.perf_counter() - t0) / n[name])
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+# ---- 1. expert scaling -----------------------------------------------------------------
+
+def scaling_config(num_experts: int, args):
+    c = default_config()
+    m = c.model
+    m.vocab_size, m.d_model, m.n_layers, m.n_heads = 256, args.d_model, 2, 4
+    m.moe.num_experts, m.moe.top_k, m.moe.expert_hidden = num_experts, 4, args.hidden
+    m.moe.routing_mode = "random"  # a system benchmark: balanced on average, like the reference's
+    c.trainer.global_batch_size, c.trainer.seq_len = args.batch, args.seq
+    return c
+
+
+def expert_scaling(args) -> list[dict]:
+    device = jax.devices()[0]
+    steps, rows = {}, []
+    for E in args.experts:
+        cfg = scaling_config(E, args)
+        model_cfg = model_config(cfg)
+        tx, schedule = build_optimizer(cfg.optim, 1000)
+        graphdef, state = init_state(model_cfg, tx, 0)
+        state = jax.device_put(state, device)
+        batch = jax.device_put(np.random.default_rng(0).integers(
+            0, 256, (args.batch, args.seq + 1)).astype(np.int32), device)
+        step = jax.jit(make_train_step(graphdef, model_cfg, tx, schedule), donate_argnums=0)
+        holder = {"state": state}
+
+        def run(step=step, holder=holder, batch=batch):
+            holder["state"], m = step(holder["state"], batch)
+            return m["loss"]
+
+        run()
+        run()
+        steps[E] = run
+        total, active = metrics.param_counts(model_cfg)
+        rows.append({"experts": E, "total_params": total, "active_params": active,
+                     "flops_per_token": metrics.flops_per_token(model_cfg, args.seq)})
+        print(f"compiled the {E}-expert step", file=sys.stderr)
+    secs = interleaved(steps, args.rounds, args.steps)
+    tokens = args.batch * args.seq
+    base = tokens / secs[args.experts[0]]
+    for r in rows:
+        r["tokens_per_s"] = tokens / secs[r["experts"]]
+        r["vs_first"] = r["tokens_per_s"] / base
+    return rows
+
+
+# ---- 2. expert-matmul efficiency -------------------------------------------------------
+
+class _Weights:
+    """The `experts` argument of a dispatcher: weights(dtype) -> (gate, up, down)."""
+
+    def __init__(self, w):
+        self.w = w
+
+    def weights(self, dtype):
+        return tuple(a.astype(dtype) for a in self.w)
+
+
+def random_routing(key, S: int, E: int, k: int) -> Routing:
+    """k distinct experts per token, uniformly at random, softmax-like weights."""
+    k1, k2 = jax.random.split(key)
+    idx_Sk = jnp.argsort(jax.random.uniform(k1, (S, E)), axis=-1)[:, :k].astype(jnp.int32)
+    weights_Sk = jax.nn.softmax(jax.random.normal(k2, (S, k)), axis=-1)
+    zeros = jnp.zeros((S, E), jnp.float32)
+    return Routing(zeros, zeros, weights_Sk, idx_Sk)
+
+
+def efficiency(args) -> list[dict]:
+    S, D, F, E, k = args.eff_tokens, args.d_model, args.hidden, args.eff_experts, 4
+    keys = jax.random.split(jax.random.key(0), 8)
+    x = jax.random.normal(keys[0], (S, D), jnp.float32)
+    x_rows = jax.random.normal(keys[6], (S * k, D), jnp.float32)  # the dense reference's
+    ct_rows = jax.random.normal(keys[7], (S * k, D), jnp.float32)
+    w_dense = jax.random.normal(keys[1], (D, 9 * F), jnp.float32) * 0.02
+    w = tuple(jax.random.normal(kk, shape, jnp.float32) * 0.02 for kk, shape in
+              zip(keys[1:4], [(E, D, F), (E, D, F), (E, F, D)], strict=True))
+    routing = random_routing(keys[4], S, E, k)
+    ct = jax.random.normal(keys[5], (S, D), jnp.float32)
+    useful = 3 * 6 * S * k * D * F  # forward + backward of the routed assignments
+
+    def moe_loss(cfg):
+        def loss(x, w, routing, ct):
+            y, _ = local_dispatch(x, routing, _Weights(w), cfg, jnp.float32)
+            return jnp.sum(y * ct)
+        return loss
+
+    def dense_matmul(x, w, routing, ct):  # one matmul of the same FLOPs: [S k, D] x [D, 9F]
+        return x @ w
+
+    def dense_loss(x, w, routing, ct):  # the same FLOPs: S x k rows through one expert
+        return jnp.sum(swiglu(x, w[0][0], w[1][0], w[2][0]) * ct)
+
+    impls = {
+        "dense matmul, same FLOPs (reference)": dense_matmul,
+        "dense SwiGLU, same rows, one expert": dense_loss,
+        "batched einsum, blocked dropless layout": moe_loss(MoEConfig(E, k, F, gmm_impl="einsum")),
+        "batched einsum, capacity buffers (cf 1.25)": moe_loss(
+            MoEConfig(E, k, F, gmm_impl="einsum", capacity_factor=1.25)),
+        "ragged_dot": moe_loss(MoEConfig(E, k, F, gmm_impl="ragged_dot")),
+    }
+    fns, rows = {}, []
+    for name, loss in impls.items():
+        if loss is dense_matmul:
+            args_, fn = (x_rows, w_dense, routing, ct), jax.jit(dense_matmul)
+        else:
+            args_ = (x_rows, w, routing, ct_rows) if loss is dense_loss else (x, w, routing, ct)
+            # value_and_grad: the loss value needs the forward's last matmul too (with grad
+            # alone XLA drops it, the loss being linear in the FFN's output).
+            fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+        compiled = fn.lower(*args_).compile()
+        hlo_dots = hlo_cost.program_cost(comms.parse_module(compiled)).total_dot_flops
+        compiled(*args_)
+        fns[name] = lambda c=compiled, a=args_: c(*a)
+        rows.append({"implementation": name, "hlo_dot_flops_per_useful": hlo_dots / useful})
+        print(f"compiled {name}", file=sys.stderr)
+    secs = interleaved(fns, args.rounds)
+    dense = useful / secs[rows[0]["implementation"]]
+    for r in rows:
+        r["gflop_per_s"] = useful / secs[r["implementation"]] / 1e9
+        r["fraction_of_dense"] = useful / secs[r["implementation"]] / dense
+    return rows
+
+
+# ---- 3. dispatch backends under EP (tools/bench_parallel) ------------------------------
+
+def dispatch_backends(args) -> tuple[list[dict], dict]:
+    pargs = bench_parallel.parser().parse_args(
+        ["--rounds", str(args.rounds), "--steps", str(args.ep_steps)])
+    runs = bench_parallel.measure(pargs)
+    base = runs["ddp+rowwise"]["tokens_per_s"]
+    rows = []
+    for name, r in runs.items():
+        rows.append({"variant": name, "tokens_per_s": r["tokens_per_s"],
+                     "vs_rowwise": r["tokens_per_s"] / base,
+                     "collective_mb_per_device_step": comms.total_bytes(r["colls"]) / 1e6,
+                     "all_to_all_mb": comms.total_bytes(r["colls"], "all-to-all") / 1e6,
+                     "dropped_frac": r["dropped"]})
+    return rows, vars(pargs)
+
+
+# ---- report ----------------------------------------------------------------------------
+
+def markdown(results: dict, args) -> str:
+    out = [f"## Expert scaling: top-4, d_model {args.d_model}, expert hidden {args.hidden}, "
+           f"2 MoE blocks, {args.batch} x {args.seq} tokens/step, float32, one CPU device, "
+           "full train step",
+           "", "| experts | total params | active params | tokens/s | vs 8 experts |",
+           "|---:|---:|---:|---:|---:|"]
+    for r in results["expert_scaling"]:
+        out.append(f"| {r['experts']} | {r['total_params'] / 1e6:.1f}M | "
+                   f"{r['active_params'] / 1e6:.2f}M | {r['tokens_per_s']:,.0f} | "
+                   f"{r['vs_first']:.2f} |")
+    out += ["", f"## Expert-matmul efficiency: routed SwiGLU FFN, forward + backward, "
+            f"{args.eff_tokens} tokens, top-4 of {args.eff_experts} experts, d {args.d_model}, "
+            f"h {args.hidden}, float32",
+            "", "| implementation | GFLOP/s (useful) | of dense | compiled matmul FLOPs / useful |",
+            "|---|---:|---:|---:|"]
+    for r in results["efficiency"]:
+        out.append(f"| {r['implementation']} | {r['gflop_per_s']:,.1f} | "
+                   f"{r['fraction_of_dense']:.2f} | {r['hlo_dot_flops_per_useful']:.2f} |")
+    p = results["dispatch_args"]
+    out += ["", f"## Dispatch backends under EP: 8 fake CPU devices (data={p['data']} x "
+            f"expert={p['expert']}), tools/bench_parallel.py defaults", "",
+            "| variant | tokens/s | vs rowwise | collective MB/device/step | all-to-all MB | "
+            "dropped |", "|---|---:|---:|---:|---:|---:|"]
+    for r in results["dispatch"]:
+        out.append(f"| {r['variant']} | {r['tokens_per_s']:,.0f} | {r['vs_rowwise']:.2f} | "
+                   f"{r['collective_mb_per_device_step']:.2f} | {r['all_to_all_mb']:.2f} | "
+                   f"{r['dropped_frac']:.3f} |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3, help="train steps per round (scaling)")
+    ap.add_argument("--experts", type=int, nargs="+", default=[8, 32, 128])
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=256, help="expert hidden size")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--eff-tokens", type=int, default=2048)
+    ap.add_argument("--eff-experts", type=int, default=32)
+    ap.add_argument("--ep-steps", type=int, default=5, help="steps per round (dispatch)")
+    ap.add_argument("--out", default="bench_results.json")
+    args = ap.parse_args()
+
+    t0 = time.perf_counter()
+    results = {"expert_scaling": expert_scaling(args), "efficiency": efficiency(args)}
+    results["dispatch"], results["dispatch_args"] = dispatch_backends(args)
+    results["args"] = vars(args)
+    results["seconds"] = time.perf_counter() - t0
+    results["cpu_matmul_peak_gflops"] = metrics.measured_cpu_peak() / 1e9
+    print(markdown(results, args))
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1, default=lambda o: dataclasses.asdict(o)
+                  if dataclasses.is_dataclass(o) else str(o))
+    print(f"\n{results['seconds']:.0f} s; numbers in {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
