@@ -67,6 +67,7 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
     plan = build_plan(cfg, model_cfg)  # mesh, strategy, dispatcher (olmo_jax/parallel)
     mesh = plan.mesh
     (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, default=str))
+    (run_dir / "mesh.json").write_text(json.dumps(dict(mesh.shape)))  # for olmo_jax.report
 
     tx, schedule = build_optimizer(cfg.optim, t_cfg.max_steps)
     graphdef, abstract = abstract_train_state(model_cfg, tx, dispatcher=plan.dispatcher)
