@@ -70,6 +70,7 @@ def main(argv: list[str]) -> int:
                      "pass one run folder (python -m olmo_jax.report RUN_DIR) or --config=configs/<name>.py")
     if _DEVICES.value < 0:
         return _fail(f"--devices={_DEVICES.value} must be > 0 (or 0: from the run or config)")
+    n = 0
     try:
         if cfg is None:
             run = sources.load_run(rest[0])
@@ -86,6 +87,11 @@ def main(argv: list[str]) -> int:
             data = page.plan_page(cfg, model_cfg, config_path)
             out = Path(_OUT.value or Path("reports") / f"{Path(config_path).stem}.html")
     except (ConfigError, DataError, sources.ReportError) as e:
+        if isinstance(e, ConfigError) and n == 0:  # a -1 axis filled whatever devices there were
+            import jax
+
+            return _fail(f"{e} (the mesh was filled from {jax.device_count()} local device(s); "
+                         f"pass --devices=N to size it)")
         return _fail(str(e))
     print(page.write(data, out))
     return 0
