@@ -10,7 +10,7 @@ ARGS ?=
 PYTEST_ARGS ?=
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
-.PHONY: train test venv oracle lint clean
+.PHONY: train test venv oracle chromium lint clean
 
 venv: $(VENV)/.installed
 
@@ -36,11 +36,25 @@ $(ORACLE)/.installed: tools/oracle-requirements.txt
 train: venv
 	XLA_FLAGS= $(PY) -m olmo_jax.train --config=$(CONFIG) $(ARGS)
 
-test: venv oracle
+# Headless Chromium + chromedriver for the report's browser tests (tests/report), installed
+# with apt-get when missing (as root); where that is impossible those tests are skipped.
+chromium:
+	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing chromium and chromium-driver (report browser tests)"; \
+	    (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver) \
+	      >/dev/null || echo "warning: could not install chromium: the report browser tests will be skipped"; \
+	  else \
+	    echo "warning: chromium/chromedriver missing and not installable here (needs root and apt-get):" \
+	         "the report browser tests will be skipped"; \
+	  fi; \
+	fi
+
+test: venv oracle chromium
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: venv
 	$(PY) -m ruff check olmo_jax tests tools configs
 
 clean:
-	rm -rf $(VENV) $(ORACLE) runs .pytest_cache
+	rm -rf $(VENV) $(ORACLE) runs .pytest_cache .artifacts

@@ -10,6 +10,7 @@ SIGINT save and stop (preemption.py); bad steps are skipped or halt the run (gua
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 
 import jax
@@ -134,6 +135,7 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
     compile_s = time.perf_counter() - t0
     if main:
         run_dir_lib.write_config(run_dir, cfg)
+        (run_dir / "mesh.json").write_text(json.dumps(dict(mesh.shape)))  # for olmo_jax.report
 
     # Resumed, or weights from trainer.init_from, or init(); placed on `shardings`.
     state = checkpoints.start(

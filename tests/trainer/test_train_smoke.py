@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from olmo_jax.config import default_config
+from olmo_jax.report import page, sources
 from olmo_jax.trainer.loop import train
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,7 +46,20 @@ def test_twenty_steps_loss_decreases(tmp_path):
     assert records[-1]["dropped_frac"] == 0.0
     assert summary.sample.startswith("import os\nimport sys")
     assert summary.final_eval_loss < records[0]["loss"]
-    _check_expert_counts(Path(summary.metrics_path).parent, records)
+    run_dir = Path(summary.metrics_path).parent
+    assert json.loads((run_dir / "mesh.json").read_text()) == {"pipe": 1, "data": 8, "expert": 1}
+    _check_report(run_dir, records)
+    _check_expert_counts(run_dir, records)
+
+
+def _check_report(run_dir, records):
+    """The report's run page reads this real run folder (drawn and browser-checked in
+    tests/report)."""
+    run = sources.load_run(run_dir)
+    sections = {s["id"]: s for s in page.run_page(run, sources.model_config(run.cfg))["sections"]}
+    assert sections["curves"]["data"]["loss"]["value"] == [r["loss"] for r in records]
+    assert sections["balance"]["data"]["heatmap"]["steps"] == [5, 10, 15, 20]
+    assert sections["mesh"]["data"]["shape"] == [1, 8, 1]
 
 
 def _check_expert_counts(run_dir, records):

@@ -1,0 +1,101 @@
+"""python -m olmo_jax.report: one self-contained HTML page of a run or a plan.
+
+    python -m olmo_jax.report RUN_DIR [--out=PATH] [--devices=N]
+    python -m olmo_jax.report --config=configs/X.py [--config.parallel.expert=4 ...] [--out=PATH] [--devices=N]
+
+A run folder gives its mesh and placement, one token's dispatch route, the pipeline
+schedule, the loss / tokens/s / MFU curves and the expert-load heatmap with the imbalance
+and dropped-fraction curves; a config (plan mode) gives the mesh, route and schedule, and
+the memory per device and bytes per collective. The page is written to
+RUN_DIR/report.html (plan mode: reports/<config name>.html) or --out, and its path printed.
+The mesh is built from fake CPU devices (nothing is allocated); --devices sets how many
+(default: the run's mesh.json, else parallel.pipe x data x expert when none is -1, else
+the local device count).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from absl import flags
+from ml_collections import config_flags
+
+from olmo_jax.data.errors import DataError
+from olmo_jax.model.config import ConfigError
+from olmo_jax.report import page, sources
+
+FLAGS = flags.FlagValues()
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Plan mode: a config file (configs/*.py), with --config.a.b=c overrides.",
+    flag_values=FLAGS, lock_config=True)
+_OUT = flags.DEFINE_string("out", "", "Output HTML path.", flag_values=FLAGS)
+_DEVICES = flags.DEFINE_integer("devices", 0, "Devices of the mesh (0 = see above).", flag_values=FLAGS)
+
+
+def _fail(msg: str) -> int:
+    print(f"error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _use_devices(n: int) -> None:
+    """Fake CPU devices for the mesh: set before jax touches a backend."""
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    if n > 0:
+        jax.config.update("jax_num_cpu_devices", n)
+
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help", "-help") for a in argv[1:]):
+        print(__doc__)
+        print(FLAGS.main_module_help() if hasattr(FLAGS, "main_module_help") else "")
+        return 0
+    try:
+        rest = FLAGS(argv)[1:]
+    except flags.Error as e:
+        from olmo_jax.train import _explain_parse_error  # names an unknown --config.x field
+
+        return _fail(_explain_parse_error(argv, e) if isinstance(e, flags.UnrecognizedFlagError) else str(e))
+    except (KeyError, AttributeError, TypeError, ValueError) as e:
+        from olmo_jax.train import _explain_parse_error
+
+        return _fail(_explain_parse_error(argv, e))
+    cfg = _CONFIG.value
+    if (cfg is None) == (len(rest) != 1):
+        return _fail("pass either one run folder (python -m olmo_jax.report RUN_DIR) or "
+                     "--config=configs/<name>.py (plan mode), not both"
+                     if cfg is not None else
+                     "pass one run folder (python -m olmo_jax.report RUN_DIR) or --config=configs/<name>.py")
+    if _DEVICES.value < 0:
+        return _fail(f"--devices={_DEVICES.value} must be > 0 (or 0: from the run or config)")
+    n = 0
+    try:
+        if cfg is None:
+            run = sources.load_run(rest[0])
+            n = sources.device_count(run.cfg, run.mesh_shape, _DEVICES.value)
+            _use_devices(n)
+            model_cfg = sources.model_config(run.cfg)
+            data = page.run_page(run, model_cfg)
+            out = Path(_OUT.value or run.path / "report.html")
+        else:
+            n = sources.device_count(cfg, None, _DEVICES.value)
+            _use_devices(n)
+            model_cfg = sources.model_config(cfg)
+            config_path = config_flags.get_config_filename(FLAGS["config"])
+            data = page.plan_page(cfg, model_cfg, config_path)
+            out = Path(_OUT.value or Path("reports") / f"{Path(config_path).stem}.html")
+    except (ConfigError, DataError, sources.ReportError) as e:
+        if isinstance(e, ConfigError) and n == 0:  # a -1 axis filled whatever devices there were
+            import jax
+
+            return _fail(f"{e} (the mesh was filled from {jax.device_count()} local device(s); "
+                         f"pass --devices=N to size it)")
+        return _fail(str(e))
+    print(page.write(data, out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
