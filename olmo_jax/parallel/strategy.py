@@ -104,14 +104,20 @@ class ParallelPlan:
     def batch_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, BATCH_SPEC)
 
-    def place_batch(self, batch_BT1, grad_accum: int | None = None) -> jax.Array:
-        """[B, T+1] host (or device) tokens -> [ga x M, B/(ga x M), T+1] on the mesh
-        (M: pipeline microbatches; evaluation passes grad_accum=1 and gets M = 1)."""
+    def batch_shape(self, global_batch: int, seq_len: int,
+                    grad_accum: int | None = None) -> tuple[int, int, int]:
+        """The placed batch's shape [ga x M, B/(ga x M), T+1] (M: pipeline microbatches;
+        evaluation passes grad_accum=1 and gets M = 1)."""
         ga = self.grad_accum * self.microbatches if grad_accum is None else grad_accum
+        check_batch(global_batch, self.mesh, ga, "the batch")
+        return ga, global_batch // ga, seq_len + 1
+
+    def place_batch(self, batch_BT1, grad_accum: int | None = None) -> jax.Array:
+        """[B, T+1] host (or device) tokens -> `batch_shape` on the mesh."""
         batch_BT1 = np.asarray(batch_BT1)
-        B = batch_BT1.shape[0]
-        check_batch(B, self.mesh, ga, "the batch")
-        return jax.device_put(batch_BT1.reshape(ga, B // ga, -1), self.batch_sharding())
+        B, T1 = batch_BT1.shape
+        shape = self.batch_shape(B, T1 - 1, grad_accum)
+        return jax.device_put(batch_BT1.reshape(shape), self.batch_sharding())
 
     def jit_train_step(self, train_step, state_shardings):
         """train_step(state, batch) -> (state, metrics) jitted for this mesh: state in and

@@ -54,14 +54,12 @@ class Summary:
 
 def _placer(plan, seq_len: int):
     """place(loader, step, grad_accum=None) -> the step's global batch laid out as the plan
-    wants ([ga, B / ga, T + 1] on its batch sharding; ga = grad_accum x pipeline microbatches
-    unless given), each process reading
-    only the rows its devices hold."""
+    wants (`ParallelPlan.batch_shape` on its batch sharding), each process reading only the
+    rows its devices hold."""
     def place(loader, step, grad_accum=None):
-        ga = plan.grad_accum * plan.microbatches if grad_accum is None else grad_accum
-        B = loader.global_batch_size
-        return distributed.place_batch(lambda rows: loader.batch(step, rows),
-                                       (ga, B // ga, seq_len + 1), plan.batch_sharding())
+        shape = plan.batch_shape(loader.global_batch_size, seq_len, grad_accum)
+        return distributed.place_batch(lambda rows: loader.batch(step, rows), shape,
+                                       plan.batch_sharding())
     return place
 
 
@@ -122,9 +120,8 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
     t0 = time.perf_counter()
     compiled, memory = None, None
     if checkpoints.latest is None or checkpoints.latest < stop:
-        ga = t_cfg.grad_accum
         batch_spec = jax.ShapeDtypeStruct(
-            (ga, t_cfg.global_batch_size // ga, t_cfg.seq_len + 1), np.int32,
+            plan.batch_shape(t_cfg.global_batch_size, t_cfg.seq_len), np.int32,
             sharding=plan.batch_sharding())
         try:
             compiled = step_fn.lower(_with_shardings(abstract, shardings), batch_spec).compile()
