@@ -67,7 +67,7 @@ def pipeline_section(cfg, model_cfg, plan) -> dict:
         chunks, repeats = None, 1
     else:
         sched, chunks, repeats = pipe.schedule, pipe.chunks, cfg.trainer.grad_accum
-        note = (f"The schedule table the trainer runs (olmo_jax/parallel/pipeline/schedule.py)"
+        note = ("The schedule table the trainer runs (olmo_jax/parallel/pipeline/schedule.py)"
                 + (f", once per each of the trainer.grad_accum={repeats} accumulation steps"
                    if repeats > 1 else "") + ".")
     return {"id": "pipeline", "title": "Pipeline schedule", "kind": "schedule", "data": {

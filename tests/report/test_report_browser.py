@@ -134,6 +134,17 @@ def test_run_report_in_chromium(browser, tmp_path):
     assert charts == 4  # expert imbalance, local, rank imbalance, dropped fraction
 
 
+def test_pipelined_run_report_in_chromium(browser, tmp_path):
+    """A run folder trained with pipe=2 (1F1B, M=2) shows its schedule."""
+    html = report_cli(str(write_run(tmp_path / "run", pipelined=True)))
+    sections = load(browser, html, "report-pipelined-run.png", tmp_path)
+    assert "1f1b: P=2 stages, M=2 microbatches" in sections["pipeline"]["text"]
+    cells = browser.run("return [...document.querySelectorAll('#pipeline rect.op')].map(r => r.dataset.kind)")
+    assert sorted(cells) == ["B"] * 4 + ["F"] * 4
+    tip = tip_after_hover(browser, "#pipeline rect.op", cells.index("F"))
+    assert tip.startswith("stage 0, tick 0") and "forward of microbatch 0" in tip and "block 1" in tip, tip
+
+
 def test_plan_report_in_chromium(browser, tmp_path):
     html = report_cli(*PLAN_ARGS, f"--out={tmp_path / 'plan.html'}")
     sections = load(browser, html, "report-plan.png", tmp_path)
