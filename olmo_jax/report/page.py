@@ -48,7 +48,7 @@ def _summary(cfg, model_cfg, plan, extra: list[tuple[str, str]]) -> dict:
     return {"model": model, "run": run}
 
 
-def _pipeline_line(cfg, plan) -> str:
+def _pipeline_line(plan) -> str:
     if plan.pipeline is None:
         return "none (parallel.pipe=1)"
     s = plan.pipeline.schedule
@@ -70,7 +70,7 @@ def run_page(run: RunFolder, model_cfg) -> dict:
     cfg = run.cfg
     plan = build_plan(cfg, model_cfg)
     last = run.metrics[-1] if run.metrics else {}
-    extra = [("pipeline", _pipeline_line(cfg, plan)),
+    extra = [("pipeline", _pipeline_line(plan)),
              ("logged steps", f"{len(run.metrics)} (last step {last.get('step', '–')})"),
              ("final loss", f"{last['loss']:.4f}" if isinstance(last.get("loss"), float) else "–")]
     sections = [section("summary", "Summary", "summary", _summary(cfg, model_cfg, plan, extra))]
@@ -92,7 +92,7 @@ def plan_page(cfg, model_cfg, config_path: str, device_kind: str = "b300") -> di
     """`device_kind` (planner/hardware.py): the device whose HBM the peak is compared to."""
     plan = build_plan(cfg, model_cfg)
     sections = [section("summary", "Summary", "summary",
-                        _summary(cfg, model_cfg, plan, [("pipeline", _pipeline_line(cfg, plan))]))]
+                        _summary(cfg, model_cfg, plan, [("pipeline", _pipeline_line(plan))]))]
     sections += _shared_sections(cfg, model_cfg, plan)
     sections += plan_view.plan_sections(cfg, plan, device_kind)
     return {"title": f"olmo_jax plan: {Path(config_path).stem}", "subtitle": config_path,
