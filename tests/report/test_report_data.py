@@ -171,6 +171,8 @@ def test_bad_inputs_get_clear_errors(tmp_path, capsys):
     assert "run folder" in capsys.readouterr().err
     assert report_main(["report"]) == 2
     assert "--config=configs/<name>.py" in capsys.readouterr().err
+    assert report_main(["report", "--device-kind=tpu", str(run)]) == 2
+    assert "--device-kind=tpu: choose one of b300" in capsys.readouterr().err
 
 
 def test_device_count_rules():
