@@ -2,6 +2,7 @@
 
     python -m olmo_jax.report RUN_DIR [--out=PATH] [--devices=N]
     python -m olmo_jax.report --config=configs/X.py [--config.parallel.expert=4 ...] [--out=PATH] [--devices=N]
+        [--device-kind=b300|h200|h100|cpu]
 
 A run folder gives its mesh and placement, one token's dispatch route, the pipeline
 schedule, the loss / tokens/s / MFU curves and the expert-load heatmap with the imbalance
@@ -23,6 +24,7 @@ from ml_collections import config_flags
 
 from olmo_jax.data.errors import DataError
 from olmo_jax.model.config import ConfigError
+from olmo_jax.planner import hardware
 from olmo_jax.report import page, sources
 
 FLAGS = flags.FlagValues()
@@ -31,6 +33,8 @@ _CONFIG = config_flags.DEFINE_config_file(
     flag_values=FLAGS, lock_config=True)
 _OUT = flags.DEFINE_string("out", "", "Output HTML path.", flag_values=FLAGS)
 _DEVICES = flags.DEFINE_integer("devices", 0, "Devices of the mesh (0 = see above).", flag_values=FLAGS)
+_KIND = flags.DEFINE_string("device-kind", "b300", "Plan mode: the device (b300 | h200 | h100 | cpu) "
+                            "whose HBM the peak memory is compared to.", flag_values=FLAGS)
 
 
 def _fail(msg: str) -> int:
@@ -68,6 +72,8 @@ def main(argv: list[str]) -> int:
                      "--config=configs/<name>.py (plan mode), not both"
                      if cfg is not None else
                      "pass one run folder (python -m olmo_jax.report RUN_DIR) or --config=configs/<name>.py")
+    if _KIND.value not in hardware.KINDS:
+        return _fail(f"--device-kind={_KIND.value}: choose one of {', '.join(hardware.KINDS)}")
     if _DEVICES.value < 0:
         return _fail(f"--devices={_DEVICES.value} must be > 0 (or 0: from the run or config)")
     n = 0
@@ -84,7 +90,7 @@ def main(argv: list[str]) -> int:
             _use_devices(n)
             model_cfg = sources.model_config(cfg)
             config_path = config_flags.get_config_filename(FLAGS["config"])
-            data = page.plan_page(cfg, model_cfg, config_path)
+            data = page.plan_page(cfg, model_cfg, config_path, _KIND.value)
             out = Path(_OUT.value or Path("reports") / f"{Path(config_path).stem}.html")
     except (ConfigError, DataError, sources.ReportError) as e:
         if isinstance(e, ConfigError) and n == 0:  # a -1 axis filled whatever devices there were

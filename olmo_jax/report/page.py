@@ -48,6 +48,13 @@ def _summary(cfg, model_cfg, plan, extra: list[tuple[str, str]]) -> dict:
     return {"model": model, "run": run}
 
 
+def _pipeline_line(plan) -> str:
+    if plan.pipeline is None:
+        return "none (parallel.pipe=1)"
+    s = plan.pipeline.schedule
+    return (f"{s.kind}, P={s.stages}, M={s.microbatches}, V={s.virtual}: bubble {s.bubble:.1%}")
+
+
 def _shared_sections(cfg, model_cfg, plan) -> list[dict]:
     p = cfg.parallel
     return [
@@ -55,7 +62,7 @@ def _shared_sections(cfg, model_cfg, plan) -> list[dict]:
         section("route", "One token's route through dispatch", "route",
                 route.route_section(model_cfg.moe, plan.mesh.shape["expert"], p.dispatch,
                                     p.capacity_factor, seed=cfg.trainer.seed)),
-        pipeline_view.pipeline_section(cfg),
+        pipeline_view.pipeline_section(cfg, model_cfg, plan),
     ]
 
 
@@ -63,7 +70,8 @@ def run_page(run: RunFolder, model_cfg) -> dict:
     cfg = run.cfg
     plan = build_plan(cfg, model_cfg)
     last = run.metrics[-1] if run.metrics else {}
-    extra = [("logged steps", f"{len(run.metrics)} (last step {last.get('step', '–')})"),
+    extra = [("pipeline", _pipeline_line(plan)),
+             ("logged steps", f"{len(run.metrics)} (last step {last.get('step', '–')})"),
              ("final loss", f"{last['loss']:.4f}" if isinstance(last.get("loss"), float) else "–")]
     sections = [section("summary", "Summary", "summary", _summary(cfg, model_cfg, plan, extra))]
     sections += _shared_sections(cfg, model_cfg, plan)
@@ -80,11 +88,13 @@ def run_page(run: RunFolder, model_cfg) -> dict:
             "mode": "run", "sections": sections}
 
 
-def plan_page(cfg, model_cfg, config_path: str) -> dict:
+def plan_page(cfg, model_cfg, config_path: str, device_kind: str = "b300") -> dict:
+    """`device_kind` (planner/hardware.py): the device whose HBM the peak is compared to."""
     plan = build_plan(cfg, model_cfg)
-    sections = [section("summary", "Summary", "summary", _summary(cfg, model_cfg, plan, []))]
+    sections = [section("summary", "Summary", "summary",
+                        _summary(cfg, model_cfg, plan, [("pipeline", _pipeline_line(plan))]))]
     sections += _shared_sections(cfg, model_cfg, plan)
-    sections += plan_view.plan_sections(cfg, model_cfg)
+    sections += plan_view.plan_sections(cfg, plan, device_kind)
     return {"title": f"olmo_jax plan: {Path(config_path).stem}", "subtitle": config_path,
             "mode": "plan", "sections": sections}
 

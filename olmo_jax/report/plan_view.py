@@ -1,20 +1,93 @@
 """Report sections of a plan: "memory" (per-device memory of the compiled step by
-category) and "collectives" (bytes per collective per step).
+category) and "collectives" (bytes per collective per step, per device).
 
-Both belong to the planner (`python -m olmo_jax.plan`), which this build does not have;
-the sections say so rather than estimate the numbers a second way.
+Both are the planner's numbers (`python -m olmo_jax.plan`), not a second estimate: the
+config's real train step is AOT-compiled for the plan's mesh on abstract inputs
+(`planner.compile.compile_train_step`), `planner.report.build` reads it, and this module
+only regroups the plan's JSON (`Plan.to_json()`, what `python -m olmo_jax.plan --json`
+writes) into what the page draws: the argument bytes by part of the train state, the
+buffers live at the peak (XLA's buffer live ranges) by what they hold, the compiled
+memory analysis, and `comms.summary` rows of the compiled collectives. Every device runs
+the same SPMD program, so one device's numbers are every device's.
 """
 
 from __future__ import annotations
 
-ABSENT = ("{what}: needs the planner (python -m olmo_jax.plan, AOT-compiled step), "
-          "which is not part of this build")
+from olmo_jax.planner import hardware
+from olmo_jax.planner import report as plan_report
+from olmo_jax.planner.compile import compile_train_step
+
+PEAK_PARTS = 8  # the planner's JSON lists the largest groups live at the peak
+
+# What each collective purpose moves (the scopes olmo_jax/parallel/comms.py documents).
+PURPOSE = {
+    "zero_gather": "ZeRO-1: updated parameter shards all-gathered over the data axes",
+    "zero_reduce": "ZeRO-1: gradients reduce-scattered over the data axes",
+    "fsdp_gather": "FSDP: parameters gathered for compute",
+    "loss_allsum": "loss and router statistics summed over the batch shards",
+    "pipe_gather": "pipeline: stored parameter shards to the stages that run them",
+    "pipe_reduce": "pipeline: stage gradients back to the stored shards",
+    "pipe_send": "pipeline: activations and cotangents between neighbouring stages",
+    "other": "added by the compiler (e.g. the gradient-norm sum)",
+}
 
 
-def plan_sections(cfg, model_cfg) -> list[dict]:
+def compile_plan(cfg, plan, device_kind: str) -> tuple[dict, hardware.DeviceSpec]:
+    """The planner's plan of `cfg` on the devices of `plan`'s mesh (its JSON) and the
+    device kind's spec."""
+    step = compile_train_step(cfg, list(plan.mesh.devices.flat))
+    spec = hardware.device_spec(device_kind, step.n_devices)
+    return plan_report.build(step, spec).to_json(), spec
+
+
+def memory_data(pj: dict, hbm_bytes: float, kind: str) -> dict:
+    args = [{"label": k, "bytes": v} for k, v in pj["argument_parts"].items() if v]
+    peak = [{"label": g["label"], "bytes": g["bytes"], "detail": f"{g['values']} buffer(s), e.g. {g['example']}"}
+            for g in pj["peak"]]
+    rest = pj["peak_bytes"] - sum(g["bytes"] for g in pj["peak"])
+    if rest > 0:
+        peak.append({"label": "everything else live at the peak", "bytes": rest, "detail": ""})
+    bars = [{"name": "arguments", "what": "the train state and batch this device holds",
+             "parts": args},
+            {"name": "compiled", "what": "XLA's memory analysis of the step",
+             "parts": [{"label": "arguments", "bytes": pj["argument_bytes"]},
+                       {"label": "temporaries", "bytes": pj["temp_bytes"]}]}]
+    if pj["peak_bytes"]:
+        bars.append({"name": "live at the peak", "what": "buffers live at the peak, by what they hold",
+                     "parts": peak})
+    fit = (f"; {kind.upper()} HBM {hbm_bytes / 1e9:,.0f} GB: "
+           f"{'fits' if pj['peak_bytes'] <= hbm_bytes else 'does NOT fit'}" if hbm_bytes and pj["peak_bytes"]
+           else "")
+    return {"devices": pj["devices"], "mesh": pj["mesh"], "bars": bars, "hbm_bytes": hbm_bytes,
+            "note": (f"Per device, from the planner's AOT compile of the real train step on "
+                     f"{pj['devices']} fake CPU devices (mesh "
+                     f"{' x '.join(f'{a}={n}' for a, n in pj['mesh'].items())}; every device runs "
+                     f"the same SPMD program, so these are each device's numbers){fit}. "
+                     f"XLA:CPU's buffers, not a GPU's. Hover a part for its bytes.")}
+
+
+def collectives_data(pj: dict) -> dict:
+    rows = [{"label": f"{r['kind']} {r['purpose']} ({r['phase']}, {r['axes']})",
+             "bytes": r["jax_bytes_per_device"],
+             "detail": (f"{PURPOSE.get(r['purpose'], r['purpose'])}; {r['ops']} op(s), "
+                        f"{r['executions']} run(s) per step")}
+            for r in pj["collectives"]]
+    return {"rows": rows, "total": pj["collective_jax_bytes"],
+            "note": (f"Bytes every collective of one training step moves per device (loop bodies x "
+                     f"trip counts, at the JAX program's dtypes), from the compiled step: "
+                     f"{len(rows)} kinds, {sum(r['executions'] for r in pj['collectives'])} runs. "
+                     f"fwd / bwd: in the forward or backward pass; step: once per step."),
+            "table": {"head": ["collective", "purpose", "phase", "axes", "runs", "bytes / device"],
+                      "rows": [[r["kind"], r["purpose"], r["phase"], r["axes"], r["executions"],
+                                r["jax_bytes_per_device"]] for r in pj["collectives"]],
+                      "numeric": [0, 0, 0, 0, 1, 1]}}
+
+
+def plan_sections(cfg, plan, device_kind: str) -> list[dict]:
+    pj, spec = compile_plan(cfg, plan, device_kind)
     return [
         {"id": "memory", "title": "Memory per device", "kind": "memory",
-         "absent": ABSENT.format(what="memory per device by category")},
+         "data": memory_data(pj, spec.hbm_bytes, device_kind)},
         {"id": "collectives", "title": "Bytes per collective", "kind": "collectives",
-         "absent": ABSENT.format(what="bytes per collective")},
+         "data": collectives_data(pj)},
     ]

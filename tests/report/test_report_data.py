@@ -1,7 +1,8 @@
 """The report's data, checked against independent references: placement slices against
 hand-derived expectations and the plan's own byte count, the token route against a naive
 capacity rule and a real all_to_all over 4 devices, the run series and heatmap against
-the files, and clear errors for bad inputs."""
+the files, the pipeline schedule against the schedule table the trainer runs, the plan
+sections' regrouping of the planner's JSON, and clear errors for bad inputs."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from jax.sharding import Mesh, PartitionSpec
 from olmo_jax.model.config import MoEConfig
 from olmo_jax.optim import build_optimizer
 from olmo_jax.parallel import zero
+from olmo_jax.parallel.pipeline import schedule
 from olmo_jax.parallel.strategy import build_plan
-from olmo_jax.report import page, placement, route, run_charts, sources
+from olmo_jax.report import page, pipeline_view, placement, plan_view, route, run_charts, sources
 from olmo_jax.report.__main__ import main as report_main
 from olmo_jax.trainer.state import abstract_train_state
 from tests.report.fixtures import BLOCKS, EXPERTS, NAN_STEP, STEPS, report_config, write_run
@@ -169,6 +171,8 @@ def test_bad_inputs_get_clear_errors(tmp_path, capsys):
     assert "run folder" in capsys.readouterr().err
     assert report_main(["report"]) == 2
     assert "--config=configs/<name>.py" in capsys.readouterr().err
+    assert report_main(["report", "--device-kind=tpu", str(run)]) == 2
+    assert "--device-kind=tpu: choose one of b300" in capsys.readouterr().err
 
 
 def test_device_count_rules():
@@ -178,3 +182,66 @@ def test_device_count_rules():
     assert sources.device_count(cfg, None, 32) == 32
     cfg.parallel.data = -1
     assert sources.device_count(cfg, None, 0) == 0  # fill: whatever devices there are
+
+
+def test_pipeline_section_is_the_trainers_schedule_table(tmp_path):
+    # a run folder trained with pipe=2 (1F1B, M=2): its page draws that schedule
+    run = sources.load_run(write_run(tmp_path / "run", pipelined=True))
+    model_cfg = sources.model_config(run.cfg)
+    sections = {s["id"]: s for s in page.run_page(run, model_cfg)["sections"]}
+    d = sections["pipeline"]["data"]
+    ref = schedule.build("1f1b", 2, 1, 2)
+    assert (d["schedule"], d["stages"], d["microbatches"], d["virtual_stages"]) == ("1f1b", 2, 2, 1)
+    assert d["ticks"] == ref.ticks and d["bubble"] == ref.bubble == pytest.approx(1 / 3)
+    grid = np.full((ref.ticks, 2, 2), -1)  # (op, microbatch) per tick and stage, from the cells
+    for c in d["cells"]:
+        grid[c["tick"], c["stage"]] = ({"F": schedule.FWD, "B": schedule.BWD}[c["kind"]], c["microbatch"])
+        assert c["virtual"] == 0 and c["chunk"] == c["stage"]
+    busy = ref.column("op") != schedule.IDLE
+    np.testing.assert_array_equal(grid[..., 0][busy], ref.column("op")[busy])
+    np.testing.assert_array_equal(grid[..., 1][busy], ref.column("mb")[busy])
+    assert (grid[..., 0][~busy] == -1).all() and len(d["cells"]) == 2 * 2 * 2
+    # blocks: 0 dense (stage 0, with the embedding), MoE blocks 1 and 2 one per stage
+    assert [st["chunks"][0]["blocks"] for st in d["stage_blocks"]] == [[1], [2]]
+    assert d["stage_blocks"][0]["first"] == ["embedding", "dense block 0"]
+    assert d["stage_blocks"][1]["last"] and not d["stage_blocks"][0]["last"]
+
+
+def test_pipeline_section_without_a_pipeline_is_one_stage(plan_and_mesh):
+    _, model_cfg, plan, _ = plan_and_mesh
+    cfg = report_config()
+    cfg.trainer.grad_accum = 2
+    d = pipeline_view.pipeline_section(cfg, model_cfg, plan)["data"]
+    assert d["schedule"] == "no pipeline" and d["stages"] == 1 and d["bubble"] == 0.0
+    assert "parallel.pipe=1" in d["note"] and "grad_accum=2" in d["note"]
+    assert [(c["tick"], c["kind"], c["microbatch"]) for c in d["cells"]] == [
+        (0, "F", 0), (1, "B", 0), (2, "F", 1), (3, "B", 1)]
+    assert d["stage_blocks"][0]["chunks"][0]["blocks"] == [1, 2]
+
+
+def test_plan_sections_regroup_the_planners_json():
+    pj = {  # the keys of planner.report.Plan.to_json() the report reads
+        "devices": 4, "mesh": {"pipe": 2, "data": 1, "expert": 2},
+        "argument_parts": {"params": 300, "opt_state": 600, "model_state": 0, "step, rng": 12, "batch": 40},
+        "argument_bytes": 952, "temp_bytes": 5000, "peak_bytes": 4000,
+        "peak": [{"label": "loop state", "bytes": 2500, "values": 3, "example": "f32[2,8]"},
+                 {"label": "argument: opt_state", "bytes": 600, "values": 2, "example": "f32[4]"}],
+        "collectives": [
+            {"kind": "all-to-all", "purpose": "moe_rowwise", "phase": "fwd", "axes": "expert", "ops": 2,
+             "executions": 8, "bytes_per_device": 640, "jax_bytes_per_device": 320},
+            {"kind": "collective-permute", "purpose": "pipe_send", "phase": "fwd", "axes": "group of 2",
+             "ops": 1, "executions": 6, "bytes_per_device": 96, "jax_bytes_per_device": 96}],
+        "collective_jax_bytes": 416}
+    mem = plan_view.memory_data(pj, 1e3, "cpu")
+    bars = {b["name"]: b["parts"] for b in mem["bars"]}
+    assert [(p["label"], p["bytes"]) for p in bars["arguments"]] == [
+        ("params", 300), ("opt_state", 600), ("step, rng", 12), ("batch", 40)]
+    assert [p["bytes"] for p in bars["compiled"]] == [952, 5000]
+    assert [(p["label"], p["bytes"]) for p in bars["live at the peak"]] == [
+        ("loop state", 2500), ("argument: opt_state", 600), ("everything else live at the peak", 900)]
+    assert "does NOT fit" in mem["note"] and "pipe=2 x data=1 x expert=2" in mem["note"]
+    col = plan_view.collectives_data(pj)
+    assert [(r["label"], r["bytes"]) for r in col["rows"]] == [
+        ("all-to-all moe_rowwise (fwd, expert)", 320), ("collective-permute pipe_send (fwd, group of 2)", 96)]
+    assert col["total"] == 416 and "between neighbouring stages" in col["rows"][1]["detail"]
+    assert col["table"]["rows"][1] == ["collective-permute", "pipe_send", "fwd", "group of 2", 6, 96]
