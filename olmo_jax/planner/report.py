@@ -401,7 +401,8 @@ def format_plan(plan: Plan, config_path: str = "") -> str:
         f"  model       {c.n_layers} blocks ({c.n_dense_layers} dense), d_model {c.d_model}, "
         f"{c.n_heads}/{c.kv_heads} heads of {c.head_size}, {c.moe.num_experts} experts top-"
         f"{c.moe.top_k} + {c.moe.n_shared_experts} shared; {t.global_batch_size} x {t.seq_len} "
-        f"tokens per step in {t.grad_accum} microbatch(es)",
+        f"tokens per step in {t.grad_accum} microbatch(es)"
+        + (f" x {s.plan.microbatches} pipeline microbatches" if s.plan.pipeline else ""),
         f"  parameters  {total / 1e9:,.3f} B total, {active / 1e9:,.3f} B active per token",
     ]
     if plan.pipeline is not None:
