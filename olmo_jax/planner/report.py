@@ -110,7 +110,7 @@ def expert_buffer_factor(step: CompiledStep) -> tuple[float | None, str]:
     """Rows the compiled expert matmuls run over, per routed (token, choice) row, from the
     dispatcher's own sizing functions, and what sets it."""
     m, plan, t = step.model_cfg.moe, step.plan, step.cfg.trainer
-    S = t.global_batch_size // t.grad_accum // batch_shards(plan.mesh) * t.seq_len
+    S = t.global_batch_size // (t.grad_accum * plan.microbatches) // batch_shards(plan.mesh) * t.seq_len
     E, k, N = m.num_experts, m.top_k, S * m.top_k
     ep = plan.mesh.shape["expert"]
     impl = resolve_gmm_impl(m.gmm_impl, step.model_cfg.compute_dtype)
