@@ -44,6 +44,7 @@ def argument_bytes(state, shardings, batch) -> dict[str, int]:
            for part in ("params", "opt_state", "model_state")}
     out["step, rng"] = zero.per_device_bytes((state.step, state.rng),
                                              (shardings.step, shardings.rng))
+    out["guard"] = zero.per_device_bytes(state.guard, shardings.guard)  # trainer/guard.py
     out["batch"] = int(math.prod(batch.sharding.shard_shape(batch.shape))
                        * np.dtype(batch.dtype).itemsize)
     return out
