@@ -23,6 +23,9 @@ asked for (the dtype before the backend's convert), which is what a GPU sends.
 The parsed module itself (`parse_module`: every instruction with its execution count and
 whether it runs on its own, inside a fusion or as a per-element reducer) is public for
 other accounting built on the same walk (olmo_jax/planner: FLOPs and bytes per step).
+A conditional's branches each count every time the conditional runs (an upper bound);
+`HloModule.counted` recounts with the fraction of runs each branch takes (the planner's
+pipeline schedules) or per execution of one computation.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import dataclasses
 import json
 import math
 import re
+from fractions import Fraction
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
          "collective-permute", "collective-broadcast")
@@ -66,7 +70,7 @@ class Collective:
     bytes: int  # per device, one execution
     group_size: int  # devices taking part together
     axes: tuple[str, ...]  # mesh axes of the group, when the HLO names them
-    count: int  # executions per program run (enclosing loop trip counts multiplied)
+    count: int | float  # executions per program run (enclosing loop trip counts multiplied)
     trip_counts_known: bool
     op_name: str
     jax_bytes: int = -1  # per execution at the JAX program's dtype (-1: = bytes)
@@ -158,8 +162,8 @@ def _parse(text: str):
     return comps, entry
 
 
-def _multipliers(comps: dict[str, list[str]], entry: str) -> tuple[dict[str, int], dict[str, bool]]:
-    """Executions of each computation per run of `entry` (call graph is a DAG)."""
+def _call_graph(comps: dict[str, list[str]]) -> dict[str, list[tuple[str, int, bool]]]:
+    """computation -> (callee, executions per execution of the caller, trip count known)."""
     calls: dict[str, list[tuple[str, int, bool]]] = collections.defaultdict(list)
     for name, lines in comps.items():
         for line in lines:
@@ -178,7 +182,16 @@ def _multipliers(comps: dict[str, list[str]], entry: str) -> tuple[dict[str, int
                     calls[name].append((callee, n + 1 if trip else 1, trip is not None))
                 else:
                     calls[name].append((callee, 1, True))
-    mult: dict[str, int] = collections.defaultdict(int)
+    return dict(calls)
+
+
+def _multipliers(calls: dict[str, list[tuple[str, int, bool]]], entry: str,
+                 weights: dict[str, Fraction] | None = None
+                 ) -> tuple[dict[str, int | float], dict[str, bool]]:
+    """Executions of each computation per run of `entry` (call graph is a DAG). A callee in
+    `weights` runs that fraction of its caller's executions (a conditional's branch)."""
+    weights = weights or {}
+    mult: dict[str, Fraction] = collections.defaultdict(Fraction)
     known: dict[str, bool] = collections.defaultdict(lambda: True)
     order: list[str] = []
     seen: set[str] = set()
@@ -192,12 +205,16 @@ def _multipliers(comps: dict[str, list[str]], entry: str) -> tuple[dict[str, int
         order.append(c)
 
     visit(entry)
-    mult[entry] = 1
+    mult[entry] = Fraction(1)
     for c in reversed(order):
         for callee, factor, ok in calls.get(c, ()):
-            mult[callee] += mult[c] * factor
+            mult[callee] += mult[c] * factor * weights.get(callee, 1)
             known[callee] = known[callee] and known[c] and ok
-    return mult, known
+    return {c: _number(n) for c, n in mult.items()}, known
+
+
+def _number(x: Fraction) -> int | float:
+    return int(x) if x.denominator == 1 else float(x)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,7 +227,8 @@ class Instruction:
     opcode: str
     args: str  # the text after "opcode(": operands, then attributes
     is_root: bool
-    count: int  # executions per program run (0: unreachable from the entry)
+    count: int | float  # executions per program run (0: unreachable from the entry; a
+    # float only where HloModule.counted splits a conditional's executions between branches)
     trip_counts_known: bool
     # "top": runs as its own operation; "fused": inside a fusion (one kernel with its
     # fusion instruction); "applied": in a reducer / comparator applied per element.
@@ -262,6 +280,23 @@ class HloModule:
     by_name: dict[str, Instruction]
     roots: dict[str, Instruction]  # computation -> its ROOT instruction
     num_partitions: int
+    calls: dict = dataclasses.field(default_factory=dict, repr=False)  # _call_graph
+    entry: str = ""
+
+    def counted(self, weights: dict[str, Fraction] | None = None,
+                root: str | None = None) -> HloModule:
+        """This module with its execution counts recomputed. `weights`: conditional branch
+        computations -> the fraction of their conditional's executions that take them (the
+        default walk runs every branch every time, which over-counts a branch a schedule
+        takes on some ticks only); `root`: counts per execution of that computation instead
+        of per program run (what it does not reach counts 0)."""
+        mult, known = _multipliers(self.calls, root or self.entry, weights)
+        out = [dataclasses.replace(i, count=mult.get(i.computation, 0),
+                                   trip_counts_known=known[i.computation])
+               for i in self.instructions]
+        by_name = {i.name: i for i in out}
+        return HloModule(out, by_name, {c: by_name[r.name] for c, r in self.roots.items()},
+                         self.num_partitions, self.calls, self.entry)
 
     def instruction(self, ref: str) -> Instruction | None:
         """The instruction an operand reference ("name" or "name#i") points into."""
@@ -313,7 +348,8 @@ def parse_module(program) -> HloModule:
     comps, entry = _parse(text)
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
-    mult, known = _multipliers(comps, entry)
+    calls = _call_graph(comps)
+    mult, known = _multipliers(calls, entry)
     ctx = _contexts(comps)
     out, roots = [], {}
     for comp, lines in comps.items():
@@ -326,7 +362,7 @@ def parse_module(program) -> HloModule:
                 if ins.is_root:
                     roots[comp] = ins
     n_part = int(m.group(1)) if (m := _PARTITIONS.search(text)) else 1
-    return HloModule(out, {i.name: i for i in out}, roots, n_part)
+    return HloModule(out, {i.name: i for i in out}, roots, n_part, calls, entry)
 
 
 def _narrowed_source(module: HloModule, operand: str) -> str | None:

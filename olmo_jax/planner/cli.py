@@ -1,10 +1,7 @@
 """What `python -m olmo_jax.plan` runs once its flags are read: start JAX on n fake CPU
 devices, compile the config's step (and, with --compare-strategies, its ddp + EP and fsdp
-variants), build the plans and render them.
-
-A config whose pipeline axis the trainer's step cannot run yet (`parallel.pipe > 1`
-refused by `build_plan`) is planned with the pipeline axis folded into `data` on the same
-devices, and the output says so in capitals.
+variants), build the plans and render them. A pipelined config (parallel.pipe > 1) is
+compiled as the trainer runs it: its schedule, stages and stage-to-stage sends.
 """
 
 from __future__ import annotations
@@ -16,8 +13,7 @@ import jax
 import ml_collections
 
 from olmo_jax.model.config import ConfigError
-from olmo_jax.parallel import zero
-from olmo_jax.planner import extrapolate, hardware, report
+from olmo_jax.planner import hardware, report
 from olmo_jax.planner.compile import compile_train_step
 
 
@@ -32,52 +28,25 @@ def start_devices(n: int) -> list:
     return devices
 
 
-def fold_pipe(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """The config with parallel.pipe folded into parallel.data (same device count)."""
-    out = copy.deepcopy(cfg)
-    p = out.parallel
-    if p.data != -1:
-        p.data *= p.pipe
-    p.pipe = 1
-    return out
-
-
-def _compile(cfg, devices):
-    """(compiled step, notes, folded pipe size or 1): with the pipe axis folded into data
-    when the step cannot run pipeline stages."""
-    try:
-        return compile_train_step(cfg, devices), [], 1
-    except ConfigError as e:
-        if not (cfg.parallel.pipe > 1 and str(e).startswith("parallel.pipe=")):
-            raise
-        pipe = cfg.parallel.pipe
-        step = compile_train_step(fold_pipe(cfg), devices)
-    compute = jax.tree.map(lambda x, lay: jax.sharding.NamedSharding(step.plan.mesh, lay.compute),
-                           step.state.params, step.plan.layouts,
-                           is_leaf=lambda x: isinstance(x, zero.ParamLayout))
-    weights = zero.per_device_bytes(step.state.params, compute)
-    notes = [
-        f"PIPELINE NOT AVAILABLE: this trainer's step cannot run parallel.pipe={pipe} yet, so "
-        f"this is the config with the pipe axis folded into data (mesh "
-        f"{dict(step.plan.mesh.shape)}), on the same {step.n_devices} devices.",
-        f"With pipe={pipe} each device would run 1/{pipe} of the blocks on {pipe}x the "
-        f"tokens: the float32 weights gathered for compute, {weights / 1e9:,.1f} GB per "
-        f"device here, would be ~{weights / pipe / 1e9:,.1f} GB; the EXTRAPOLATED section at "
-        f"the end estimates the pipelined run from this plan.",
-    ]
-    return step, notes, pipe
-
-
 def comparison_variants(cfg) -> list[tuple[str, dict]]:
     """(label, config changes): ddp + expert parallelism, fsdp as configured, and fsdp with
     capacity buffers (the same batched expert matmul as rowwise dispatch: XLA:CPU's
     dropless layout gathers each block's expert weights, which a GPU's grouped GEMM does
-    not, so this variant isolates what the strategy itself costs)."""
-    cf = cfg.parallel.capacity_factor
-    return [(f"ddp + EP ({cfg.parallel.dispatch})", {"parallel.strategy": "ddp"}),
-            ("fsdp", {"parallel.strategy": "fsdp"}),
-            (f"fsdp, capacity {cf}", {"parallel.strategy": "fsdp",
-                                       "model.moe.capacity_factor": cf})]
+    not, so this variant isolates what the strategy itself costs). fsdp runs no pipeline:
+    with parallel.pipe > 1 its variants fold the pipe axis into data on the same devices
+    and the pipeline's microbatches into gradient accumulation (same microbatch size)."""
+    p = cfg.parallel
+    cf = p.capacity_factor
+    fsdp = {"parallel.strategy": "fsdp"}
+    label = "fsdp"
+    if p.pipe > 1:
+        fsdp.update({"parallel.pipe": 1, "parallel.data": p.data * p.pipe if p.data > 0 else -1,
+                     "parallel.microbatches": 1, "parallel.virtual_stages": 1,
+                     "trainer.grad_accum": cfg.trainer.grad_accum * p.microbatches})
+        label = "fsdp, pipe into data"
+    return [(f"ddp + EP ({p.dispatch})", {"parallel.strategy": "ddp"}),
+            (label, fsdp),
+            (f"{label}, capacity {cf}", {**fsdp, "model.moe.capacity_factor": cf})]
 
 
 def _same(cfg, changes: dict) -> bool:
@@ -99,31 +68,19 @@ def _variant(cfg, devices, changes: dict):
         for part in path:
             node = node[part]
         node[last] = value
-    step, _, _ = _compile(variant, devices)
-    return (step,)
+    return compile_train_step(variant, devices)
 
 
 def run(cfg: ml_collections.ConfigDict, n_devices: int, kind: str, compare: bool,
         config_path: str = "") -> dict:
     devices = start_devices(n_devices)
     spec = hardware.device_spec(kind, n_devices)
-    step, notes, pipe = _compile(cfg, devices)
-    plan = report.build(step, spec, notes=notes)
+    plan = report.build(compile_train_step(cfg, devices), spec)
     text = [report.format_plan(plan, config_path)]
     out = {"plan": plan.to_json()}
-    if pipe > 1:
-        est = extrapolate.estimate(plan, pipe, spec)
-        text.append(extrapolate.format_estimate(est))
-        out["pipeline_extrapolation"] = {
-            "mesh": est.mesh, "step_s": est.projection.step_s,
-            "overlapped_s": est.projection.overlapped_s, "link_s": est.projection.link_s,
-            "tokens_per_s_per_device": est.projection.tokens_per_s(),
-            "mfu": est.projection.mfu(), "mfu_overlapped": est.projection.mfu(True),
-            "bubble": est.bubble, "microbatches": est.microbatches,
-            "peak_bytes": est.peak_bytes, "p2p_bytes": est.p2p_bytes}
     if compare:
         plans = [dataclasses.replace(plan, label=label) if _same(cfg, changes)
-                 else report.build(*_variant(cfg, devices, changes), spec, label=label)
+                 else report.build(_variant(cfg, devices, changes), spec, label=label)
                  for label, changes in comparison_variants(cfg)]
         text.append(report.format_comparison(plans))
         out["compare"] = [p.to_json() for p in plans]

@@ -8,6 +8,9 @@ caller passes (the planner's fake CPU devices), so the program is XLA:CPU's.
 XLA writes its buffer assignment and live ranges into a dump folder (compile option
 `xla_dump_to`), which memory.py reads for the buffers live at the peak. The backend is
 compiled at optimization level 0: the same HLO, buffers and collectives, less LLVM time.
+
+A pipelined step's module is counted with each pipeline branch run as often as the
+schedule runs it, averaged over the stages (pipeline.branch_weights).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from olmo_jax.model import TransformerConfig
 from olmo_jax.optim import build_optimizer
 from olmo_jax.parallel import comms
 from olmo_jax.parallel.strategy import ParallelPlan, build_plan
-from olmo_jax.planner import memory
+from olmo_jax.planner import memory, pipeline
 from olmo_jax.trainer.state import TrainState, abstract_train_state
 from olmo_jax.trainer.step import make_train_step
 
@@ -38,7 +41,7 @@ class CompiledStep:
     model_cfg: TransformerConfig
     plan: ParallelPlan
     compiled: jax.stages.Compiled
-    module: comms.HloModule
+    module: comms.HloModule  # pipeline branches counted per the schedule (module docstring)
     state: TrainState  # of ShapeDtypeStructs with their shardings
     shardings: TrainState
     batch: jax.ShapeDtypeStruct
@@ -72,9 +75,9 @@ def compile_train_step(cfg: ml_collections.ConfigDict, devices) -> CompiledStep:
     shardings = plan.state_shardings(abstract, tx)
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                          abstract, shardings)
-    batch = jax.ShapeDtypeStruct(
-        (t.grad_accum, t.global_batch_size // t.grad_accum, t.seq_len + 1), jnp.int32,
-        sharding=plan.batch_sharding())
+    rows = t.grad_accum * plan.microbatches  # as plan.place_batch lays a batch out
+    batch = jax.ShapeDtypeStruct((rows, t.global_batch_size // rows, t.seq_len + 1), jnp.int32,
+                                 sharding=plan.batch_sharding())
     step = plan.jit_train_step(
         make_train_step(graphdef, model_cfg, tx, schedule, t.grad_accum, parallel=plan,
                         expert_ranks=plan.mesh.shape["expert"]),
@@ -87,5 +90,8 @@ def compile_train_step(cfg: ml_collections.ConfigDict, devices) -> CompiledStep:
         path = memory.live_range_file(Path(dump))
         live_range = path.read_text() if path else ""
     t2 = time.perf_counter()
-    return CompiledStep(cfg, model_cfg, plan, compiled, comms.parse_module(compiled), state,
-                        shardings, batch, t1 - t0, t2 - t1, live_range)
+    module = comms.parse_module(compiled)
+    if plan.pipeline is not None:
+        module = module.counted(pipeline.branch_weights(module, plan.pipeline.schedule))
+    return CompiledStep(cfg, model_cfg, plan, compiled, module, state, shardings, batch,
+                        t1 - t0, t2 - t1, live_range)

@@ -99,7 +99,7 @@ class OpCost:
     """One operation that runs on its own (a fusion with everything fused into it)."""
 
     scope: str
-    count: int  # executions per program run
+    count: int | float  # executions per program run (mean over pipeline stages)
     dot_flops: float  # per execution
     bytes: float  # per execution
     collective: bool

@@ -44,20 +44,28 @@ def argument_bytes(state, shardings, batch) -> dict[str, int]:
            for part in ("params", "opt_state", "model_state")}
     out["step, rng"] = zero.per_device_bytes((state.step, state.rng),
                                              (shardings.step, shardings.rng))
+    out["guard"] = zero.per_device_bytes(state.guard, shardings.guard)  # trainer/guard.py
     out["batch"] = int(math.prod(batch.sharding.shard_shape(batch.shape))
                        * np.dtype(batch.dtype).itemsize)
     return out
 
 
 def param_shapes(params, plan) -> dict[tuple[int, ...], str]:
-    """Per-device shapes of the parameters (as computed with and as stored) -> the names of
-    the parameters with that shape ("a/b/{c,d}" when several share it)."""
+    """Per-device shapes of the parameters (as computed with and as stored; a pipeline
+    stage's MoE-block weights also as its [V * c] chunk rows) -> the names of the
+    parameters with that shape ("a/b/{c,d}" when several share it)."""
     names: dict[tuple[int, ...], list[str]] = collections.defaultdict(list)
     leaves = jax.tree_util.tree_leaves_with_path(params)
     layouts = jax.tree.leaves(plan.layouts, is_leaf=lambda x: isinstance(x, zero.ParamLayout))
+    rows = None
+    if plan.pipeline is not None:
+        rows = plan.pipeline.chunks.virtual * plan.pipeline.chunks.slots
     for (path, x), lay in zip(leaves, layouts, strict=True):
-        for spec in (lay.storage, lay.compute):
-            shape = tuple(NamedSharding(plan.mesh, spec).shard_shape(x.shape))
+        shapes = [tuple(NamedSharding(plan.mesh, spec).shard_shape(x.shape))
+                  for spec in (lay.storage, lay.compute)]
+        if rows is not None and getattr(lay, "stage", False):
+            shapes.append((rows,) + shapes[1][1:])
+        for shape in shapes:
             if zero.path_name(path) not in names[shape]:
                 names[shape].append(zero.path_name(path))
     out = {}

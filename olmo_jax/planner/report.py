@@ -3,7 +3,9 @@ term), memory per device, collectives per step and the projected step time, as o
 `Plan` (numbers) and its text rendering; and several plans side by side.
 
 Per-token HLO figures are per-device program FLOPs x devices / tokens per step (every
-device runs the same program on its share of the batch).
+device runs the same program on its share of the batch). In a pipelined step the stages
+take different branches of that program: per-device figures are the mean over the stages
+(planner/pipeline.py), and the projected step adds the schedule's idle time.
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ import dataclasses
 
 from olmo_jax import metrics
 from olmo_jax.kernels import resolve_gmm_impl
+from olmo_jax.model.attention import query_chunks
 from olmo_jax.model.moe.dispatch import blocked_rows
 from olmo_jax.model.moe.layer import block_size, expert_capacity
 from olmo_jax.parallel import comms
 from olmo_jax.parallel.expert import slots_per_expert
 from olmo_jax.parallel.mesh import batch_shards
-from olmo_jax.planner import hardware, hlo_cost, memory, roofline
+from olmo_jax.planner import hardware, hlo_cost, memory, pipeline, roofline
 from olmo_jax.planner.compile import CompiledStep
 
 TERMS = {  # formula term -> label
@@ -59,14 +62,16 @@ class Plan:
     peak: list[memory.PeakGroup]
     projection: roofline.Projection
     notes: list[str]
+    pipeline: pipeline.PipelineCost | None = None  # parallel.pipe > 1
+    layer_factor: dict[str, float] = dataclasses.field(default_factory=dict)  # layer_factors
 
     @property
     def matmul_ratio(self) -> float:
-        """HLO / formula for the parameter matmuls, the routed experts' buffer padding
-        taken out (the number that should be 1)."""
-        pad = self.buffer_factor or 1.0
-        hlo = sum(self.hlo.get(t, 0.0) for t in PARAM_TERMS) - self.hlo["routed_experts"]
-        hlo += self.hlo["routed_experts"] / pad
+        """HLO / formula for the parameter matmuls, the routed experts' buffer padding and
+        a pipeline's padding layers taken out (the number that should be 1)."""
+        expect = {t: self.layer_factor.get(t, 1.0) for t in PARAM_TERMS}
+        expect["routed_experts"] *= self.buffer_factor or 1.0
+        hlo = sum(self.hlo.get(t, 0.0) / expect[t] for t in PARAM_TERMS)
         return hlo / sum(self.formula[t] for t in PARAM_TERMS)
 
     def to_json(self) -> dict:
@@ -78,6 +83,7 @@ class Plan:
             "flops_per_token_formula": self.formula, "flops_per_token_hlo": self.hlo,
             "flops_per_token_recomputed": self.recomputed,
             "matmul_ratio": self.matmul_ratio, "buffer_factor": self.buffer_factor,
+            "layer_factor": self.layer_factor,
             "xla_flops_once": self.xla_flops_once, "walk_flops_once": self.walk_flops_once,
             "argument_bytes": mem.argument_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes,
             "argument_parts": self.args, "peak_bytes": self.peak_bytes,
@@ -91,6 +97,7 @@ class Plan:
             "tokens_per_s_per_device_overlapped": p.tokens_per_s(True),
             "mfu_overlapped": p.mfu(True), "lower_s": s.lower_s, "compile_s": s.compile_s,
             "notes": self.notes,
+            "pipeline": self.pipeline.to_json() if self.pipeline is not None else None,
         }
 
 
@@ -103,7 +110,7 @@ def expert_buffer_factor(step: CompiledStep) -> tuple[float | None, str]:
     """Rows the compiled expert matmuls run over, per routed (token, choice) row, from the
     dispatcher's own sizing functions, and what sets it."""
     m, plan, t = step.model_cfg.moe, step.plan, step.cfg.trainer
-    S = t.global_batch_size // t.grad_accum // batch_shards(plan.mesh) * t.seq_len
+    S = t.global_batch_size // (t.grad_accum * plan.microbatches) // batch_shards(plan.mesh) * t.seq_len
     E, k, N = m.num_experts, m.top_k, S * m.top_k
     ep = plan.mesh.shape["expert"]
     impl = resolve_gmm_impl(m.gmm_impl, step.model_cfg.compute_dtype)
@@ -130,6 +137,20 @@ def expert_buffer_factor(step: CompiledStep) -> tuple[float | None, str]:
     return None, f"gmm_impl={impl} (on CPU ragged_dot expands to a dense product over experts)"
 
 
+def layer_factors(step: CompiledStep) -> dict[str, float]:
+    """Compiled / formula factors of the layer terms from a pipeline's padding layers: its
+    K chunks run c layer slots each, K x c >= the MoE blocks (the extra slots are masked
+    identity layers, computed and discarded). Empty without padding."""
+    p, c = step.plan.pipeline, step.model_cfg
+    if p is None or p.chunks.chunks * p.chunks.slots == c.n_moe_layers:
+        return {}
+    slots = p.chunks.chunks * p.chunks.slots
+    moe = slots / c.n_moe_layers
+    attention = (c.n_dense_layers + slots) / c.n_layers
+    return {"attention_proj": attention, "attention_scores": attention, "router": moe,
+            "routed_experts": moe, "shared_experts": moe}
+
+
 def build(step: CompiledStep, spec: hardware.DeviceSpec, label: str = "",
           notes: list[str] | None = None) -> Plan:
     n, tokens = step.n_devices, tokens_per_step(step)
@@ -146,25 +167,37 @@ def build(step: CompiledStep, spec: hardware.DeviceSpec, label: str = "",
     ca = ca[0] if isinstance(ca, list) else ca
     factor, note = expert_buffer_factor(step)
     colls = [c for c in comms.collectives(step.module) if c.group_size > 1]  # 1: no traffic
-    links = [roofline.LinkUse(c.kind, c.jax_bytes, c.count, c.group_size, c.axes)
-             for c in colls]
-    dtype = step.cfg.model.dtype
+    dtype, mesh = step.cfg.model.dtype, dict(step.plan.mesh.shape)
     model_flops = metrics.flops_per_token(step.model_cfg, step.cfg.trainer.seq_len) * tokens / n
-    proj = roofline.project(cost.ops, links, spec, dtype, dict(step.plan.mesh.shape),
-                            tokens / n, model_flops)
+    pipe = None
+    if step.plan.pipeline is not None:
+        pipe = pipeline.cost(step.module, step.plan.pipeline.schedule, step.plan.grad_accum,
+                             spec, dtype, mesh)
+    proj = roofline.project(cost.ops, roofline.link_uses(colls), spec, dtype, mesh, tokens / n,
+                            model_flops, pipe.bubble_s if pipe else 0.0,
+                            pipe.bubble_overlapped_s if pipe else 0.0)
     shapes = memory.param_shapes(step.state.params, step.plan)
     peak_bytes, peak = memory.peak_groups(step.live_range, step.module, shapes)
     return Plan(step, spec, label or f"{step.plan.strategy} + {step.plan.dispatch}", formula,
                 hlo, recomputed, cost, float(ca.get("flops", 0.0)),
                 hlo_cost.program_cost(step.module, loops_once=True).flops, factor, note, colls,
                 memory.argument_bytes(step.state, step.shardings, step.batch), peak_bytes, peak,
-                proj, list(notes or []))
+                proj, list(notes or []), pipe, layer_factors(step))
 
 
 # ---- text ------------------------------------------------------------------------------
 
 def _g(x: float, unit: float = 1e9) -> str:
     return f"{x / unit:,.3f}"
+
+
+def _secs(x: float) -> str:
+    return f"{x * 1e3:,.1f} ms" if x >= 1e-3 else f"{x * 1e6:,.1f} us"
+
+
+def _runs(x: float) -> str:
+    """An execution count: whole, or to 2 decimals (a mean over pipeline stages)."""
+    return f"{x:,.0f}" if float(x).is_integer() else f"{x:,.2f}"
 
 
 def _bytes(x: float) -> str:
@@ -196,8 +229,11 @@ def _reference(plan: Plan) -> str | None:
 def _scores_note(plan: Plan, seq: int) -> str:
     """Why the compiled score FLOPs differ: the formula counts the causal triangle,
     s(s+1)/2 of the s^2 entries, and 6 score matmuls (2 forward, 4 backward)."""
-    note = (f"(entries computed / causal) x (matmuls / 6): masked blocks above the diagonal "
-            f"are computed (all of them: x{2 * seq / (seq + 1):.2f}); the backward recomputes "
+    n = query_chunks(seq)  # chunk i computes keys up to its end: (n + 1) / 2n of s^2
+    blocks = (f"{n} query chunks skip the blocks above the diagonal, the rest is computed"
+              if n > 1 else "masked entries above the diagonal are computed")
+    note = (f"(entries computed / causal) x (matmuls / 6): {blocks} "
+            f"(x{(n + 1) * seq / (n * (seq + 1)):.2f}); the backward recomputes "
             "QK^T from the saved log-sum-exp (7 matmuls: x1.17)")
     if plan.step.cfg.model.remat != "none":
         note += (f"; model.remat={plan.step.cfg.model.remat} reruns the forward's where XLA:CPU's "
@@ -218,6 +254,12 @@ def _flops_section(plan: Plan) -> list[str]:
                           + (f", {plan.buffer_factor:.3f}x the routed rows"
                              if plan.buffer_factor else ""),
     }
+    if plan.layer_factor:
+        ch = plan.step.plan.pipeline.chunks
+        pad = (f"pipeline padding layers: {ch.chunks} chunks x {ch.slots} slots for "
+               f"{ch.n_layers} MoE blocks")
+        for term, f in plan.layer_factor.items():
+            why[term] = "; ".join(w for w in (f"{pad}: x{f:.3f}", why.get(term)) if w)
     for term, label in TERMS.items():
         f, h = plan.formula[term], plan.hlo[term]
         ratio = f"{h / f:7.3f}" if f else f"{'-':>7}"
@@ -234,7 +276,8 @@ def _flops_section(plan: Plan) -> list[str]:
     per_token = plan.step.n_devices / tokens_per_step(plan.step)
     ew = sum(plan.cost.other_flops.values()) * per_token
     lines += [
-        f"  matmul part (parameter matmuls, expert buffer padding taken out): compiled / "
+        f"  matmul part (parameter matmuls, expert buffer and pipeline layer padding taken "
+        f"out): compiled / "
         f"formula = {plan.matmul_ratio:.4f}",
         f"  not in the formula: elementwise ops and reductions {_g(ew, unit)} {name}/token "
         f"({ew / ft:.1%} of the formula), transcendentals "
@@ -287,13 +330,32 @@ def _collectives_section(plan: Plan) -> list[str]:
         group = int(r["axes"].rsplit(" ", 1)[-1]) if not axes else 0
         link = "nvlink" if hardware.intra_node(mesh, axes, group, plan.spec) else "network"
         lines.append(f"  {r['kind']:<18} {r['purpose']:<13} {r['phase']:<5} {r['axes']:<13} "
-                     f"{link:<7} {r['executions']:>6} {r['jax_bytes_per_device'] / 1e6:>12,.1f}")
+                     f"{link:<7} {_runs(r['executions']):>6} "
+                     f"{r['jax_bytes_per_device'] / 1e6:>12,.1f}")
     total = sum(c.jax_bytes_per_run for c in plan.colls)
     lines.append(f"  {'total':<66} {total / 1e6:>12,.1f}")
     if widened:
         lines.append(f"  (XLA:CPU sends bf16 collectives as f32: the compiled CPU program moves "
                      f"{comms.total_bytes(plan.colls) / 1e6:,.1f} MB)")
     return lines
+
+
+def _bubble_lines(plan: Plan) -> list[str]:
+    pc = plan.pipeline
+    if pc is None:
+        return []
+    virtual = f" x {pc.virtual} virtual" if pc.virtual > 1 else ""
+    order = list(pipeline.ROLES.values())
+    ops = "; ".join(f"{label} {_secs(pc.op_s[label])}"
+                    for label in sorted(pc.op_s, key=order.index))
+    return [
+        f"  bubble       {pc.bubble_s:8.3f} s   {pc.kind}, {pc.stages} stages{virtual}, "
+        f"{pc.microbatches} microbatches: {pc.ticks} ticks x {pc.passes} pass(es), "
+        f"{pc.table_bubble:.1%} of the table's cells idle; priced with each op's roofline "
+        f"(ticks in lockstep, each as long as its slowest op) a stage idles {pc.bubble:.1%} "
+        f"of the {pc.schedule_s:,.3f} s schedule",
+        f"               one op (roofline + its collectives): {ops}",
+    ]
 
 
 def _projection_section(plan: Plan) -> list[str]:
@@ -310,6 +372,7 @@ def _projection_section(plan: Plan) -> list[str]:
         "score matrices, on chip in a GPU kernel, and XLA:CPU's own converts and copies)",
         f"  collectives  {p.links_s:8.3f} s   NVLink {p.link_s['nvlink']:.3f} s, network "
         f"{p.link_s['network']:.3f} s (ring bus bytes, one after another)",
+        *_bubble_lines(plan),
         f"  step         {p.step_s:8.3f} s   nothing overlapped: {p.tokens_per_s():,.0f} "
         f"tokens/s/device, {p.model_flops_per_device / p.step_s / 1e12:,.0f} TFLOP/s, "
         f"MFU {p.mfu():.1%}",
@@ -338,9 +401,15 @@ def format_plan(plan: Plan, config_path: str = "") -> str:
         f"  model       {c.n_layers} blocks ({c.n_dense_layers} dense), d_model {c.d_model}, "
         f"{c.n_heads}/{c.kv_heads} heads of {c.head_size}, {c.moe.num_experts} experts top-"
         f"{c.moe.top_k} + {c.moe.n_shared_experts} shared; {t.global_batch_size} x {t.seq_len} "
-        f"tokens per step in {t.grad_accum} microbatch(es)",
+        f"tokens per step in {t.grad_accum} microbatch(es)"
+        + (f" x {s.plan.microbatches} pipeline microbatches" if s.plan.pipeline else ""),
         f"  parameters  {total / 1e9:,.3f} B total, {active / 1e9:,.3f} B active per token",
     ]
+    if plan.pipeline is not None:
+        head.append(f"  pipeline    the stages run different branches of the program: FLOPs, bytes "
+                    f"and collective runs per device are the mean over the {mesh['pipe']} stages "
+                    "(each branch counted as often as the schedule table runs it); memory is the "
+                    "program's, the same on every device")
     head += [f"  note        {n}" for n in plan.notes]
     sections = [head, _flops_section(plan), _memory_section(plan),
                 _collectives_section(plan), _projection_section(plan)]

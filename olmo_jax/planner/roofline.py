@@ -8,7 +8,8 @@ plus the collectives on the links, and the tokens/s and MFU that follow.
   links      sum over collectives of bus bytes / link bandwidth (hardware.link_seconds),
              one after another
   step       roofline + links (nothing overlapped: an upper bound on the step time);
-             `overlapped` = max(roofline, links) is the lower bound
+             `overlapped` = max(roofline, links) is the lower bound; a pipelined step
+             adds the time its stages idle in the schedule (planner/pipeline.py)
   MFU        model FLOPs per device (OLMo-core's formula) / step time / peak
 
 Left out of the HBM term: the attention core's bytes (XLA:CPU materializes the [T, S]
@@ -34,7 +35,7 @@ class LinkUse:
 
     kind: str
     bytes: float  # per execution, per device (at the JAX program's dtype)
-    count: int
+    count: int | float
     group_size: int
     axes: tuple[str, ...]
 
@@ -48,6 +49,8 @@ class Projection:
     tokens_per_device: float  # per step
     model_flops_per_device: float  # per step, OLMo-core's formula
     peak_flops: float  # of the compute dtype
+    bubble_s: float = 0.0  # pipeline: idle time in the schedule (nothing overlapped)
+    bubble_overlapped_s: float = 0.0  # the same with collectives overlapped
 
     @property
     def links_s(self) -> float:
@@ -55,11 +58,11 @@ class Projection:
 
     @property
     def step_s(self) -> float:
-        return self.roofline_s + self.links_s
+        return self.roofline_s + self.links_s + self.bubble_s
 
     @property
     def overlapped_s(self) -> float:
-        return max(self.roofline_s, self.links_s)
+        return max(self.roofline_s, self.links_s) + self.bubble_overlapped_s
 
     def tokens_per_s(self, overlapped: bool = False) -> float:
         return self.tokens_per_device / (self.overlapped_s if overlapped else self.step_s)
@@ -83,9 +86,16 @@ def hbm_bytes(op: OpCost) -> float:
     return op.bytes
 
 
+def link_uses(colls) -> list[LinkUse]:
+    """The collectives (comms.Collective) that move data: a group of one sends nothing."""
+    return [LinkUse(c.kind, c.jax_bytes, c.count, c.group_size, c.axes)
+            for c in colls if c.group_size > 1]
+
+
 def project(ops: list[OpCost], links: list[LinkUse], spec: DeviceSpec, dtype: str,
             mesh_shape: dict[str, int], tokens_per_device: float,
-            model_flops_per_device: float) -> Projection:
+            model_flops_per_device: float, bubble_s: float = 0.0,
+            bubble_overlapped_s: float = 0.0) -> Projection:
     compute = roofline = hbm = 0.0
     for op in ops:
         c, r = op_seconds(op, spec, dtype)
@@ -98,4 +108,4 @@ def project(ops: list[OpCost], links: list[LinkUse], spec: DeviceSpec, dtype: st
         link_s["nvlink" if intra else "network"] += c.count * link_seconds(
             c.kind, c.bytes, c.group_size, intra, spec)
     return Projection(compute, roofline, hbm, link_s, tokens_per_device,
-                      model_flops_per_device, spec.peak(dtype))
+                      model_flops_per_device, spec.peak(dtype), bubble_s, bubble_overlapped_s)

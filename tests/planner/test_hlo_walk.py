@@ -117,3 +117,56 @@ def test_widened_collective_is_reported_at_the_jax_dtype(module):
     assert a2a.group_size == 2
     assert a2a.bytes == 8 * 16 * 4 and a2a.jax_bytes == 8 * 16 * 2 and a2a.widened
     assert a2a.jax_bytes_per_run == 3 * 8 * 16 * 2
+
+
+COND_MODULE = """HloModule c, num_partitions=1
+
+%taken (a: f32[8,8]) -> f32[8,8] {
+  %a = f32[8,8]{1,0} parameter(0)
+  ROOT %d = f32[8,8]{1,0} dot(%a, %a), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%skipped (b: f32[8,8]) -> f32[8,8] {
+  ROOT %b = f32[8,8]{1,0} parameter(0)
+}
+
+%body (p: (s32[], f32[8,8])) -> (s32[], f32[8,8]) {
+  %p = (s32[], f32[8,8]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[8,8]{1,0} get-tuple-element(%p), index=1
+  %y = f32[8,8]{1,0} conditional(%i, %x, %x), branch_computations={%skipped, %taken}
+  ROOT %t = (s32[], f32[8,8]{1,0}) tuple(%i, %y)
+}
+
+%cond (q: (s32[], f32[8,8])) -> pred[] {
+  %q = (s32[], f32[8,8]{1,0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (x0: f32[8,8]) -> (s32[], f32[8,8]) {
+  %x0 = f32[8,8]{1,0} parameter(0)
+  %z = s32[] constant(0)
+  %init = (s32[], f32[8,8]{1,0}) tuple(%z, %x0)
+  ROOT %w = (s32[], f32[8,8]{1,0}) while(%init), condition=%cond, body=%body, TRIP12
+}
+""".replace("TRIP12", 'backend_config={"known_trip_count":{"n":"12"}}')
+
+
+def test_counted_splits_a_conditionals_runs_between_its_branches():
+    from fractions import Fraction
+
+    module = comms.parse_module(COND_MODULE)
+    one_dot = 2 * 8 * 8 * 8
+    # Default: every branch runs every time the conditional does (12 loop iterations).
+    assert module.by_name["d"].count == 12 and module.by_name["b"].count == 12
+    assert hlo_cost.program_cost(module).total_dot_flops == 12 * one_dot
+    # A schedule that takes the branch on 5 of the 12 iterations.
+    counted = module.counted({"taken": Fraction(5, 12), "skipped": Fraction(7, 12)})
+    assert counted.by_name["d"].count == 5 and counted.by_name["b"].count == 7
+    assert counted.by_name["y"].count == 12  # the loop body itself is unchanged
+    assert hlo_cost.program_cost(counted).total_dot_flops == 5 * one_dot
+    assert counted.counted({"taken": Fraction(1, 8)}).by_name["d"].count == 1.5  # a mean
+    # Per run of one branch: only what it reaches counts.
+    rooted = module.counted(root="taken")
+    assert rooted.by_name["d"].count == 1 and rooted.by_name["y"].count == 0
+    assert hlo_cost.program_cost(rooted).total_dot_flops == one_dot

@@ -1,7 +1,8 @@
 """`python -m olmo_jax.plan` end to end on a small config and 4 fake devices, with
 --compare-strategies: every section printed, the JSON's numbers consistent with the
 model (parameter counts, formula FLOPs, matmul part within 5%) and the strategies
-(fsdp moves parameters, ddp + EP tokens); bad flags are refused with the fix named."""
+(fsdp moves parameters, ddp + EP tokens); bad flags are refused with the fix named; a
+pipelined config's fsdp variants fold the pipeline into data."""
 
 import json
 import os
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from olmo_jax import metrics
 from olmo_jax.config import default_config, model_config
-from olmo_jax.planner.cli import fold_pipe
+from olmo_jax.planner.cli import comparison_variants
 
 ROOT = Path(__file__).resolve().parents[2]
 OVERRIDES = ["--config.model.d_model=32", "--config.model.n_layers=2",
@@ -67,10 +68,16 @@ def test_plan_cli_refuses_bad_flags():
     assert proc.returncode == 2 and "parallel.expert" in proc.stderr
 
 
-def test_fold_pipe_keeps_the_device_count():
+def test_fsdp_variants_of_a_pipelined_config_fold_the_pipeline():
     cfg = default_config()
     cfg.parallel.pipe, cfg.parallel.data, cfg.parallel.expert = 4, 2, 8
-    folded = fold_pipe(cfg)
-    assert (folded.parallel.pipe, folded.parallel.data, folded.parallel.expert) == (1, 8, 8)
+    cfg.parallel.microbatches, cfg.trainer.grad_accum = 8, 2
+    (_, ddp), (label, fsdp), (_, capacity) = comparison_variants(cfg)
+    assert ddp == {"parallel.strategy": "ddp"} and label == "fsdp, pipe into data"
+    assert fsdp["parallel.pipe"] == 1 and fsdp["parallel.data"] == 8  # same 64 devices
+    assert fsdp["parallel.microbatches"] == 1 and fsdp["trainer.grad_accum"] == 16
+    assert capacity == fsdp | {"model.moe.capacity_factor": cfg.parallel.capacity_factor}
     cfg.parallel.data = -1
-    assert fold_pipe(cfg).parallel.data == -1 and cfg.parallel.pipe == 4
+    assert comparison_variants(cfg)[1][1]["parallel.data"] == -1
+    cfg.parallel.pipe = 1
+    assert comparison_variants(cfg)[1] == ("fsdp", {"parallel.strategy": "fsdp"})

@@ -17,8 +17,11 @@ At every tick a device reads its stage's row of the schedule table (schedule.py)
 and then sends its latest forward output to stage s + 1 and its latest input cotangent
 to stage s - 1; arrivals go into the inbox slots the table names. FWD and BWD each sit in
 a `lax.cond`: a device runs only its own op, and all devices of one stage take the same
-branch, so the collectives inside stay matched. Buffers have the sizes the table needs:
-for 1F1B about P microbatches whatever M is; for GPipe all M.
+branch, so the collectives inside stay matched. The conds sit in named scopes (pipe_fwd,
+pipe_bwd; pipe_first for chunk 0's prologue, pipe_last for the head) that the planner
+reads to count each branch as often as the schedule runs it (olmo_jax/planner/pipeline.py).
+Buffers have the sizes the table needs: for 1F1B about P microbatches whatever M is; for
+GPipe all M.
 
 Router statistics travel with the activations: a RouterStats buffer with a row per MoE
 block that every chunk fills in; the last chunk computes the losses from the whole buffer
@@ -318,8 +321,9 @@ def make_grad_fn(schedule: sched_lib.Schedule, chunks: Chunking, graphdef, cfg: 
                 x0, res = prologue_vjp(m)
                 return _write(bufs, cell[col["prologue"]], res), x0, _zeros(stats_shape)
 
-            pro_buf, x0, stats_in = jax.lax.cond(
-                k == 0, first, lambda bufs: (bufs, x_in, stats_in), carry.prologue)
+            with jax.named_scope("pipe_first"):
+                pro_buf, x0, stats_in = jax.lax.cond(
+                    k == 0, first, lambda bufs: (bufs, x_in, stats_in), carry.prologue)
             y, stats_c, res = body_vjp(x0, m, v)
             stash = _write(carry.stash, cell[col["stash"]], res)
             stats_out = prog.stats_write(stats_in, stats_c, k)
@@ -336,8 +340,10 @@ def make_grad_fn(schedule: sched_lib.Schedule, chunks: Chunking, graphdef, cfg: 
                 parts = jax.tree.map(jnp.add, parts, _vary(parts_m, (PIPE,)))
                 return bwd_in, g_head, parts
 
-            bwd_in, g_head, parts = jax.lax.cond(
-                k == K - 1, head, lambda state: state, (carry.bwd_in, carry.g_head, carry.parts))
+            with jax.named_scope("pipe_last"):
+                bwd_in, g_head, parts = jax.lax.cond(
+                    k == K - 1, head, lambda state: state,
+                    (carry.bwd_in, carry.g_head, carry.parts))
             return carry._replace(stash=stash, prologue=pro_buf, bwd_in=bwd_in, g_head=g_head,
                                   parts=parts, out_fwd=_vary((y, stats_out)))
 
@@ -359,15 +365,18 @@ def make_grad_fn(schedule: sched_lib.Schedule, chunks: Chunking, graphdef, cfg: 
                 (d_pro,) = pro_vjp(dx)
                 return jax.tree.map(jnp.add, g_pro, d_pro)
 
-            g_pro = jax.lax.cond(k == 0, first, lambda g: g, carry.g_prologue)
+            with jax.named_scope("pipe_first"):
+                g_pro = jax.lax.cond(k == 0, first, lambda g: g, carry.g_prologue)
             return carry._replace(g_stage=g_stage, g_prologue=g_pro,
                                   out_bwd=_vary((dx, prog.stats_clear(dstats_out, k))))
 
         def tick(carry: _Carry, row):
             cell = row[prog.s]
             op = cell[col["op"]]
-            carry = jax.lax.cond(op == sched_lib.FWD, fwd, lambda cr, _: cr, carry, cell)
-            carry = jax.lax.cond(op == sched_lib.BWD, bwd, lambda cr, _: cr, carry, cell)
+            with jax.named_scope("pipe_fwd"):
+                carry = jax.lax.cond(op == sched_lib.FWD, fwd, lambda cr, _: cr, carry, cell)
+            with jax.named_scope("pipe_bwd"):
+                carry = jax.lax.cond(op == sched_lib.BWD, bwd, lambda cr, _: cr, carry, cell)
             with jax.named_scope("pipe_send"):
                 arrived_f = jax.lax.ppermute(carry.out_fwd, PIPE, _ring(P, 1))
                 arrived_b = jax.lax.ppermute(carry.out_bwd, PIPE, _ring(P, -1))
