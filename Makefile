@@ -8,6 +8,8 @@ ORACLE_PY := $(ORACLE)/bin/python
 CONFIG ?= configs/tiny.py
 ARGS ?=
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist; whole files per process, so a module compiles its programs once).
+TEST_WORKERS ?= 2
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
 .PHONY: train test venv oracle chromium lint clean
@@ -51,7 +53,7 @@ chromium:
 	fi
 
 test: venv oracle chromium
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: venv
 	$(PY) -m ruff check olmo_jax tests tools configs

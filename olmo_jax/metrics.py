@@ -75,16 +75,19 @@ def param_counts(cfg: TransformerConfig) -> tuple[int, int]:
 @functools.cache
 def measured_cpu_peak(n: int = 1024, repeats: int = 8) -> float:
     """Dense float32 matmul FLOP/s of one CPU device, measured once (best of `repeats`)."""
-    cpu = jax.devices("cpu")[0]
-    a = jax.device_put(jnp.ones((n, n), jnp.float32), cpu)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
+    a = jax.device_put(jnp.ones((n, n), jnp.float32), jax.devices("cpu")[0])
+    return 2 * n**3 / best_seconds(jax.jit(lambda x: x @ x), a, repeats)
+
+
+def best_seconds(f, x, repeats: int) -> float:
+    """The fastest of `repeats` timed calls f(x) (after one untimed warm-up call)."""
+    f(x).block_until_ready()
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
-        f(a).block_until_ready()
+        f(x).block_until_ready()
         best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
+    return best
 
 
 def device_kind() -> str:

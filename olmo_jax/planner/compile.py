@@ -75,8 +75,7 @@ def compile_train_step(cfg: ml_collections.ConfigDict, devices) -> CompiledStep:
     shardings = plan.state_shardings(abstract, tx)
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                          abstract, shardings)
-    rows = t.grad_accum * plan.microbatches  # as plan.place_batch lays a batch out
-    batch = jax.ShapeDtypeStruct((rows, t.global_batch_size // rows, t.seq_len + 1), jnp.int32,
+    batch = jax.ShapeDtypeStruct(plan.batch_shape(t.global_batch_size, t.seq_len), jnp.int32,
                                  sharding=plan.batch_sharding())
     step = plan.jit_train_step(
         make_train_step(graphdef, model_cfg, tx, schedule, t.grad_accum, parallel=plan,

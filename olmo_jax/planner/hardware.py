@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 
 from olmo_jax import metrics
 
@@ -79,16 +78,10 @@ def measured_cpu_bandwidth(n_bytes: int = 1 << 28, repeats: int = 5) -> float:
     import jax
     import jax.numpy as jnp
 
-    cpu = jax.devices("cpu")[0]
-    a = jax.device_put(jnp.ones((n_bytes // 4,), jnp.float32), cpu)
-    f = jax.jit(lambda x: x + 1.0)
-    f(a).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f(a).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return 2 * n_bytes / best
+    from olmo_jax.metrics import best_seconds
+
+    a = jax.device_put(jnp.ones((n_bytes // 4,), jnp.float32), jax.devices("cpu")[0])
+    return 2 * n_bytes / best_seconds(jax.jit(lambda x: x + 1.0), a, repeats)
 
 
 def device_spec(kind: str, n_devices: int = 1) -> DeviceSpec:

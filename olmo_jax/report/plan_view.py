@@ -8,7 +8,9 @@ only regroups the plan's JSON (`Plan.to_json()`, what `python -m olmo_jax.plan -
 writes) into what the page draws: the argument bytes by part of the train state, the
 buffers live at the peak (XLA's buffer live ranges) by what they hold, the compiled
 memory analysis, and `comms.summary` rows of the compiled collectives. Every device runs
-the same SPMD program, so one device's numbers are every device's.
+the same SPMD program, so its memory is every device's; with a pipeline the stages take
+different branches of it, and the planner gives the collectives' runs and bytes as the
+mean over the stages.
 """
 
 from __future__ import annotations
@@ -75,8 +77,10 @@ def collectives_data(pj: dict) -> dict:
     return {"rows": rows, "total": pj["collective_jax_bytes"],
             "note": (f"Bytes every collective of one training step moves per device (loop bodies x "
                      f"trip counts, at the JAX program's dtypes), from the compiled step: "
-                     f"{len(rows)} kinds, {sum(r['executions'] for r in pj['collectives'])} runs. "
-                     f"fwd / bwd: in the forward or backward pass; step: once per step."),
+                     f"{len(rows)} kinds, {sum(r['executions'] for r in pj['collectives']):g} runs. "
+                     f"fwd / bwd: in the forward or backward pass; step: once per step."
+                     + (" Pipelined: the stages run different branches, so runs and bytes are the "
+                        "mean over the stages." if pj.get("pipeline") else "")),
             "table": {"head": ["collective", "purpose", "phase", "axes", "runs", "bytes / device"],
                       "rows": [[r["kind"], r["purpose"], r["phase"], r["axes"], r["executions"],
                                 r["jax_bytes_per_device"]] for r in pj["collectives"]],

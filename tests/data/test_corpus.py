@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import platform
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -41,11 +40,9 @@ def test_corpus_build_is_deterministic_and_race_safe(corpus_path: Path, tmp_path
     assert raced[0].read_bytes() == corpus_path.read_bytes()
 
 
-def test_corpus_cache_hit_is_fast_and_does_not_rewrite(corpus_path: Path):
+def test_corpus_cache_hit_does_not_rewrite(corpus_path: Path):
     modified_ns = corpus_path.stat().st_mtime_ns
-    start = time.perf_counter()
     assert stdlib_corpus(corpus_path.parent) == corpus_path
-    assert time.perf_counter() - start < 2.0
     assert corpus_path.stat().st_mtime_ns == modified_ns
 
 

@@ -1,8 +1,6 @@
 """The decoder: logical axis names on every parameter, dense-first and shared-expert
 options, scan over layers (compile time flat in depth), remat options equal numerics."""
 
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -84,24 +82,24 @@ def test_remat_gives_equal_loss_and_grads(remat):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g_other, g_base)
 
 
-def _compile_seconds(n_layers):
+def _compiled_instructions(n_layers) -> int:
+    """Instructions in the optimized HLO of the model's gradient at `n_layers` blocks."""
     cfg = small_cfg(n_layers=n_layers)
     graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)
 
     def loss(p, tokens):
         return jnp.mean(nnx.merge(graphdef, p)(tokens).logits_BTV)
 
-    fn = jax.jit(jax.grad(loss))
-    t = time.perf_counter()
-    fn.lower(params, jnp.zeros((2, 16), jnp.int32)).compile()
-    return time.perf_counter() - t
+    text = jax.jit(jax.grad(loss)).lower(params, jnp.zeros((2, 16), jnp.int32)).compile().as_text()
+    return sum(1 for line in text.splitlines() if " = " in line)
 
 
-def test_compile_time_does_not_grow_with_depth():
-    _compile_seconds(2)  # warm up tracing caches
-    t2 = min(_compile_seconds(2) for _ in range(2))
-    t8 = min(_compile_seconds(8) for _ in range(2))
-    assert t8 < 1.5 * t2 + 0.2, f"compile 2 layers {t2:.2f}s vs 8 layers {t8:.2f}s"
+def test_compiled_program_does_not_grow_with_depth():
+    """The blocks run under one lax.scan: 8 blocks compile to the program of 2 (the stacked
+    weights' leading dimension aside; unrolled it would be ~4x), so compile time is flat in
+    depth."""
+    n2, n8 = _compiled_instructions(2), _compiled_instructions(8)
+    assert abs(n8 - n2) <= 0.01 * n2, f"HLO instructions: 2 layers {n2}, 8 layers {n8}"
 
 
 @pytest.mark.parametrize(
