@@ -77,7 +77,7 @@ def collectives_data(pj: dict) -> dict:
     return {"rows": rows, "total": pj["collective_jax_bytes"],
             "note": (f"Bytes every collective of one training step moves per device (loop bodies x "
                      f"trip counts, at the JAX program's dtypes), from the compiled step: "
-                     f"{len(rows)} kinds, {sum(r['executions'] for r in pj['collectives']):g} runs. "
+                     f"{len(rows)} kinds, {round(sum(r['executions'] for r in pj['collectives']), 1):,} runs. "
                      f"fwd / bwd: in the forward or backward pass; step: once per step."
                      + (" Pipelined: the stages run different branches, so runs and bytes are the "
                         "mean over the stages." if pj.get("pipeline") else "")),
