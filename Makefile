@@ -5,6 +5,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 ORACLE := .venv-oracle
 ORACLE_PY := $(ORACLE)/bin/python
+GPU_VENV := .venv-gpu
+GPU_PY := $(GPU_VENV)/bin/python
 CONFIG ?= configs/tiny.py
 ARGS ?=
 PYTEST_ARGS ?=
@@ -12,7 +14,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
-.PHONY: train test venv oracle chromium lint clean
+.PHONY: train test venv oracle gpu-venv chromium lint clean
 
 venv: $(VENV)/.installed
 
@@ -35,6 +37,22 @@ $(ORACLE)/.installed: tools/oracle-requirements.txt
 	$(ORACLE_PY) -m pip install -q -r tools/oracle-requirements.txt
 	@touch $@
 
+# XLA:GPU without a GPU (tests/gpu: the training step compiled for abstract H200/B300s):
+# the project plus the few CUDA wheels a compile needs (tools/gpu-requirements.txt).
+gpu-venv: $(GPU_VENV)/.installed
+
+$(GPU_VENV)/.installed: pyproject.toml tools/gpu-requirements.txt
+	@set -e; if [ ! -x $(GPU_PY) ]; then \
+	  py=$$(tools/find_python.sh); echo "creating $(GPU_VENV) with $$py"; \
+	  $$py -m venv $(GPU_VENV); fi
+	$(GPU_PY) -m pip install -q --upgrade pip
+	$(GPU_PY) -m pip install -q -e '.[dev]' -c tools/gpu-requirements.txt
+	$(GPU_PY) -m pip install -q --no-deps -r tools/gpu-requirements.txt
+	@# cuDNN's execution engines only run kernels: a compile loads libcudnn.so.9 and libcudnn_graph.so.9.
+	@d=$$($(GPU_PY) -c 'import nvidia.cudnn; print(list(nvidia.cudnn.__path__)[0])') && \
+	  find $$d/lib -name 'libcudnn_*.so*' ! -name 'libcudnn_graph.so*' -delete && rm -rf $$d/include
+	@touch $@
+
 train: venv
 	XLA_FLAGS= $(PY) -m olmo_jax.train --config=$(CONFIG) $(ARGS)
 
@@ -52,11 +70,15 @@ chromium:
 	  fi; \
 	fi
 
+# The suite in .venv (CPU), then the GPU compile matrix in .venv-gpu (tests/gpu/README.md).
 test: venv oracle chromium
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	@$(MAKE) --no-print-directory gpu-venv || { echo "error: $(GPU_VENV) could not be installed" \
+	  "(see pip's message above): tests/gpu cannot run" >&2; exit 1; }
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --ignore=tests/gpu $(PYTEST_ARGS)
+	$(GPU_PY) -m pytest -q -n $(TEST_WORKERS) tests/gpu
 
 lint: venv
 	$(PY) -m ruff check olmo_jax tests tools configs
 
 clean:
-	rm -rf $(VENV) $(ORACLE) runs .pytest_cache .artifacts
+	rm -rf $(VENV) $(ORACLE) $(GPU_VENV) runs .pytest_cache .artifacts
