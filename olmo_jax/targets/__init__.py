@@ -132,7 +132,11 @@ def topology(kind: str, n: int):
     except Exception as e:  # no plugin: jax raises several types, all naming "cuda"
         import importlib.util
 
-        if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+        try:
+            found = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+        except ModuleNotFoundError:  # no jax_plugins namespace at all
+            found = False
+        if not found:
             raise _plugin_missing() from e
         if "not implemented for cuda" in str(e):
             raise RuntimeError(
