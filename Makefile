@@ -70,7 +70,7 @@ chromium:
 	  fi; \
 	fi
 
-# The suite in .venv (CPU), then the GPU compile matrix in .venv-gpu (tests/gpu/README.md).
+# The suite in .venv (CPU), then tests/gpu in .venv-gpu (README: "Compiling for GPUs without one").
 test: venv oracle chromium
 	@$(MAKE) --no-print-directory gpu-venv || { echo "error: $(GPU_VENV) could not be installed" \
 	  "(see pip's message above): tests/gpu cannot run" >&2; exit 1; }
