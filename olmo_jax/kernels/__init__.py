@@ -12,7 +12,6 @@ Importing this package is cheap: the Pallas modules load when a kernel is first 
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from olmo_jax.kernels import platform

@@ -18,12 +18,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from olmo_jax.kernels.vma import cotangent_like
 from olmo_jax.model import mxfp8
 from olmo_jax.model.config import TransformerConfig
 from olmo_jax.model.norm import RMSNorm
 from olmo_jax.model.params import normal_param
 from olmo_jax.model.rope import apply_rope
-from olmo_jax.kernels.vma import cotangent_like
 
 
 def causal_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array) -> jax.Array:

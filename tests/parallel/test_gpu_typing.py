@@ -26,7 +26,6 @@ from olmo_jax.parallel.expert.ragged_a2a import ragged_all_to_all
 from olmo_jax.parallel.strategy import build_plan
 from olmo_jax.trainer.state import abstract_model
 from olmo_jax.trainer.step import make_train_step
-
 from tests.parallel.harness import batches, host_state, make_cfg
 
 EP = 4

@@ -1,8 +1,8 @@
 """`ragged_all_to_all` with jax.lax.ragged_all_to_all's exact semantics, on any platform.
 
 GPU and TPU run the primitive (chosen by the target platform: the mesh's devices, so a
-step lowered for abstract GPUs on a CPU host gets the primitive). CPU has none, so `emulated_ragged_all_to_all` reproduces
-it over a dense `all_to_all`, consuming the same (input_offsets, send_sizes,
+step lowered for abstract GPUs on a CPU host gets the primitive). CPU has none, so
+`emulated_ragged_all_to_all` reproduces it over a dense `all_to_all`, consuming the same (input_offsets, send_sizes,
 output_offsets, recv_sizes) the primitive would: each sender packs, for each peer, its
 slices for that peer back to back into an operand-sized slab (from input_offsets and
 send_sizes); the receiver learns where each slice lands from the all_to_all'ed
