@@ -2,13 +2,16 @@
 
 GPU and TPU run the primitive (chosen by the target platform: the mesh's devices, so a
 step lowered for abstract GPUs on a CPU host gets the primitive). CPU has none, so
-`emulated_ragged_all_to_all` reproduces it over a dense `all_to_all`, consuming the same (input_offsets, send_sizes,
-output_offsets, recv_sizes) the primitive would: each sender packs, for each peer, its
-slices for that peer back to back into an operand-sized slab (from input_offsets and
-send_sizes); the receiver learns where each slice lands from the all_to_all'ed
-output_offsets and cuts the received slab with recv_sizes, writing slice rows into
-`output`. Anything the offsets get wrong shows up in the result, which is what lets CPU
-tests prove them. The emulation moves ep times the operand (dense slabs); the primitive
+`emulated_ragged_all_to_all` reproduces it over a dense `all_to_all`, consuming the same
+(input_offsets, send_sizes, output_offsets, recv_sizes) the primitive would: each sender
+packs, for each peer, its slices for that peer back to back into an operand-sized slab
+(from input_offsets and send_sizes); the receiver learns where each slice lands from the
+all_to_all'ed output_offsets and cuts the received slab with recv_sizes; each row of
+`output` then gathers its source row (or keeps its value), so the emulation is linear
+and transposable like the primitive. It is typed like the primitive too: the caller's
+`output` must vary over the operand's mesh axes, on every path (`check_output_typing`).
+Anything the offsets get wrong shows up in the result, which is what lets CPU tests
+prove them. The emulation moves ep times the operand (dense slabs); the primitive
 moves only the slices.
 
 Semantics (jax docs): arrays of K = ep * q slices; slice i of the sender goes to rank
