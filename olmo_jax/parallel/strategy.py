@@ -32,6 +32,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from olmo_jax.kernels import platform, resolve_gmm_impl
+from olmo_jax.model.attention import resolve_attention_impl
 from olmo_jax.model.config import ConfigError, TransformerConfig
 from olmo_jax.parallel import expert as expert_lib
 from olmo_jax.parallel import mesh as mesh_lib
@@ -262,15 +263,16 @@ def check_model_fits(model_cfg: TransformerConfig, mesh: Mesh, strategy: str) ->
 
 
 def check_kernels(model_cfg: TransformerConfig, target: platform.Target) -> None:
-    """The expert GEMM implementation exists on the target (e.g. model.moe.gmm_impl=pallas
-    is Hopper only), checked when the plan is built rather than when the step is traced."""
-    if not model_cfg.n_moe_layers:
-        return
+    """The attention core and the expert GEMM implementation exist on the target (e.g.
+    model.moe.gmm_impl=pallas is Hopper only, model.attention_impl=cudnn GPU only), checked
+    when the plan is built rather than when the step is traced."""
     m = model_cfg.moe
     with platform.targeting(target):
         try:
-            resolve_gmm_impl(m.gmm_impl, model_cfg.compute_dtype, m.precision,
-                             (model_cfg.d_model, m.expert_hidden))
+            resolve_attention_impl(model_cfg.attention_impl, model_cfg.compute_dtype)
+            if model_cfg.n_moe_layers:
+                resolve_gmm_impl(m.gmm_impl, model_cfg.compute_dtype, m.precision,
+                                 (model_cfg.d_model, m.expert_hidden))
         except ValueError as e:
             raise ConfigError(str(e)) from e
 

@@ -79,3 +79,19 @@ def test_config_fields_are_validated():
         TransformerConfig(d_model=48, n_heads=3, attention_precision="mxfp8").validate()
     with pytest.raises(ConfigError, match="d_model=48 must be a multiple of 32"):
         TransformerConfig(d_model=48, n_heads=3, moe=MoEConfig(precision="mxfp8")).validate()
+
+
+def test_attention_impl_is_chosen_for_the_target():
+    from olmo_jax.model.attention import resolve_attention_impl
+
+    assert resolve_attention_impl("auto", jnp.bfloat16) == "xla"  # CPU
+    with _gpu((9, 0)):
+        assert resolve_attention_impl("auto", jnp.bfloat16) == "cudnn"
+        assert resolve_attention_impl("auto", jnp.float32) == "xla"
+        assert resolve_attention_impl("xla", jnp.bfloat16) == "xla"
+        with pytest.raises(ValueError, match="attention_impl=cudnn .* model.dtype is float32"):
+            resolve_attention_impl("cudnn", jnp.float32)
+    with pytest.raises(ValueError, match="attention_impl=cudnn .* the target is cpu"):
+        resolve_attention_impl("cudnn", jnp.bfloat16)
+    with pytest.raises(ConfigError, match="model.attention_impl='flash'"):
+        TransformerConfig(attention_impl="flash").validate()
