@@ -38,6 +38,7 @@ def default_config() -> ml_collections.ConfigDict:
     m.remat = "none"  # none | block | attention
     m.scan_unroll = 1  # blocks per layer-scan iteration; = n_layers unrolls fully
     m.attention_precision = "bf16"  # bf16 (= dtype) | mxfp8 (q/k/v/o projection GEMMs)
+    m.attention_impl = "auto"  # auto (cuDNN fused attention on a GPU in bf16/fp16) | cudnn | xla
     m.moe = e = ml_collections.ConfigDict()
     e.num_experts = 8
     e.top_k = 2

@@ -23,6 +23,7 @@ grad_accum x parallel.microbatches: every pipeline microbatch is such a row bloc
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -30,6 +31,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from olmo_jax.kernels import platform, resolve_gmm_impl
+from olmo_jax.model.attention import resolve_attention_impl
 from olmo_jax.model.config import ConfigError, TransformerConfig
 from olmo_jax.parallel import expert as expert_lib
 from olmo_jax.parallel import mesh as mesh_lib
@@ -51,6 +54,13 @@ class ParallelPlan:
     dispatcher: Callable | None  # the MoE layer's dispatcher (None = local_dispatch)
     layouts: object  # tree of zero.ParamLayout, the params' structure
     pipeline: Pipeline | None = None  # parallel.pipe > 1
+
+    @property
+    def target(self) -> platform.Target:
+        """The platform the steps are traced for: the mesh's devices (abstract GPUs in a
+        deviceless compile), not jax.default_backend(); inside platform.cross_lowering()
+        (a CPU host lowering for CUDA) an H100."""
+        return platform.cross_lowering_target() or platform.target_of(self.mesh.devices)
 
     @property
     def microbatches(self) -> int:
@@ -130,6 +140,18 @@ class ParallelPlan:
         )
 
     # ---- inside the shard_map --------------------------------------------------------
+    def _for_target(self, fn):
+        """fn traced with every platform choice (gmm_impl auto, native collectives, kernels)
+        made for the mesh's devices."""
+        target = self.target
+
+        @functools.wraps(fn)
+        def traced(*args):
+            with platform.targeting(target):
+                return fn(*args)
+
+        return traced
+
     def allsum(self, tree):
         """Sum over every device holding a different part of the batch."""
         with jax.named_scope("loss_allsum"):
@@ -159,6 +181,7 @@ class ParallelPlan:
         shard draws its randomness (router jitter, random routing) from `rng` folded with
         its index."""
 
+        @self._for_target
         def local(params, model_state, batch, rng):
             params = self._outer_gather(params)
             rng = jax.random.fold_in(rng, jax.lax.axis_index(BATCH_AXES))
@@ -179,6 +202,7 @@ class ParallelPlan:
     def shard_eval(self, eval_step):
         """eval_step(params, model_state, batch_BT1) -> replicated sums, on the mesh."""
 
+        @self._for_target
         def local(params, model_state, batch):
             return eval_step(self._outer_gather(params), model_state,
                              batch.reshape(-1, batch.shape[-1]))
@@ -238,6 +262,21 @@ def check_model_fits(model_cfg: TransformerConfig, mesh: Mesh, strategy: str) ->
         )
 
 
+def check_kernels(model_cfg: TransformerConfig, target: platform.Target) -> None:
+    """The attention core and the expert GEMM implementation exist on the target (e.g.
+    model.moe.gmm_impl=pallas is Hopper only, model.attention_impl=cudnn GPU only), checked
+    when the plan is built rather than when the step is traced."""
+    m = model_cfg.moe
+    with platform.targeting(target):
+        try:
+            resolve_attention_impl(model_cfg.attention_impl, model_cfg.compute_dtype)
+            if model_cfg.n_moe_layers:
+                resolve_gmm_impl(m.gmm_impl, model_cfg.compute_dtype, m.precision,
+                                 (model_cfg.d_model, m.expert_hidden))
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+
+
 def build_plan(cfg, model_cfg: TransformerConfig, abstract_params=None,
                devices=None) -> ParallelPlan:
     """The plan for config `cfg` (ConfigDict with `parallel` and `trainer`). Raises
@@ -251,6 +290,7 @@ def build_plan(cfg, model_cfg: TransformerConfig, abstract_params=None,
     if mesh.shape["pipe"] == 1:
         check_unpipelined(p)
     check_model_fits(model_cfg, mesh, p.strategy)
+    check_kernels(model_cfg, platform.target_of(mesh.devices))
     check_batch(cfg.trainer.global_batch_size, mesh, cfg.trainer.grad_accum,
                 microbatches=p.microbatches)
     ep = mesh.shape["expert"]

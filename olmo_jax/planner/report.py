@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from olmo_jax import metrics
-from olmo_jax.kernels import resolve_gmm_impl
+from olmo_jax.kernels import platform, resolve_gmm_impl
 from olmo_jax.model.attention import query_chunks
 from olmo_jax.model.moe.dispatch import blocked_rows
 from olmo_jax.model.moe.layer import block_size, expert_capacity
@@ -113,7 +113,9 @@ def expert_buffer_factor(step: CompiledStep) -> tuple[float | None, str]:
     S = t.global_batch_size // (t.grad_accum * plan.microbatches) // batch_shards(plan.mesh) * t.seq_len
     E, k, N = m.num_experts, m.top_k, S * m.top_k
     ep = plan.mesh.shape["expert"]
-    impl = resolve_gmm_impl(m.gmm_impl, step.model_cfg.compute_dtype)
+    with platform.targeting(plan.target):
+        impl = resolve_gmm_impl(m.gmm_impl, step.model_cfg.compute_dtype, m.precision,
+                                (step.model_cfg.d_model, m.expert_hidden))
     if not step.model_cfg.n_moe_layers:
         return None, "no MoE layers"
     if plan.dispatch == "rowwise":
