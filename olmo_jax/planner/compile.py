@@ -72,11 +72,12 @@ def model_config(cfg: ml_collections.ConfigDict) -> TransformerConfig:
     return config_lib.model_config(cfg, vocab)
 
 
-def compile_train_step(cfg: ml_collections.ConfigDict, devices, *,
-                       trainer_step: bool = False) -> CompiledStep:
+def compile_train_step(cfg: ml_collections.ConfigDict, devices, *, trainer_step: bool = False,
+                       options: dict | None = None) -> CompiledStep:
     """Lowers and compiles `cfg`'s train step for a mesh over `devices`: the planner's
     (unguarded, XLA:CPU at optimisation level 0 with its buffer dump), or with
-    `trainer_step` the trainer's exact program (module docstring)."""
+    `trainer_step` the trainer's exact program (module docstring), compiled with XLA
+    `options` (None: the backend's defaults, as the trainer compiles)."""
     config_lib.validate(cfg)
     t0 = time.perf_counter()
     model_cfg = model_config(cfg)
@@ -99,8 +100,9 @@ def compile_train_step(cfg: ml_collections.ConfigDict, devices, *,
     lowered = step.lower(state, batch)
     t1 = time.perf_counter()
     if trainer_step:
-        compiled, live_range = lowered.compile(), ""
+        compiled, live_range = lowered.compile(options), ""
     else:
+        assert options is None, "options are for trainer_step compiles"
         with tempfile.TemporaryDirectory(prefix="olmo_jax_plan_") as dump:
             compiled = lowered.compile({"xla_backend_optimization_level": 0, "xla_dump_to": dump,
                                         "xla_dump_hlo_module_re": ".*train_step.*"})
