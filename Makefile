@@ -10,6 +10,7 @@ GPU_PY := $(GPU_VENV)/bin/python
 CONFIG ?= configs/tiny.py
 ARGS ?=
 PYTEST_ARGS ?=
+GPU_PYTEST_ARGS ?= tests/gpu
 # Test processes (pytest-xdist; whole files per process, so a module compiles its programs once).
 TEST_WORKERS ?= 2
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
@@ -75,7 +76,7 @@ test: venv oracle chromium
 	@$(MAKE) --no-print-directory gpu-venv || { echo "error: $(GPU_VENV) could not be installed" \
 	  "(see pip's message above): tests/gpu cannot run" >&2; exit 1; }
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --ignore=tests/gpu $(PYTEST_ARGS)
-	$(GPU_PY) -m pytest -q -n $(TEST_WORKERS) tests/gpu
+	$(GPU_PY) -m pytest -q -n $(TEST_WORKERS) $(GPU_PYTEST_ARGS)
 
 lint: venv
 	$(PY) -m ruff check olmo_jax tests tools configs
