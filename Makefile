@@ -5,6 +5,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 ORACLE := .venv-oracle
 ORACLE_PY := $(ORACLE)/bin/python
+# jax 0.11.2 (the lent GPU image's jax): the kernel, model and parallel tests run there too.
+J11 := .venv-jax011
+J11_PY := $(J11)/bin/python
+J11_TESTS ?= tests/kernels tests/model tests/parallel tests/tools tests/trainer/test_image_packages.py
 CONFIG ?= configs/tiny.py
 ARGS ?=
 PYTEST_ARGS ?=
@@ -12,7 +16,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
-.PHONY: train test venv oracle chromium lint clean
+.PHONY: train test venv oracle jax011 chromium lint clean
 
 venv: $(VENV)/.installed
 
@@ -35,6 +39,18 @@ $(ORACLE)/.installed: tools/oracle-requirements.txt
 	$(ORACLE_PY) -m pip install -q -r tools/oracle-requirements.txt
 	@touch $@
 
+# olmo_jax on jax 0.11.2 with the flax/optax/orbax/chex of its day (tools/jax011-requirements.txt).
+jax011: $(J11)/.installed
+
+$(J11)/.installed: tools/jax011-requirements.txt pyproject.toml
+	@set -e; if [ ! -x $(J11_PY) ]; then \
+	  py=$$(tools/find_python.sh --jax011); echo "creating $(J11) with $$py"; \
+	  $$py -m venv $(J11); fi
+	$(J11_PY) -m pip install -q --upgrade pip
+	$(J11_PY) -m pip install -q -r tools/jax011-requirements.txt
+	$(J11_PY) -m pip install -q --no-deps -e .
+	@touch $@
+
 train: venv
 	XLA_FLAGS= $(PY) -m olmo_jax.train --config=$(CONFIG) $(ARGS)
 
@@ -52,11 +68,13 @@ chromium:
 	  fi; \
 	fi
 
-test: venv oracle chromium
+test: venv oracle chromium jax011
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	@if [ -n "$(strip $(J11_TESTS))" ]; then echo "jax 0.11.2 ($(J11)): $(J11_TESTS)"; \
+	  $(J11_PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(J11_TESTS); fi
 
 lint: venv
 	$(PY) -m ruff check olmo_jax tests tools configs
 
 clean:
-	rm -rf $(VENV) $(ORACLE) runs .pytest_cache .artifacts
+	rm -rf $(VENV) $(ORACLE) $(J11) runs .pytest_cache .artifacts
