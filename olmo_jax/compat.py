@@ -14,15 +14,12 @@ Everything else olmo_jax uses exists in 0.11.2 with the same meaning: `jax.shard
 `jax.typeof`, `jax.lax.pcast`, `jax.reshard`, `jax.lax.ragged_all_to_all`,
 `jax.nn.scaled_matmul`, `jax.experimental.topologies`, `plgpu.kernel` / `load` /
 `layout_cast` / `emit_pipeline` / `nd_loop` / `wgmma` / `InterpretGPUParams`.
-(flax must be >= 0.12.10 with jax 0.11.2: flax 0.12.9 and older use the
-`jax.experimental.hijax.HiPrimitive` name, `HiPrim` since jax 0.11.2.)
+(flax must be >= 0.12.10 with jax 0.11.2: flax 0.12.9 and older subclass
+`jax.experimental.hijax.HiPrimitive`, which jax 0.11.2 names `HiPrim`, so `from flax
+import nnx` fails.)
 """
 
 from __future__ import annotations
-
-import jax
-
-JAX_VERSION: tuple[int, int, int] = tuple(int(p) for p in jax.__version__.split(".")[:3])  # type: ignore[assignment]
 
 
 def gpu_store(ref, value) -> None:
