@@ -26,7 +26,7 @@ from olmo_jax.distributed.watchdog import EXIT_PEER_LOST, Watchdog
 from olmo_jax.model.config import ConfigError
 
 __all__ = [
-    "EXIT_PEER_LOST", "Launch", "detect", "finish", "initialize", "is_main", "place_batch",
+    "EXIT_PEER_LOST", "Launch", "await_lost_peer", "detect", "finish", "initialize", "is_main", "place_batch",
     "report_error", "set_hint",
 ]
 
@@ -80,6 +80,14 @@ def finish() -> None:
     """This process ended its run normally (no effect in a single process)."""
     if _watchdog is not None:
         _watchdog.finish()
+
+
+def await_lost_peer() -> None:
+    """After a runtime error in a multi-process run: when it came from a collective whose
+    peer died, exit with EXIT_PEER_LOST and the watchdog's message (within
+    trainer.peer_timeout_s); else return (no effect in a single process)."""
+    if _watchdog is not None:
+        _watchdog.await_verdict()
 
 
 def report_error(message: str, code: int) -> int:
