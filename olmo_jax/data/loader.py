@@ -5,12 +5,13 @@
   a window never crosses a file boundary, and a file's last `< seq_len` tokens are unused.
 - `split_windows`: the deterministic train / held-out split of window ids.
 - `BatchLoader`: batches addressed by global step. The windows of one split form an
-  endless stream, epoch after epoch, each epoch a permutation drawn from
-  `default_rng([seed, epoch])`; the batch of step s is stream positions
+  endless stream, epoch after epoch, each epoch a permutation (grain's shuffle, seeded by
+  seed and epoch: pipeline.py); the batch of step s is stream positions
   `[s * B, (s + 1) * B)`. Epochs wrap: a batch may end one epoch and start the next, no
   window is dropped, and each is seen once per epoch. So `batch(step)` depends only on
   (data, seed, B, step): not on call order, process count or mesh, and each process can
-  read only its `rows` of the global batch.
+  read only its `rows` of the global batch. `BatchLoader.stream(rows)` yields those rows
+  step after step, read ahead by grain, with a checkpointable iterator state.
 - `build_data`: the factory from the `data` config section.
 """
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ import numpy as np
 
 from olmo_jax.data.corpus import CORPUS_DTYPE, stdlib_corpus
 from olmo_jax.data.errors import DataError
+from olmo_jax.data.pipeline import BatchStream, window_order
 from olmo_jax.data.token_file import TokenFile, dtype_for_vocab, token_dtype
 from olmo_jax.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
@@ -120,7 +122,7 @@ class BatchLoader:
                 f"than one global batch of {global_batch_size}; lower seq_len or the global "
                 "batch size, or add token files to data.paths"
             )
-        self._permutations: dict[int, np.ndarray] = {}
+        self._order = window_order(self.window_ids, seed)  # position -> window id (grain)
 
     @property
     def n_windows(self) -> int:
@@ -139,28 +141,19 @@ class BatchLoader:
         """The epoch that the first row of `step`'s batch belongs to."""
         return step * self.global_batch_size // self.n_windows
 
-    def _permutation(self, epoch: int) -> np.ndarray:
-        permutation = self._permutations.get(epoch)
-        if permutation is None:
-            permutation = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
-            if len(self._permutations) >= 2:  # a batch spans at most two epochs (n >= B)
-                self._permutations.pop(next(iter(self._permutations)), None)
-            self._permutations[epoch] = permutation
-        return permutation
-
     def batch(self, step: int, rows: slice | None = None) -> np.ndarray:
         """Rows `rows` (default all) of step `step`'s global batch, int32 [rows, seq_len + 1]."""
         if step < 0:
             raise IndexError(f"step {step} must be non-negative")
         row_ids = np.arange(self.global_batch_size)[rows if rows is not None else slice(None)]
         positions_R = step * self.global_batch_size + row_ids
-        epochs_R, offsets_R = np.divmod(positions_R, self.n_windows)
-        window_ids_R = np.empty_like(positions_R)
-        for epoch in np.unique(epochs_R):
-            in_epoch = epochs_R == epoch
-            permutation = self._permutation(int(epoch))
-            window_ids_R[in_epoch] = self.window_ids[permutation[offsets_R[in_epoch]]]
-        return self.windows.read(window_ids_R)
+        return self.windows.read([self._order[int(p)] for p in positions_R])
+
+    def stream(self, rows: np.ndarray | None = None, prefetch: int = 0) -> BatchStream:
+        """Rows `rows` (default all) of the batches from `self.step` on, read ahead
+        `prefetch` batches by grain on its own thread (pipeline.py)."""
+        rows = np.arange(self.global_batch_size) if rows is None else rows
+        return BatchStream(self, rows, prefetch)
 
     def iterate(
         self, start_step: int | None = None, rows: slice | None = None
@@ -205,13 +198,31 @@ class BatchLoader:
 
 @dataclass(frozen=True)
 class Data:
-    """What `build_data` returns. `eval` is None when data.eval_fraction is 0."""
+    """What `build_data` returns. `eval` (the default split) is None when
+    data.eval_fraction is 0; `eval_sets` are the named sets of data.eval_sets."""
 
     train: BatchLoader
     eval: BatchLoader | None
     tokenizer: Tokenizer
     vocab_size: int
     windows: TokenWindows
+    eval_sets: dict[str, BatchLoader] = field(default_factory=dict)
+
+    def describe_eval(self) -> str:
+        """What evaluation reads, for the startup banner."""
+        parts = []
+        if self.eval is not None:
+            n, total = self.eval.n_windows, len(self.windows)
+            parts.append(
+                f"eval_loss on the default split: {n} of the {total} training-file windows "
+                f"({100 * n / total:.1f}%, data.eval_fraction; a fixed draw, seed {SPLIT_SEED}), "
+                "held out of training")
+        else:
+            parts.append("no default split (data.eval_fraction=0)")
+        for name, loader in self.eval_sets.items():
+            files = ", ".join(str(f.path) for f in loader.windows.files)
+            parts.append(f"eval/{name}/loss on {loader.n_windows} windows of {files}")
+        return "; ".join(parts)
 
 
 def default_cache_dir() -> Path:
@@ -238,10 +249,7 @@ def build_data(
     `tokenizer` ('' | 'bytes' | path to tokenizer.json), `vocab_size` (0: the tokenizer's
     padded vocabulary), `eval_fraction` (default 0.01; at least one global batch is held
     out, 0 disables eval) and `dtype` ('' from the vocabulary, 'uint16', 'uint32')."""
-    paths = _field(data_cfg, "paths", ())
-    if isinstance(paths, str):  # the config's form: comma-separated paths
-        paths = [p.strip() for p in paths.split(",") if p.strip()]
-    paths = [paths] if isinstance(paths, Path) else list(paths)
+    paths = _paths(_field(data_cfg, "paths", ()))
     tokenizer_spec = str(_field(data_cfg, "tokenizer", ""))
     tokenizer = load_tokenizer(tokenizer_spec)
     vocab_size = int(_field(data_cfg, "vocab_size", 0)) or tokenizer.padded_vocab_size
@@ -270,14 +278,8 @@ def build_data(
         files = [TokenFile(corpus_path, CORPUS_DTYPE, vocab_size)]
     else:
         dtype = token_dtype(dtype_name) if dtype_name else dtype_for_vocab(vocab_size)
-        for i, path in enumerate(paths):
-            if not Path(path).expanduser().is_file():
-                raise DataError(
-                    f"data.paths[{i}]: token file {path} does not exist; make one from text "
-                    "files with `python tools/tokenize_files.py INPUTS -o OUTPUT` (or leave "
-                    "data.paths empty for the embedded stdlib corpus)"
-                )
-        files = [TokenFile(Path(path).expanduser(), dtype, vocab_size) for path in paths]
+        files = _token_files(paths, "data.paths", dtype, vocab_size,
+                             " (or leave data.paths empty for the embedded stdlib corpus)")
 
     windows = TokenWindows(files, seq_len)
     n_batches_needed = 2 if eval_fraction > 0 else 1  # train, and eval when enabled
@@ -303,10 +305,65 @@ def build_data(
     eval_loader = None
     if len(eval_ids):
         eval_loader = BatchLoader(windows, eval_ids, global_batch_size, SPLIT_SEED)
+    dtype = token_dtype(dtype_name) if dtype_name else dtype_for_vocab(vocab_size)
+    eval_sets = {
+        name: _eval_set(name, set_paths, seq_len, global_batch_size, dtype, vocab_size)
+        for name, set_paths in _mapping(_field(data_cfg, "eval_sets", {})).items()
+    }
     return Data(
         train=BatchLoader(windows, train_ids, global_batch_size, seed),
         eval=eval_loader,
         tokenizer=tokenizer,
         vocab_size=vocab_size,
         windows=windows,
+        eval_sets=eval_sets,
     )
+
+
+def _paths(paths: Any) -> list:
+    if isinstance(paths, str):  # the config's form: comma-separated paths
+        return [p.strip() for p in paths.split(",") if p.strip()]
+    return [paths] if isinstance(paths, Path) else list(paths)
+
+
+def _mapping(value: Any) -> dict:
+    if hasattr(value, "to_dict"):  # ml_collections.ConfigDict
+        value = value.to_dict()
+    if not isinstance(value, Mapping):
+        raise DataError(
+            f"data.eval_sets={value!r} must map names to token files, e.g. "
+            "{'wiki': '/data/wiki_val.npy'}")
+    return dict(value)
+
+
+def _token_files(paths: list, where: str, dtype: np.dtype, vocab_size: int,
+                 hint: str = "") -> list[TokenFile]:
+    for i, path in enumerate(paths):
+        if not Path(path).expanduser().is_file():
+            raise DataError(
+                f"{where}[{i}]: token file {path} does not exist; make one from text "
+                f"files with `python tools/tokenize_files.py INPUTS -o OUTPUT`{hint}"
+            )
+    return [TokenFile(Path(path).expanduser(), dtype, vocab_size) for path in paths]
+
+
+def _eval_set(name: str, paths: Any, seq_len: int, global_batch_size: int, dtype: np.dtype,
+              vocab_size: int) -> BatchLoader:
+    """A named eval set: every window of its files, in a fixed shuffled order (seed
+    SPLIT_SEED, like the default split), one global batch at a time."""
+    where = f"data.eval_sets.{name}"
+    if not name or not all(c.isalnum() or c in "_-." for c in name):
+        raise DataError(
+            f"data.eval_sets name {name!r} is logged as eval/<name>/loss: use letters, "
+            "digits, '_', '-' or '.'")
+    paths = _paths(paths)
+    if not paths:
+        raise DataError(f"{where} lists no token files; give it one or more, or remove it")
+    windows = TokenWindows(_token_files(paths, where, dtype, vocab_size), seq_len)
+    if len(windows) < global_batch_size:
+        raise DataError(
+            f"{where}: {windows.n_tokens} tokens give {len(windows)} windows of seq_len "
+            f"{seq_len} + 1 tokens, fewer than one global batch of {global_batch_size} "
+            "(evaluation runs whole global batches); add token files to it, or lower "
+            "seq_len or the global batch size")
+    return BatchLoader(windows, np.arange(len(windows)), global_batch_size, SPLIT_SEED)
