@@ -22,6 +22,8 @@ W&B run is continued by id (its id is kept in {run_dir}/wandb/run_id).
 from __future__ import annotations
 
 import json
+import secrets
+import string
 import time
 from pathlib import Path
 from typing import Protocol
@@ -127,6 +129,10 @@ class TensorBoardSink:
         self.writer.close()
 
 
+def _new_run_id() -> str:
+    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+
+
 class WandbSink:
     """One W&B run per run_dir (continued by id on resume), in {run_dir}/wandb."""
 
@@ -137,7 +143,7 @@ class WandbSink:
         root = Path(run_dir) / "wandb"
         root.mkdir(parents=True, exist_ok=True)
         id_file = root / "run_id"
-        run_id = id_file.read_text().strip() if resumed and id_file.is_file() else wandb.util.generate_id()
+        run_id = id_file.read_text().strip() if resumed and id_file.is_file() else _new_run_id()
         id_file.write_text(run_id)
         self._wandb = wandb
         self.run = wandb.init(
@@ -162,6 +168,7 @@ class WandbSink:
 
     def close(self) -> None:
         self.run.finish()
+        self._wandb.teardown()  # stops W&B's writer process: the run file is complete on disk
 
 
 class Sinks:
