@@ -37,8 +37,8 @@ from olmo_jax.trainer import run_dir as run_dir_lib
 from olmo_jax.trainer.logger import ProgressBar
 from olmo_jax.trainer.preemption import Preemption
 from olmo_jax.trainer.profiler import StepProfiler
-from olmo_jax.trainer.sinks import build_sinks
 from olmo_jax.trainer.sample import generate
+from olmo_jax.trainer.sinks import build_sinks
 from olmo_jax.trainer.state import abstract_model, abstract_train_state, init_state
 from olmo_jax.trainer.step import make_eval_step, make_train_step
 
