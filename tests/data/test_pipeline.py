@@ -117,3 +117,21 @@ def test_eval_set_errors_name_the_field(tmp_path: Path):
         build_data({"paths": paths, "eval_sets": {"a/b": paths[0]}}, 64, 8)
     with pytest.raises(DataError, match="data.eval_sets.empty lists no token files"):
         build_data({"paths": paths, "eval_sets": {"empty": ""}}, 64, 8)
+
+
+def test_checkpoints_hold_the_iterator_state_through_grains_handler(tmp_path: Path, windows):
+    from olmo_jax.checkpoint import manager as m
+
+    stream = BatchLoader(windows, np.arange(len(windows)), global_batch_size=4, seed=5).stream(prefetch=2)
+    for _ in range(3):
+        next(stream)
+    state = stream.get_state()
+    with m.Checkpoints(tmp_path / "ckpts") as ckpts:
+        ckpts.save(3, model={"w": np.zeros(2, np.float32)}, data_iter=state)
+        next(stream)  # the stream moves on while the save completes: the saved state stays
+        ckpts.save(4, model={"w": np.zeros(2, np.float32)})  # a checkpoint without one
+        ckpts.wait()
+        assert ckpts.read_iterator_state(3) == {"next_index": 3}
+        assert ckpts.read_iterator_state(4) is None
+    stream.close()
+    assert (tmp_path / "ckpts" / "3" / "data_iter" / "process_0-of-1.json").is_file()
