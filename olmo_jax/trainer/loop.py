@@ -202,14 +202,20 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
     counts_every = t_cfg.expert_counts_every
     profiler = StepProfiler(t_cfg.profile_steps, run_dir)
     stream, place_rows = None, None
-    if start < stop:
-        stream, place_rows = _train_stream(plan, data.train, t_cfg.seq_len, cfg.data.prefetch)
-        if checkpoints.iterator_state is not None:  # resumed: grain's saved iterator state
-            stream.set_state(checkpoints.iterator_state)
-            if stream.step != start:
-                raise CheckpointError(
-                    f"checkpoint step {start}: its data_iter state is at step {stream.step}")
-    sinks = build_sinks(cfg, run_dir, model_cfg.n_dense_layers, checkpoints.resumed_from, main)
+    try:
+        if start < stop:
+            stream, place_rows = _train_stream(plan, data.train, t_cfg.seq_len, cfg.data.prefetch)
+            if checkpoints.iterator_state is not None:  # resumed: grain's saved iterator state
+                stream.set_state(checkpoints.iterator_state)
+                if stream.step != start:
+                    raise CheckpointError(
+                        f"checkpoint step {start}: its data_iter state is at step {stream.step}")
+        sinks = build_sinks(cfg, run_dir, model_cfg.n_dense_layers, checkpoints.resumed_from, main)
+    except BaseException:
+        if stream is not None:
+            stream.close()
+        checkpoints.close()
+        raise
     distributed.set_hint(
         f"the checkpoints in {checkpoints.ckpts.directory} are kept: relaunch every process "
         "with the same command to resume from the last one")
