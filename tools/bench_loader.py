@@ -8,7 +8,8 @@ hand-written numpy loader it replaced (olmo_jax/data/loader.py at --baseline, re
 Prints, for each: random-access batches/s (`batch(step)`, what evaluation and multi-process
 placement call), the first batch (the numpy loader draws a whole epoch's permutation), and
 for grain's prefetched stream the time the consumer waits per step when each step computes
-for --step_ms (a stand-in for the train step running while the next batch is read)."""
+for --step_ms (a stand-in for the train step running while the next batch is read), and
+the CPU time the stream costs per step (its reader thread included)."""
 
 from __future__ import annotations
 
@@ -73,15 +74,17 @@ def main():
     for prefetch in (0, 2):
         stream = BatchLoader(data.windows, ids, t.global_batch_size, t.seed).stream(prefetch=prefetch)
         next(stream)
-        waits = []
+        waits, cpu0 = [], time.process_time()
         for _ in range(min(a.steps, 200)):
             t0 = time.perf_counter()
             next(stream)
             waits.append(time.perf_counter() - t0)
             time.sleep(a.step_ms / 1e3)  # the train step computing
+        cpu_ms = (time.process_time() - cpu0) / len(waits) * 1e3  # all threads of this process
         stream.close()
         print(f"grain stream, prefetch {prefetch}: the step waits {np.median(waits) * 1e3:6.3f} ms "
-              f"(median; mean {np.mean(waits) * 1e3:.3f}) for its batch with {a.step_ms:g} ms steps")
+              f"(median; mean {np.mean(waits) * 1e3:.3f}) for its batch with {a.step_ms:g} ms steps; "
+              f"{cpu_ms:.2f} ms CPU per step")
 
 
 if __name__ == "__main__":
