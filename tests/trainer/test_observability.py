@@ -108,3 +108,24 @@ def test_a_run_with_every_sink_the_profiler_and_named_eval_sets(tmp_path):
     parts = forward_losses(model.graphdef, model.params, model.model_state, batch, model.config)
     expected = float(parts.ce_sum / parts.n_tokens)
     assert abs(records[-1]["eval/text/loss"] - expected) <= 1e-5 * expected
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("trainer.profile_steps", "5", r"trainer.profile_steps='5' is not START:END; write it as START:END"),
+    ("trainer.profile_steps", "4:4", r"trainer.profile_steps='4:4': need 1 <= START < END"),
+    ("trainer.profile_steps", "0:3", r"trainer.profile_steps='0:3': need 1 <= START < END"),
+    ("trainer.wandb.mode", "offlne", r"trainer.wandb.mode='offlne': choose one of online, offline, disabled"),
+    ("data.prefetch", -1, r"data.prefetch must be >= 0"),
+])
+def test_bad_observability_fields_name_the_field(field, value, message):
+    from olmo_jax.config import default_config, validate
+    from olmo_jax.model.config import ConfigError
+
+    cfg = default_config()
+    section, *rest = field.split(".")
+    node = cfg[section]
+    for part in rest[:-1]:
+        node = node[part]
+    node[rest[-1]] = value
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg)
