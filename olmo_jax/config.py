@@ -10,6 +10,7 @@ typed model config; each error names the field and the fix.
 from __future__ import annotations
 
 import difflib
+import importlib.util
 
 import ml_collections
 
@@ -92,7 +93,11 @@ def default_config() -> ml_collections.ConfigDict:
     d.tokenizer = "bytes"  # bytes | path to a tokenizer.json
     d.vocab_size = 0  # vocab of the token files (0 = the tokenizer's padded vocab)
     d.dtype = ""  # "" = from the vocab size; uint16 | uint32
-    d.eval_fraction = 0.01
+    d.eval_fraction = 0.01  # the default eval split: this share of the windows held out of training
+    # Named eval sets {name: token files (a list or comma-separated)}, held out by the user;
+    # each logged as eval/<name>/loss and eval/<name>/perplexity (olmo_jax/data/loader.py).
+    d.eval_sets = ml_collections.ConfigDict()
+    d.prefetch = 2  # batches the grain pipeline reads ahead on its own thread (0 = none)
 
     c.trainer = t = ml_collections.ConfigDict()
     t.max_steps = 100
@@ -106,6 +111,16 @@ def default_config() -> ml_collections.ConfigDict:
     t.eval_every = 50  # 0 = only at the end
     t.eval_batches = 4
     t.expert_counts_every = 0  # > 0: per-expert counts to {run_dir}/expert_counts.jsonl
+    # Metric sinks (olmo_jax/trainer/sinks.py), comma-separated: jsonl (always) | tensorboard | wandb
+    t.loggers = "jsonl"
+    t.wandb = w = ml_collections.ConfigDict()
+    w.mode = "offline"  # online | offline (no network; `wandb sync` later) | disabled
+    w.project = "olmo_jax"
+    w.entity = ""  # "" = the W&B default
+    w.name = ""  # "" = the run_dir's folder name
+    w.group = ""
+    w.tags = ""  # comma-separated
+    t.profile_steps = ""  # "START:END": jax.profiler trace of steps [START, END) into {run_dir}/profile
     t.sample_prompt = "import os\nimport sys\n\n\ndef "
     t.sample_tokens = 120
     t.sample_temperature = 0.6  # 0 = greedy
@@ -136,7 +151,10 @@ _CHOICES = {
     "parallel.pipeline_schedule": ("gpipe", "1f1b", "interleaved_1f1b"),
     "optim.schedule": ("cosine", "wsd", "constant"),
     "trainer.nan_policy": ("skip", "halt"),
+    "trainer.wandb.mode": ("online", "offline", "disabled"),
 }
+LOGGERS = ("jsonl", "tensorboard", "wandb")
+_LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}  # logger -> module (extra)
 
 
 def _get(cfg, dotted: str):
@@ -210,6 +228,10 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"trainer.spike_window must be >= 2, got {t.spike_window}")
     if t.peer_timeout_s <= 0:
         raise ConfigError(f"trainer.peer_timeout_s must be > 0, got {t.peer_timeout_s}")
+    loggers(t)
+    profile_window(t.profile_steps)
+    if cfg.data.prefetch < 0:
+        raise ConfigError(f"data.prefetch must be >= 0 (0 = no read-ahead), got {cfg.data.prefetch}")
     if o.lr <= 0:
         raise ConfigError(f"optim.lr must be > 0, got {o.lr}")
     if not 0 <= o.min_lr_ratio <= 1:
@@ -223,3 +245,41 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
             f"model.vocab_size={cfg.model.vocab_size} is smaller than data.vocab_size="
             f"{cfg.data.vocab_size}; raise model.vocab_size (or set it to 0 = from the data)"
         )
+
+
+def loggers(t: ml_collections.ConfigDict) -> tuple[str, ...]:
+    """The metric sinks named by trainer.loggers, checked (known, installed, jsonl kept)."""
+    names = tuple(dict.fromkeys(x.strip() for x in t.loggers.split(",") if x.strip()))
+    for name in names:
+        if name not in LOGGERS:
+            raise ConfigError(
+                f"trainer.loggers={t.loggers!r}: unknown logger {name!r}; choose from {', '.join(LOGGERS)}"
+            )
+    if "jsonl" not in names:
+        raise ConfigError(
+            f"trainer.loggers={t.loggers!r} must include jsonl: metrics.jsonl is what resuming, "
+            "the report and the summary read; e.g. trainer.loggers=jsonl,tensorboard"
+        )
+    for name in names:
+        module = _LOGGER_PACKAGES.get(name)
+        if module and importlib.util.find_spec(module) is None:
+            raise ConfigError(
+                f"trainer.loggers includes {name}, but the {module} package is not installed; "
+                f"pip install 'olmo-jax[{name}]' (or remove {name} from trainer.loggers)"
+            )
+    return names
+
+
+def profile_window(spec: str) -> tuple[int, int] | None:
+    """trainer.profile_steps 'START:END' -> (START, END): the steps START..END-1 (numbered
+    as in metrics.jsonl, the first step is 1) are traced; '' -> None."""
+    if not spec.strip():
+        return None
+    fix = "write it as START:END with 1 <= START < END, e.g. trainer.profile_steps=10:13"
+    try:
+        a, b = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise ConfigError(f"trainer.profile_steps={spec!r} is not START:END; {fix}") from None
+    if not 1 <= a < b:
+        raise ConfigError(f"trainer.profile_steps={spec!r}: need 1 <= START < END; {fix}")
+    return a, b
