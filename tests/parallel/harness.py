@@ -45,15 +45,15 @@ NO_PIPE = Pipe()
 
 def make_cfg(data=1, expert=1, dispatch="rowwise", strategy="ddp", zero1=True, grad_accum=1,
              capacity_factor=NO_DROP_CF, lb_granularity="global", batch=BATCH, seq=SEQ,
-             layers=(2, 0), pipe: Pipe = NO_PIPE):
-    """`layers`: (model.n_layers, model.n_dense_layers)."""
+             layers=(2, 0), pipe: Pipe = NO_PIPE, optim="adamw"):
+    """`layers`: (model.n_layers, model.n_dense_layers); `optim`: optim.name."""
     c = default_config()
     m = c.model
     m.vocab_size, m.d_model, m.n_heads = VOCAB, 32, 2
     m.n_layers, m.n_dense_layers = layers
     m.moe.num_experts, m.moe.top_k, m.moe.expert_hidden = 8, 2, 32
     m.moe.lb_granularity = lb_granularity
-    c.optim.lr, c.optim.warmup_steps = 1e-2, 1
+    c.optim.lr, c.optim.warmup_steps, c.optim.name = 1e-2, 1, optim
     p = c.parallel
     p.data, p.expert, p.dispatch, p.strategy = data, expert, dispatch, strategy
     p.zero1, p.capacity_factor = zero1, capacity_factor
@@ -77,9 +77,9 @@ def to_numpy(tree):
 
 
 @functools.cache
-def host_state(lb_granularity="global", layers=(2, 0)):
+def host_state(lb_granularity="global", layers=(2, 0), optim="adamw"):
     """(model_cfg, tx, schedule, graphdef, state): built once; the state as numpy."""
-    cfg = make_cfg(lb_granularity=lb_granularity, layers=layers)
+    cfg = make_cfg(lb_granularity=lb_granularity, layers=layers, optim=optim)
     model_cfg = model_config(cfg)
     tx, schedule = build_optimizer(cfg.optim, cfg.trainer.max_steps)
     tx = recording(tx)
@@ -129,9 +129,9 @@ def _execute(step, state, placed_batches, abstract=False) -> Run:
 
 
 @functools.cache
-def reference_run(grad_accum=1, batch=BATCH, layers=(2, 0)) -> Run:
+def reference_run(grad_accum=1, batch=BATCH, layers=(2, 0), optim="adamw") -> Run:
     """One device, the model's local dispatch, no parallel plan."""
-    model_cfg, tx, schedule, graphdef, state = host_state(layers=layers)
+    model_cfg, tx, schedule, graphdef, state = host_state(layers=layers, optim=optim)
     dev = jax.devices()[0]
     step = jax.jit(make_train_step(graphdef, model_cfg, tx, schedule, grad_accum))
     placed = [jax.device_put(b, dev) for b in batches(batch=batch)]
@@ -141,14 +141,14 @@ def reference_run(grad_accum=1, batch=BATCH, layers=(2, 0)) -> Run:
 @functools.cache
 def plan_run(data, expert, dispatch="rowwise", strategy="ddp", zero1=True, grad_accum=1,
              batch=BATCH, capacity_factor=NO_DROP_CF, layers=(2, 0), pipe: Pipe = NO_PIPE,
-             remat="none", abstract=False) -> Run:
+             remat="none", abstract=False, optim="adamw") -> Run:
     """The same on a pipe x data x expert mesh through the trainer's ParallelPlan and
     its jitted step (state shardings, donation). `remat`: model.remat (same weights);
-    `abstract`: compile from ShapeDtypeStructs."""
-    model_cfg, tx, schedule, _, state = host_state(layers=layers)
+    `abstract`: compile from ShapeDtypeStructs; `optim`: optim.name."""
+    model_cfg, tx, schedule, _, state = host_state(layers=layers, optim=optim)
     model_cfg = dataclasses.replace(model_cfg, remat=remat)
     cfg = make_cfg(data, expert, dispatch, strategy, zero1, grad_accum, capacity_factor,
-                   batch=batch, layers=layers, pipe=pipe)
+                   batch=batch, layers=layers, pipe=pipe, optim=optim)
     plan = build_plan(cfg, model_cfg)
     graphdef = abstract_model(model_cfg, plan.dispatcher)[0]
     shardings = plan.state_shardings(state, tx)
