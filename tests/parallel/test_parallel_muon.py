@@ -8,6 +8,7 @@ import pytest
 
 from olmo_jax.parallel import comms
 from olmo_jax.parallel.strategy import build_plan
+from olmo_jax.parallel.zero import path_name
 from tests.parallel.harness import host_state, make_cfg, plan_run, reference_run, rel_err, to_numpy
 from tests.parallel.test_parallel_invariance import assert_matches_reference
 
@@ -48,11 +49,34 @@ def test_ownership_is_round_robin_by_size_and_covers_every_matrix():
     for g in own.groups:  # every rank orthogonalizes only its slots, not the whole model
         total = sum(lf.units for lf in g.leaves)
         assert g.kind == "local" or g.slots == -(-total // g.dp)
+    # Pure expert parallelism: each rank's experts are whole and its own (no collective);
+    # the replicated weights are owned round-robin over the 8 expert ranks.
+    pure_ep = _plan(1, 8).muon
+    for g in pure_ep.groups:
+        experts = any("experts" in lf.name for lf in g.leaves)
+        assert (g.kind == "local") == experts, g.label
+    assert ("all-to-all", "muon_gather", 0) not in pure_ep.expected_collectives()
+
+
+def test_muon_momentum_is_stored_split():
+    run = plan_run(2, 4, zero1=True, optim="muon")
+    plan = _plan(2, 4)
+    split = {lf.name for g in plan.muon.groups if g.kind == "split" for lf in g.leaves}
+    # recording: (grads, tx); tx: (clip, partition); muon: masked chain (MuonState, ...)
+    muon_state = run.state.opt_state[1][1].inner_states["muon"].inner_state[0]
+    seen = 0
+    for path, mu in jax.tree_util.tree_leaves_with_path(muon_state.mu):
+        name = path_name(path)
+        if name in split:
+            shard = mu.addressable_shards[0].data
+            assert shard.size * 8 == mu.size, (name, shard.shape, mu.shape)  # data x expert
+            seen += 1
+    assert seen == len(split) > 0
 
 
 def test_compiled_muon_collectives_are_the_ownership_plans():
     plan = _plan(2, 4)
-    colls = comms.collectives(plan_run(2, 4, optim="muon").hlo)
+    colls = comms.collectives(plan_run(2, 4, zero1=True, optim="muon").hlo)
     print(comms.format_table(colls, "muon + ZeRO-1, data=2 x expert=4", 8))
     got = sorted((c.kind, c.purpose, c.bytes) for c in colls
                  if c.purpose in ("muon_gather", "muon_return"))
