@@ -252,9 +252,10 @@ def make_orthogonalize(plan: Ownership, mesh: Mesh):
     leaves = {lf.name: lf for g in plan.groups for lf in g.leaves}
 
     def orthogonalize(mats: dict, dims: dict, ns) -> dict:
-        missing = sorted(set(mats) - set(leaves))
+        missing = sorted(set(mats) ^ set(leaves))
         if missing:
-            raise ValueError(f"no Muon ownership for {missing}")
+            raise ValueError(f"Muon's matrices and the ownership plan differ: {missing}")
+        assert all(dims[k] == leaves[k].dims for k in mats), "matrix layouts differ"
         names = sorted(mats)
         specs = tuple(leaves[k].layout.storage for k in names)
 

@@ -6,10 +6,19 @@ import jax
 import numpy as np
 import pytest
 
+from olmo_jax.model.config import ConfigError
 from olmo_jax.parallel import comms
 from olmo_jax.parallel.strategy import build_plan
 from olmo_jax.parallel.zero import path_name
-from tests.parallel.harness import host_state, make_cfg, plan_run, reference_run, rel_err, to_numpy
+from tests.parallel.harness import (
+    Pipe,
+    host_state,
+    make_cfg,
+    plan_run,
+    reference_run,
+    rel_err,
+    to_numpy,
+)
 from tests.parallel.test_parallel_invariance import assert_matches_reference
 
 
@@ -84,3 +93,9 @@ def test_compiled_muon_collectives_are_the_ownership_plans():
     assert all(c.count == 1 for c in colls if c.purpose.startswith("muon"))
     # GSPMD added no gathers of its own for the update: Muon ran on its owners.
     assert not [c for c in colls if c.kind in ("all-gather", "all-to-all") and c.purpose == "other"]
+
+
+def test_muon_with_a_pipeline_is_refused():
+    cfg = make_cfg(2, 2, pipe=Pipe(2), layers=(2, 0), optim="muon")
+    with pytest.raises(ConfigError, match="optim.name=muon.*parallel.pipe=2"):
+        build_plan(cfg, host_state(optim="muon")[0])
