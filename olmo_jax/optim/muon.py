@@ -34,8 +34,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from olmo_jax.parallel.zero import path_name
-
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic (= optax.contrib's default)
 MATRIX_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "w_gate", "w_up", "w_down")
 
@@ -111,8 +109,16 @@ class MuonState(NamedTuple):
     mu: Any  # momentum, the (masked) params' structure
 
 
-def _name(path) -> str:
-    return path_name(path)
+def leaf_name(path) -> str:
+    """'moe_blocks/ffn/experts/w_gate' for a key path (an nnx Variable's `.value` dropped):
+    the name Muon's matrices go by (the same spelling as parallel/zero.py's path_name)."""
+    parts = []
+    for k in path:
+        name = getattr(k, "key", getattr(k, "name", getattr(k, "idx", None)))
+        if name is not None and name != "value":
+            parts.append(str(name))
+    return "/".join(parts)
+
 
 
 def _is_masked(x) -> bool:
@@ -121,12 +127,12 @@ def _is_masked(x) -> bool:
 
 def _named_leaves(tree) -> dict:
     flat = jax.tree_util.tree_leaves_with_path(tree, is_leaf=_is_masked)
-    return {_name(p): x for p, x in flat if not _is_masked(x)}
+    return {leaf_name(p): x for p, x in flat if not _is_masked(x)}
 
 
 def _replace_named(tree, values: dict):
     return jax.tree_util.tree_map_with_path(
-        lambda p, x: x if _is_masked(x) else values[_name(p)], tree, is_leaf=_is_masked)
+        lambda p, x: x if _is_masked(x) else values[leaf_name(p)], tree, is_leaf=_is_masked)
 
 
 def scale_by_muon(beta: float = 0.95, ns_steps: int = 5, coeffs=NS_COEFFS,
@@ -165,7 +171,7 @@ def scale_by_muon(beta: float = 0.95, ns_steps: int = 5, coeffs=NS_COEFFS,
 def muon_labels(params):
     """'muon' for the matrices `matrix_dims` names, 'adamw' for every other leaf."""
     return jax.tree_util.tree_map_with_path(
-        lambda p, x: "muon" if matrix_dims(_name(p), x.ndim) is not None else "adamw", params)
+        lambda p, x: "muon" if matrix_dims(leaf_name(p), x.ndim) is not None else "adamw", params)
 
 
 def ns_flops(m: int, n: int, steps: int = 5) -> int:

@@ -39,8 +39,8 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from olmo_jax.model.config import ConfigError
-from olmo_jax.optim.muon import MatrixDims, matrix_dims, ns_flops
-from olmo_jax.parallel.zero import ParamLayout, path_name
+from olmo_jax.optim.muon import MatrixDims, leaf_name, matrix_dims, ns_flops
+from olmo_jax.parallel.zero import ParamLayout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,11 +155,11 @@ def _local_shape(shape, spec: PartitionSpec, mesh: Mesh) -> tuple[int, ...]:
 
 def ownership(abstract_params, layouts, mesh: Mesh) -> Ownership:
     """The static plan for the matrices of `abstract_params` (those `matrix_dims` names)."""
-    lays = {path_name(p): lay for p, lay in jax.tree_util.tree_leaves_with_path(
+    lays = {leaf_name(p): lay for p, lay in jax.tree_util.tree_leaves_with_path(
         layouts, is_leaf=lambda x: isinstance(x, ParamLayout))}
     leaves = []
     for path, x in jax.tree_util.tree_leaves_with_path(abstract_params):
-        name = path_name(path)
+        name = leaf_name(path)
         dims = matrix_dims(name, len(x.shape))
         if dims is None:
             continue
