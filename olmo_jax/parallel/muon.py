@@ -178,8 +178,13 @@ def ownership(abstract_params, layouts, mesh: Mesh) -> Ownership:
     for leaf in leaves:
         axes = leaf.layout.axes if leaf.kind != "local" else ()
         keyed.setdefault((leaf.kind, axes, leaf.unit_shape, leaf.split_axis), []).append(leaf)
+    def full_size(key) -> int:  # elements of one whole matrix of the group
+        kind, axes, unit_shape, _ = key
+        return math.prod(unit_shape) * (math.prod(mesh.shape[a] for a in axes)
+                                        if kind == "split" else 1)
+
     # Round-robin by size: largest matrices first, dealt on from where the last group ended.
-    order = sorted(keyed, key=lambda k: (-math.prod(k[2]), k[0], k[1], k[2], k[3] or 0))
+    order = sorted(keyed, key=lambda k: (-full_size(k), k[0], k[1], k[2], k[3] or 0))
     next_rank: dict[tuple[str, ...], int] = {}
     groups = []
     for key in order:
