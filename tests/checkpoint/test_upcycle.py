@@ -10,8 +10,6 @@ defining property, in float32 on tiny random models:
 and the CLI end to end (python -m olmo_jax.convert upcycle / experts): checkpoints in,
 checkpoints out, the optimizer state dropped with a message."""
 
-import json
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,6 +21,7 @@ from olmo_jax.checkpoint import hf, rewrite, surgery, upcycle
 from olmo_jax.checkpoint.tree import flatten_named
 from olmo_jax.model import TransformerConfig
 from olmo_jax.model.config import MoEConfig
+from olmo_jax.trainer.logger import ExpertCountsLog
 from olmo_jax.trainer.state import abstract_model
 
 TOL = 1e-6  # max |a - b| / max |b|, float32
@@ -147,11 +146,11 @@ def test_prune_keeps_the_most_used_experts_and_their_tokens_logits(tmp_path):
     ids = IDS[:1, :6]  # 6 tokens, top-1: at most 6 of the 8 experts used per block
     counts = _counts(moe, ids)
     first = moe.config.n_dense_layers
-    log = tmp_path / "expert_counts.jsonl"  # the trainer's format (trainer/logger.py), 2 lines
+    log = ExpertCountsLog(tmp_path, every=1, first_block=first)  # the trainer's writer
     half = counts // 2
-    with log.open("w") as f:
-        for c in (half, counts - half):
-            f.write(json.dumps({"step": 1, "blocks": [first, first + 1], "counts": c.tolist()}) + "\n")
+    for step, c in ((1, half), (2, counts - half)):
+        log.maybe_write(step, {"expert_counts": c})
+    log.close()
     read = surgery.read_counts(tmp_path, moe.config)
     assert np.array_equal(read, counts)
     keep = surgery.kept_experts(read, 6)
