@@ -77,6 +77,7 @@ def default_config() -> ml_collections.ConfigDict:
     p.virtual_stages = 1  # chunks per stage: interleaved_1f1b needs >= 2 (gpipe: circular)
 
     c.optim = o = ml_collections.ConfigDict()
+    o.name = "adamw"  # adamw | muon (Muon on weight matrices, AdamW on the rest; olmo_jax/optim)
     o.lr = 3e-3
     o.schedule = "cosine"  # cosine | wsd | constant
     o.warmup_steps = 20
@@ -87,6 +88,10 @@ def default_config() -> ml_collections.ConfigDict:
     o.b2 = 0.95
     o.eps = 1e-8
     o.clip_grad_norm = 1.0  # 0 = no clipping
+    o.muon_beta = 0.95  # muon: momentum
+    o.muon_ns_steps = 5  # muon: Newton-Schulz iterations
+    o.muon_rms = 0.2  # muon: update RMS of every matrix (scale rule: RMS matched to AdamW)
+    o.muon_lr = 0.0  # muon: peak lr of the matrices (0 = optim.lr, which the scale rule allows)
 
     c.data = d = ml_collections.ConfigDict()
     d.paths = ""  # comma-separated token files; "" = the embedded stdlib corpus
@@ -150,6 +155,7 @@ _CHOICES = {
     "parallel.dispatch": ("rowwise", "ragged", "allgather"),
     "parallel.pipeline_schedule": ("gpipe", "1f1b", "interleaved_1f1b"),
     "optim.schedule": ("cosine", "wsd", "constant"),
+    "optim.name": ("adamw", "muon"),
     "trainer.nan_policy": ("skip", "halt"),
     "trainer.wandb.mode": ("online", "offline", "disabled"),
 }
@@ -236,6 +242,15 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"optim.lr must be > 0, got {o.lr}")
     if not 0 <= o.min_lr_ratio <= 1:
         raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
+    if o.name == "muon":
+        if not 0 <= o.muon_beta < 1:
+            raise ConfigError(f"optim.muon_beta must be in [0, 1), got {o.muon_beta}")
+        if o.muon_ns_steps < 1:
+            raise ConfigError(f"optim.muon_ns_steps must be >= 1, got {o.muon_ns_steps}")
+        if o.muon_rms <= 0:
+            raise ConfigError(f"optim.muon_rms must be > 0, got {o.muon_rms}")
+        if o.muon_lr < 0:
+            raise ConfigError(f"optim.muon_lr must be >= 0 (0 = optim.lr), got {o.muon_lr}")
     if o.warmup_steps < 0:
         raise ConfigError(f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
     if not 0 < o.decay_fraction <= 1:
