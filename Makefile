@@ -25,7 +25,7 @@ $(VENV)/.installed: pyproject.toml
 	  py=$$(tools/find_python.sh); echo "creating $(VENV) with $$py"; \
 	  $$py -m venv $(VENV); fi
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev,hf]'
+	$(PY) -m pip install -q -e '.[dev,hf,tensorboard,wandb]'
 	@touch $@
 
 # The transformers/torch oracle used only by parity tests (Python 3.11: the CPU torch wheel).

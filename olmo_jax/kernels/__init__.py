@@ -12,44 +12,63 @@ Importing this package is cheap: the Pallas modules load when a kernel is first 
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from olmo_jax.kernels import platform
 
 GMM_IMPLS = ("auto", "pallas", "ragged_dot", "einsum")
+# The Pallas grouped matmul tiles d_model and the expert hidden size in blocks of 64 (the
+# weight-gradient kernel's wgmma M is one of them).
+PALLAS_GMM_DIM_MULTIPLE = 64
 
 
 def _is_16bit(dtype) -> bool:
     return dtype is None or jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def resolve_gmm_impl(gmm_impl: str, dtype=None) -> str:
-    """The grouped-matmul implementation for `model.moe.gmm_impl` on this platform.
+def pallas_gmm_fits(dims) -> bool:
+    """The Pallas kernel tiles these expert GEMM dims (d_model, expert hidden)."""
+    return all(d % PALLAS_GMM_DIM_MULTIPLE == 0 for d in dims)
+
+
+def resolve_gmm_impl(gmm_impl: str, dtype=None, precision: str = "bf16", dims=None) -> str:
+    """The grouped-matmul implementation for `model.moe.gmm_impl` on the target platform
+    (`platform.current_target()`: the mesh's devices while a step is traced).
 
     auto: on CPU the padded batched einsum (measured fastest there: ragged_dot expands
-    to a dense masked product, E times the FLOPs); on a Hopper GPU with a 16-bit compute
-    dtype the Pallas kernel; elsewhere (other GPUs, TPU, float32) jax.lax.ragged_dot.
+    to a dense masked product, E times the FLOPs); with MXFP8 experts on a GPU with
+    block-scaled MMA (Blackwell) the blocked einsum layout too, whose GEMMs are
+    `jax.nn.scaled_matmul` (cuDNN block-scaled MMA; no grouped block-scaled GEMM exists
+    for the sorted layout); on a Hopper GPU with a 16-bit compute dtype the Pallas
+    kernel when `dims` (d_model, expert hidden) fit its tiles; elsewhere (other GPUs,
+    TPU, float32, other dims) jax.lax.ragged_dot.
     pallas: checked here, so a wrong choice fails before tracing with the fix named.
-    `dtype` is the compute dtype (None: not checked)."""
+    `dtype` is the compute dtype (None: not checked); `dims` None: not checked."""
     if gmm_impl == "auto":
-        if jax.default_backend() == "cpu":
+        if platform.current_target().platform == "cpu":
             return "einsum"
-        if platform.pallas_gmm_supported() and _is_16bit(dtype):
+        if precision == "mxfp8" and platform.block_scaled_mma_supported():
+            return "einsum"
+        fits = dims is None or pallas_gmm_fits(dims)
+        if platform.pallas_gmm_supported() and _is_16bit(dtype) and fits:
             return "pallas"
         return "ragged_dot"
     if gmm_impl == "pallas":
         if not platform.pallas_gmm_supported() and platform.interpret_params() is None:
-            cc = platform.gpu_capability()
-            found = f"a GPU of compute capability {cc}" if cc else jax.devices()[0].platform
             raise ValueError(
-                "model.moe.gmm_impl=pallas needs an NVIDIA Hopper GPU (sm_90, wgmma); found "
-                f"{found}. Use model.moe.gmm_impl=auto (on a CPU the kernel runs only inside "
-                "olmo_jax.kernels.platform.interpret(), for tests)"
+                "model.moe.gmm_impl=pallas needs an NVIDIA Hopper GPU (sm_90, wgmma); the target "
+                f"is {platform.current_target().describe()}. Use model.moe.gmm_impl=auto (on a "
+                "CPU the kernel runs only inside olmo_jax.kernels.platform.interpret(), for tests)"
             )
-        if not _is_16bit(dtype):
+        if not _is_16bit(dtype) and platform.interpret_params() is None:
             raise ValueError(
                 f"model.moe.gmm_impl=pallas runs bfloat16/float16 GEMMs but model.dtype is "
                 f"{jnp.dtype(dtype).name}; set model.dtype=bfloat16 or gmm_impl=auto"
+            )
+        if dims is not None and not pallas_gmm_fits(dims):
+            raise ValueError(
+                f"model.moe.gmm_impl=pallas tiles model.d_model={dims[0]} and "
+                f"model.moe.expert_hidden={dims[1]} in blocks of {PALLAS_GMM_DIM_MULTIPLE}: "
+                f"make both multiples of {PALLAS_GMM_DIM_MULTIPLE}, or set gmm_impl=auto"
             )
     return gmm_impl

@@ -49,7 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from olmo_jax.kernels import platform
+from olmo_jax.kernels import platform, vma
 
 # ----------------------------------------------------------------------------- reference
 
@@ -171,7 +171,12 @@ def _pad_rows(a, multiple: int):
 
 
 def _check(x, w, what: str):
-    if x.dtype != w.dtype or x.dtype not in (jnp.bfloat16, jnp.float16):
+    """16-bit operands of one dtype (wgmma); in interpret mode float32 too, so the kernels'
+    indexing and masking can be tested at float32 tolerances against the references."""
+    allowed = (jnp.bfloat16, jnp.float16)
+    if platform.interpret_params() is not None:
+        allowed += (jnp.float32,)
+    if x.dtype != w.dtype or x.dtype not in allowed:
         raise TypeError(
             f"{what}: the Pallas kernel takes bfloat16/float16 operands of one dtype, got "
             f"{x.dtype} and {w.dtype}"
@@ -303,7 +308,7 @@ def gmm(x_MK, w, group_sizes_G, *, transpose_rhs: bool = False, config: TileConf
         platform.interpret_params(),
     )
     y = kernel(sched.group_T, sched.block_T, sched.lo_T, sched.hi_T, x_pad, w)
-    return y[:M]
+    return vma.like(y[:M], x_MK, w, group_sizes_G)
 
 
 # ----------------------------------------------------------------------------- tgmm
@@ -399,7 +404,7 @@ def tgmm(x_MK, dy_MN, group_sizes_G, *, config: TileConfig | None = None):
     kernel = _tgmm_kernel(
         K, N, G, cfg, jnp.dtype(x_MK.dtype), _num_programs(cfg, work), platform.interpret_params()
     )
-    return kernel(starts, ends, x_pad, dy_pad)
+    return vma.like(kernel(starts, ends, x_pad, dy_pad), x_MK, dy_MN, group_sizes_G)
 
 
 # ----------------------------------------------------------------------------- custom VJP
@@ -424,7 +429,8 @@ def _gm_bwd(config, res, dy_MN):
     dx_MK = gmm(dy_MN, w_GKN, group_sizes_G, transpose_rhs=True, config=dgrad_cfg)
     dw_GKN = tgmm(x_MK, dy_MN, group_sizes_G, config=base)
     gs_ct = _integer_cotangent(group_sizes_G)
-    return dx_MK, dw_GKN.astype(w_GKN.dtype), gs_ct
+    return (vma.cotangent_like(dx_MK, x_MK),
+            vma.cotangent_like(dw_GKN.astype(w_GKN.dtype), w_GKN), gs_ct)
 
 
 def _integer_cotangent(a):

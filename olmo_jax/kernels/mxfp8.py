@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from olmo_jax import compat
-from olmo_jax.kernels import platform
+from olmo_jax.kernels import platform, vma
 
 BLOCK = 32
 E4M3_MAX = 448.0
@@ -236,12 +236,13 @@ def quantize_rowcol_pallas(x_MK, rounding: str = "rceil", block_m: int = 64, blo
         interpret=platform.interpret_params(),
     )(x3)
     s_row = s_row.transpose(0, 2, 1).reshape(M, K // BLOCK)
-    return (
+    outs = (
         q_row.reshape(M, K),
         lax.bitcast_convert_type(s_row, SCALE_DTYPE),
         q_col.reshape(M, K),
         lax.bitcast_convert_type(s_col.reshape(M // BLOCK, K), SCALE_DTYPE),
     )
+    return tuple(vma.like(o, x_MK) for o in outs)  # typed like x inside shard_map
 
 
 def quantize_rowcol(x_MK, rounding: str = "rceil"):

@@ -1,8 +1,15 @@
 """Causal self-attention: grouped-query heads, QK RMSNorm, optional QKV clipping, RoPE.
 
-The attention core has a hand-written VJP (flash-attention's math without tiling): the
-backward pass recomputes the probabilities from q, k and the saved log-sum-exp instead of
-keeping [T, S] matrices alive between the passes.
+The attention core (`model.attention_impl`, resolved by `resolve_attention_impl` for the
+target platform: the mesh's devices while a step is traced):
+  xla    a hand-written VJP (flash-attention's math without tiling): the backward pass
+         recomputes the probabilities from q, k and the saved log-sum-exp instead of
+         keeping [T, S] matrices alive between the passes; causal query chunks skip the
+         upper triangle. XLA still materializes each chunk's float32 scores.
+  cudnn  cuDNN's fused flash attention (`jax.nn.dot_product_attention(...,
+         implementation="cudnn")`, causal, grouped-query heads): no [T, S] buffer.
+  auto   cudnn on an NVIDIA GPU in bfloat16/float16, xla elsewhere.
+QK-norm, clipping and RoPE are applied before either core.
 
 Matches Hugging Face `OlmoeAttention` (QK-norm spans all heads of q and of k; clipping
 is applied after the norm), so converted checkpoints give the same logits. With
@@ -18,12 +25,36 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from olmo_jax.kernels import platform
+from olmo_jax.kernels.vma import cotangent_like
 from olmo_jax.model import mxfp8
 from olmo_jax.model.config import TransformerConfig
 from olmo_jax.model.norm import RMSNorm
 from olmo_jax.model.params import normal_param
 from olmo_jax.model.rope import apply_rope
-from olmo_jax.model.vma import cotangent_like
+
+
+def resolve_attention_impl(impl: str, dtype) -> str:
+    """`model.attention_impl` on the target platform: "cudnn" or "xla". An explicit cudnn
+    where it cannot run is refused naming the field."""
+    gpu = platform.current_target().is_gpu
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    if impl == "auto":
+        return "cudnn" if gpu and half else "xla"
+    if impl == "cudnn" and not (gpu and half):
+        why = f"the target is {platform.current_target().describe()}" if not gpu else \
+            f"model.dtype is {jnp.dtype(dtype).name}"
+        raise ValueError(
+            f"model.attention_impl=cudnn runs cuDNN's fused attention on an NVIDIA GPU in "
+            f"bfloat16/float16, but {why}; use model.attention_impl=auto or xla"
+        )
+    return impl
+
+
+def cudnn_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array) -> jax.Array:
+    """causal_attention on cuDNN's fused kernels (forward and backward), [B, T, N, H]."""
+    return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True,
+                                        implementation="cudnn")
 
 
 def causal_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array) -> jax.Array:
@@ -133,6 +164,7 @@ class Attention(nnx.Module):
         self.clip_qkv = cfg.clip_qkv
         self.dtype = cfg.compute_dtype
         self.mxfp8_proj = cfg.attention_precision == "mxfp8"  # projection GEMMs in MXFP8
+        self.impl = cfg.attention_impl  # resolved when traced (the target is known then)
 
     def _proj(self, spec: str, x, w):
         return mxfp8.einsum(spec, x, w) if self.mxfp8_proj else jnp.einsum(spec, x, w)
@@ -158,6 +190,7 @@ class Attention(nnx.Module):
             q_BTNH, k_BTKH, v_BTKH = (jnp.clip(a, -c, c) for a in (q_BTNH, k_BTKH, v_BTKH))
         q_BTNH = apply_rope(q_BTNH, cos_TH, sin_TH)
         k_BTKH = apply_rope(k_BTKH, cos_TH, sin_TH)
+        core = cudnn_attention if resolve_attention_impl(self.impl, dt) == "cudnn" else causal_attention
         with jax.named_scope("attention_scores"):  # named for olmo_jax/planner
-            o_BTNH = causal_attention(q_BTNH, k_BTKH, v_BTKH)
+            o_BTNH = core(q_BTNH, k_BTKH, v_BTKH)
         return self._proj("btnh,nhd->btd", o_BTNH, self.o_proj[...].astype(dt))

@@ -136,6 +136,9 @@ class MoEConfig:
             )
 
 
+ATTENTION_IMPLS = ("auto", "cudnn", "xla")
+
+
 @dataclass(frozen=True)
 class TransformerConfig:
     vocab_size: int = 384
@@ -156,6 +159,7 @@ class TransformerConfig:
     remat: str = "none"  # none | block | attention
     scan_unroll: int = 1  # layers per iteration of the layer scan (compile time grows with it)
     attention_precision: str = "bf16"  # bf16 (= dtype) | mxfp8: q/k/v/o projection GEMMs
+    attention_impl: str = "auto"  # auto | cudnn | xla: the softmax(q k^T) v core (model/attention.py)
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     @property
@@ -210,6 +214,11 @@ class TransformerConfig:
         if self.attention_precision not in ("bf16", "mxfp8"):
             raise ConfigError(
                 f"{prefix}.attention_precision={self.attention_precision!r}: choose bf16 or mxfp8"
+            )
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ConfigError(
+                f"{prefix}.attention_impl={self.attention_impl!r}: choose one of "
+                f"{', '.join(ATTENTION_IMPLS)}"
             )
         widths = (self.d_model, self.n_heads * self.head_size, self.kv_heads * self.head_size)
         if self.attention_precision == "mxfp8" and any(w % 32 for w in widths):

@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from olmo_jax.kernels.vma import cotangent_like
 from olmo_jax.model.params import ones_param
-from olmo_jax.model.vma import cotangent_like
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

@@ -5,7 +5,9 @@ shard_map wrappers the train/eval steps run under.
 The whole forward and backward pass runs per device inside one `jax.shard_map` over the
 mesh, so every collective is explicit: expert dispatch (expert.py backends), the
 router-statistics and loss sums (`allsum`), and parameter gather / gradient reduction
-(zero.py). The optimizer update runs outside, elementwise on the stored shards.
+(zero.py). The optimizer update runs outside, elementwise on the stored shards; Muon's
+Newton-Schulz, which is not elementwise, runs in its own shard_map on whole matrices,
+each owned by one data-parallel rank (muon.py, `optimizer_args`).
 
     plan = build_plan(cfg, model_cfg)          # validates the config against the devices
     graphdef, state = init_state(model_cfg, tx, seed, dispatcher=plan.dispatcher)
@@ -23,6 +25,7 @@ grad_accum x parallel.microbatches: every pipeline microbatch is such a row bloc
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -30,9 +33,12 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from olmo_jax.kernels import platform, resolve_gmm_impl
+from olmo_jax.model.attention import resolve_attention_impl
 from olmo_jax.model.config import ConfigError, TransformerConfig
 from olmo_jax.parallel import expert as expert_lib
 from olmo_jax.parallel import mesh as mesh_lib
+from olmo_jax.parallel import muon as muon_lib
 from olmo_jax.parallel import rules, zero
 from olmo_jax.parallel.mesh import BATCH_AXES
 from olmo_jax.parallel.pipeline import Pipeline, build_pipeline, check_unpipelined
@@ -51,6 +57,20 @@ class ParallelPlan:
     dispatcher: Callable | None  # the MoE layer's dispatcher (None = local_dispatch)
     layouts: object  # tree of zero.ParamLayout, the params' structure
     pipeline: Pipeline | None = None  # parallel.pipe > 1
+    muon: muon_lib.Ownership | None = None  # optim.name=muon: who orthogonalizes what
+
+    def optimizer_args(self) -> dict:
+        """Extra arguments of the optimizer's update on this mesh (Muon's orthogonalize)."""
+        if self.muon is None:
+            return {}
+        return {"orthogonalize": muon_lib.make_orthogonalize(self.muon, self.mesh)}
+
+    @property
+    def target(self) -> platform.Target:
+        """The platform the steps are traced for: the mesh's devices (abstract GPUs in a
+        deviceless compile), not jax.default_backend(); inside platform.cross_lowering()
+        (a CPU host lowering for CUDA) an H100."""
+        return platform.cross_lowering_target() or platform.target_of(self.mesh.devices)
 
     @property
     def microbatches(self) -> int:
@@ -81,8 +101,8 @@ class ParallelPlan:
         compute = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self._specs("compute"),
                                is_leaf=rules.is_spec)
         unsharded = optax.tree_utils.tree_map_params(
-            tx, lambda _, s: s, state.opt_state, compute,
-            transform_non_params=lambda _: replicated,
+            tx, _mirror, state.opt_state, compute,
+            transform_non_params=lambda _: replicated, is_leaf=_masked,
         )
         stored = self.state_shardings(state, tx).opt_state
         return (zero.per_device_bytes(state.opt_state, stored),
@@ -130,6 +150,18 @@ class ParallelPlan:
         )
 
     # ---- inside the shard_map --------------------------------------------------------
+    def _for_target(self, fn):
+        """fn traced with every platform choice (gmm_impl auto, native collectives, kernels)
+        made for the mesh's devices."""
+        target = self.target
+
+        @functools.wraps(fn)
+        def traced(*args):
+            with platform.targeting(target):
+                return fn(*args)
+
+        return traced
+
     def allsum(self, tree):
         """Sum over every device holding a different part of the batch."""
         with jax.named_scope("loss_allsum"):
@@ -159,6 +191,7 @@ class ParallelPlan:
         shard draws its randomness (router jitter, random routing) from `rng` folded with
         its index."""
 
+        @self._for_target
         def local(params, model_state, batch, rng):
             params = self._outer_gather(params)
             rng = jax.random.fold_in(rng, jax.lax.axis_index(BATCH_AXES))
@@ -179,6 +212,7 @@ class ParallelPlan:
     def shard_eval(self, eval_step):
         """eval_step(params, model_state, batch_BT1) -> replicated sums, on the mesh."""
 
+        @self._for_target
         def local(params, model_state, batch):
             return eval_step(self._outer_gather(params), model_state,
                              batch.reshape(-1, batch.shape[-1]))
@@ -190,13 +224,22 @@ class ParallelPlan:
         )
 
 
+def _masked(x) -> bool:
+    return isinstance(x, optax.MaskedNode)
+
+
+def _mirror(leaf, sharding):
+    """A moment's sharding: its parameter's (optax.partition masks the other group's)."""
+    return leaf if _masked(leaf) else sharding
+
+
 def state_shardings(state, tx: optax.GradientTransformation, mesh: Mesh, param_shardings):
     """A TrainState of NamedShardings: `param_shardings` for the params, the same for the
     optimizer moments that mirror them, everything else replicated."""
     replicated = NamedSharding(mesh, PartitionSpec())
     opt_sh = optax.tree_utils.tree_map_params(
-        tx, lambda _, s: s, state.opt_state, param_shardings,
-        transform_non_params=lambda _: replicated,
+        tx, _mirror, state.opt_state, param_shardings,
+        transform_non_params=lambda _: replicated, is_leaf=_masked,
     )
     return type(state)(
         step=replicated,
@@ -238,6 +281,21 @@ def check_model_fits(model_cfg: TransformerConfig, mesh: Mesh, strategy: str) ->
         )
 
 
+def check_kernels(model_cfg: TransformerConfig, target: platform.Target) -> None:
+    """The attention core and the expert GEMM implementation exist on the target (e.g.
+    model.moe.gmm_impl=pallas is Hopper only, model.attention_impl=cudnn GPU only), checked
+    when the plan is built rather than when the step is traced."""
+    m = model_cfg.moe
+    with platform.targeting(target):
+        try:
+            resolve_attention_impl(model_cfg.attention_impl, model_cfg.compute_dtype)
+            if model_cfg.n_moe_layers:
+                resolve_gmm_impl(m.gmm_impl, model_cfg.compute_dtype, m.precision,
+                                 (model_cfg.d_model, m.expert_hidden))
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+
+
 def build_plan(cfg, model_cfg: TransformerConfig, abstract_params=None,
                devices=None) -> ParallelPlan:
     """The plan for config `cfg` (ConfigDict with `parallel` and `trainer`). Raises
@@ -251,6 +309,7 @@ def build_plan(cfg, model_cfg: TransformerConfig, abstract_params=None,
     if mesh.shape["pipe"] == 1:
         check_unpipelined(p)
     check_model_fits(model_cfg, mesh, p.strategy)
+    check_kernels(model_cfg, platform.target_of(mesh.devices))
     check_batch(cfg.trainer.global_batch_size, mesh, cfg.trainer.grad_accum,
                 microbatches=p.microbatches)
     ep = mesh.shape["expert"]
@@ -275,5 +334,12 @@ def build_plan(cfg, model_cfg: TransformerConfig, abstract_params=None,
             lambda x, spec: zero.param_layout(x.shape, spec, mesh, shard),
             abstract_params, compute,
         )
+    muon = None
+    if "optim" in cfg and cfg.optim.name == "muon":
+        if pipeline is not None:
+            raise ConfigError(
+                f"optim.name=muon does not support parallel.pipe={mesh.shape['pipe']} yet: "
+                "use parallel.pipe=1 or optim.name=adamw")
+        muon = muon_lib.ownership(abstract_params, layouts, mesh)
     return ParallelPlan(mesh, p.strategy, bool(p.zero1), cfg.trainer.grad_accum, dispatch,
-                        dispatcher, layouts, pipeline)
+                        dispatcher, layouts, pipeline, muon)

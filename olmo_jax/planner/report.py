@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from olmo_jax import metrics
-from olmo_jax.kernels import resolve_gmm_impl
+from olmo_jax.kernels import platform, resolve_gmm_impl
 from olmo_jax.model.attention import query_chunks
 from olmo_jax.model.moe.dispatch import blocked_rows
 from olmo_jax.model.moe.layer import block_size, expert_capacity
@@ -21,6 +21,7 @@ from olmo_jax.parallel import comms
 from olmo_jax.parallel.expert import slots_per_expert
 from olmo_jax.parallel.mesh import batch_shards
 from olmo_jax.planner import hardware, hlo_cost, memory, pipeline, roofline
+from olmo_jax.planner import optimizer as optimizer_lib
 from olmo_jax.planner.compile import CompiledStep
 
 TERMS = {  # formula term -> label
@@ -64,6 +65,7 @@ class Plan:
     notes: list[str]
     pipeline: pipeline.PipelineCost | None = None  # parallel.pipe > 1
     layer_factor: dict[str, float] = dataclasses.field(default_factory=dict)  # layer_factors
+    optimizer: optimizer_lib.OptimizerCost | None = None  # the update's share, per device
 
     @property
     def matmul_ratio(self) -> float:
@@ -98,6 +100,7 @@ class Plan:
             "mfu_overlapped": p.mfu(True), "lower_s": s.lower_s, "compile_s": s.compile_s,
             "notes": self.notes,
             "pipeline": self.pipeline.to_json() if self.pipeline is not None else None,
+            "optimizer": self.optimizer.to_json() if self.optimizer is not None else None,
         }
 
 
@@ -113,7 +116,9 @@ def expert_buffer_factor(step: CompiledStep) -> tuple[float | None, str]:
     S = t.global_batch_size // (t.grad_accum * plan.microbatches) // batch_shards(plan.mesh) * t.seq_len
     E, k, N = m.num_experts, m.top_k, S * m.top_k
     ep = plan.mesh.shape["expert"]
-    impl = resolve_gmm_impl(m.gmm_impl, step.model_cfg.compute_dtype)
+    with platform.targeting(plan.target):
+        impl = resolve_gmm_impl(m.gmm_impl, step.model_cfg.compute_dtype, m.precision,
+                                (step.model_cfg.d_model, m.expert_hidden))
     if not step.model_cfg.n_moe_layers:
         return None, "no MoE layers"
     if plan.dispatch == "rowwise":
@@ -182,7 +187,8 @@ def build(step: CompiledStep, spec: hardware.DeviceSpec, label: str = "",
                 hlo, recomputed, cost, float(ca.get("flops", 0.0)),
                 hlo_cost.program_cost(step.module, loops_once=True).flops, factor, note, colls,
                 memory.argument_bytes(step.state, step.shardings, step.batch), peak_bytes, peak,
-                proj, list(notes or []), pipe, layer_factors(step))
+                proj, list(notes or []), pipe, layer_factors(step),
+                optimizer_lib.optimizer_cost(step, cost, colls, spec))
 
 
 # ---- text ------------------------------------------------------------------------------
@@ -413,6 +419,8 @@ def format_plan(plan: Plan, config_path: str = "") -> str:
     head += [f"  note        {n}" for n in plan.notes]
     sections = [head, _flops_section(plan), _memory_section(plan),
                 _collectives_section(plan), _projection_section(plan)]
+    if plan.optimizer is not None:
+        sections.insert(4, optimizer_lib.format_section(plan.optimizer))
     return "\n\n".join("\n".join(sec) for sec in sections)
 
 

@@ -9,41 +9,60 @@ from olmo_jax.kernels import platform, resolve_gmm_impl
 from olmo_jax.model.config import ConfigError, MoEConfig, TransformerConfig
 
 
-def _fake_gpu(monkeypatch, cc):
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(platform, "gpu_capability", lambda: cc)
+def _gpu(cc):
+    """Choices made for a GPU of capability cc (as for a mesh of such devices)."""
+    return platform.targeting(platform.Target("gpu", cc, 132, abstract=True))
 
 
 def test_auto_on_cpu_is_the_padded_einsum():
     assert jax.default_backend() == "cpu"
+    assert platform.current_target() == platform.Target("cpu")
     assert resolve_gmm_impl("auto", jnp.bfloat16) == "einsum"
     assert resolve_gmm_impl("ragged_dot") == "ragged_dot"
 
 
 @pytest.mark.parametrize(
-    "cc,dtype,want",
+    "cc,dtype,precision,dims,want",
     [
-        ((9, 0), jnp.bfloat16, "pallas"),  # Hopper: the wgmma kernel
-        ((9, 0), jnp.float32, "ragged_dot"),  # the kernel takes 16-bit operands only
-        ((10, 0), jnp.bfloat16, "ragged_dot"),  # Blackwell: no wgmma
-        ((8, 0), jnp.bfloat16, "ragged_dot"),  # Ampere
+        ((9, 0), jnp.bfloat16, "bf16", (64, 128), "pallas"),  # Hopper: the wgmma kernel
+        ((9, 0), jnp.bfloat16, "bf16", (32, 128), "ragged_dot"),  # d_model off the 64 tiles
+        ((9, 0), jnp.float32, "bf16", None, "ragged_dot"),  # the kernel takes 16-bit operands
+        ((9, 0), jnp.bfloat16, "mxfp8", None, "pallas"),  # no block-scaled MMA on Hopper
+        ((10, 0), jnp.bfloat16, "bf16", None, "ragged_dot"),  # Blackwell: no wgmma
+        ((10, 0), jnp.bfloat16, "mxfp8", None, "einsum"),  # blocked layout: scaled_matmul
+        ((10, 3), jnp.bfloat16, "mxfp8", None, "einsum"),
+        ((8, 0), jnp.bfloat16, "bf16", None, "ragged_dot"),  # Ampere
     ],
 )
-def test_auto_on_gpus(monkeypatch, cc, dtype, want):
-    _fake_gpu(monkeypatch, cc)
-    assert resolve_gmm_impl("auto", dtype) == want
+def test_auto_on_gpus(cc, dtype, precision, dims, want):
+    with _gpu(cc):
+        assert resolve_gmm_impl("auto", dtype, precision, dims) == want
 
 
-def test_pallas_is_refused_where_it_cannot_run(monkeypatch):
-    with pytest.raises(ValueError, match=r"gmm_impl=pallas needs an NVIDIA Hopper.*found cpu"):
+def test_the_target_comes_from_the_mesh_not_the_default_backend():
+    """The CPU host lowering for GPUs: a plan over GPU devices resolves for them."""
+    with _gpu((10, 0)):
+        assert resolve_gmm_impl("auto", jnp.bfloat16, "mxfp8") == "einsum"
+    assert resolve_gmm_impl("auto", jnp.bfloat16, "mxfp8") == "einsum"  # CPU again
+    with _gpu((9, 0)):
+        assert resolve_gmm_impl("auto", jnp.bfloat16) == "pallas"
+    assert resolve_gmm_impl("auto", jnp.bfloat16) == "einsum"
+
+
+def test_pallas_is_refused_where_it_cannot_run():
+    with pytest.raises(ValueError, match=r"gmm_impl=pallas needs an NVIDIA Hopper.*target is cpu"):
         resolve_gmm_impl("pallas", jnp.bfloat16)
     with platform.interpret():
         assert resolve_gmm_impl("pallas", jnp.bfloat16) == "pallas"
+        assert resolve_gmm_impl("pallas", jnp.float32) == "pallas"  # interpreted: f32 tests
+    with _gpu((9, 0)):
         with pytest.raises(ValueError, match="model.dtype=bfloat16"):
             resolve_gmm_impl("pallas", jnp.float32)
-    _fake_gpu(monkeypatch, (10, 0))
-    with pytest.raises(ValueError, match=r"compute capability \(10, 0\)"):
-        resolve_gmm_impl("pallas", jnp.bfloat16)
+        with pytest.raises(ValueError, match=r"model.d_model=96 .* blocks of 64"):
+            resolve_gmm_impl("pallas", jnp.bfloat16, dims=(96, 128))
+    with _gpu((10, 0)):
+        with pytest.raises(ValueError, match=r"compute capability \(10, 0\)"):
+            resolve_gmm_impl("pallas", jnp.bfloat16)
 
 
 def test_config_fields_are_validated():
@@ -60,3 +79,19 @@ def test_config_fields_are_validated():
         TransformerConfig(d_model=48, n_heads=3, attention_precision="mxfp8").validate()
     with pytest.raises(ConfigError, match="d_model=48 must be a multiple of 32"):
         TransformerConfig(d_model=48, n_heads=3, moe=MoEConfig(precision="mxfp8")).validate()
+
+
+def test_attention_impl_is_chosen_for_the_target():
+    from olmo_jax.model.attention import resolve_attention_impl
+
+    assert resolve_attention_impl("auto", jnp.bfloat16) == "xla"  # CPU
+    with _gpu((9, 0)):
+        assert resolve_attention_impl("auto", jnp.bfloat16) == "cudnn"
+        assert resolve_attention_impl("auto", jnp.float32) == "xla"
+        assert resolve_attention_impl("xla", jnp.bfloat16) == "xla"
+        with pytest.raises(ValueError, match="attention_impl=cudnn .* model.dtype is float32"):
+            resolve_attention_impl("cudnn", jnp.float32)
+    with pytest.raises(ValueError, match="attention_impl=cudnn .* the target is cpu"):
+        resolve_attention_impl("cudnn", jnp.bfloat16)
+    with pytest.raises(ConfigError, match="model.attention_impl='flash'"):
+        TransformerConfig(attention_impl="flash").validate()

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from olmo_jax.model.vma import cotangent_like
+from olmo_jax.kernels.vma import cotangent_like
 
 
 class BufferPlan(NamedTuple):

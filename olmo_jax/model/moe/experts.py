@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from olmo_jax.kernels import resolve_gmm_impl
+from olmo_jax.kernels.vma import cotangent_like
 from olmo_jax.model.params import normal_param
-from olmo_jax.model.vma import cotangent_like
 
 __all__ = ["Experts", "ffn_batched", "ffn_blocked", "ffn_ragged", "resolve_gmm_impl"]
 

@@ -44,7 +44,7 @@ def local_dispatch(x_SD, routing: Routing, experts: Experts, cfg: MoEConfig, dty
     E = cfg.num_experts
     w = experts.weights(dtype)
     x_SD = x_SD.astype(dtype)
-    impl = resolve_gmm_impl(cfg.gmm_impl, dtype)
+    impl = resolve_gmm_impl(cfg.gmm_impl, dtype, cfg.precision, (x_SD.shape[-1], cfg.expert_hidden))
     ffn = expert_ffns(cfg, impl)  # per layout, in cfg.precision
     if cfg.capacity_factor > 0:
         C = expert_capacity(S, cfg.top_k, E, cfg.capacity_factor)

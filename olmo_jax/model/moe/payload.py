@@ -1,11 +1,13 @@
 """The expert dispatch payload: what travels in the expert all-to-all, and the hook an
 expert-parallel dispatcher calls to move it.
 
-    y = payload.transfer(x_RD, move, precision)
+    y = payload.transfer(x_RD, move, precision, *move_args)
 
-`move` is the dispatcher's linear row movement (e.g. `lambda a: jax.lax.all_to_all(a,
-"expert", 0, 0, tiled=True)` inside shard_map): it must act on rows only, whatever the
-last dimension and dtype, and be linear (its transpose carries gradients back). With
+`move(a, *move_args)` is the dispatcher's linear row movement (e.g. `lambda a:
+jax.lax.all_to_all(a, "expert", 0, 0, tiled=True)` inside shard_map): it must act on
+rows only, whatever the last dimension and dtype, and be linear in `a` (its transpose
+carries gradients back). Traced values it needs (ragged offsets) are passed as
+`move_args`, never closed over: `move` is static data of a custom VJP. With
 precision "bf16" this is just move(x). With "mxfp8" each row is quantized along D
 (blocks of 32, e4m3 values + e8m0 scales) and packed into one uint8 array [R, D + D/32]
 (`olmo_jax.kernels.mxfp8.pack_rows`) before `move`, and dequantized to x's dtype on
@@ -48,16 +50,17 @@ def decode(payload, precision: str, dtype):
     return mx.unpack_rows(payload, dtype)
 
 
-def transfer(x_RD, move, precision: str = "bf16"):
-    """move(x) with the payload in `precision` (see module doc); differentiable in x."""
+def transfer(x_RD, move, precision: str = "bf16", *move_args):
+    """move(x, *move_args) with the payload in `precision` (see module doc);
+    differentiable in x."""
     if precision == "bf16":
-        return move(x_RD)
-    return _quantized_transfer(x_RD, move, precision)
+        return move(x_RD, *move_args)
+    return _quantized_transfer(x_RD, move_args, move, precision)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _quantized_transfer(x_RD, move, precision):
-    return decode(move(encode(x_RD, precision)), precision, x_RD.dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _quantized_transfer(x_RD, move_args, move, precision):
+    return decode(move(encode(x_RD, precision), *move_args), precision, x_RD.dtype)
 
 
 @functools.partial(
@@ -75,15 +78,18 @@ class _RowsLike:
         return jnp.pad(self.probe, ((0, self.n_rows), (0, 0)))
 
 
-def _qt_fwd(x_RD, move, precision):
-    return _quantized_transfer(x_RD, move, precision), _RowsLike(x_RD[:0], x_RD.shape[0])
+def _qt_fwd(x_RD, move_args, move, precision):
+    y = _quantized_transfer(x_RD, move_args, move, precision)
+    return y, (_RowsLike(x_RD[:0], x_RD.shape[0]), move_args)
 
 
-def _qt_bwd(move, precision, like, g):
+def _qt_bwd(move, precision, res, g):
     # move is linear: its transpose needs only x's type (no primal values, no forward run).
+    like, move_args = res
     example = like.example()
-    (dx,) = jax.linear_transpose(move, example)(g.astype(example.dtype))
-    return (dx,)
+    (dx,) = jax.linear_transpose(lambda a: move(a, *move_args), example)(g.astype(example.dtype))
+    args_ct = jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), move_args)
+    return dx, args_ct
 
 
 _quantized_transfer.defvjp(_qt_fwd, _qt_bwd)

@@ -29,7 +29,7 @@ def allgather_dispatch(x_SD, routing, experts, cfg, dtype, *, axis: str):
     local_Gk = idx_Gk // El == me
     lidx_Gk = jnp.where(local_Gk, idx_Gk - me * El, El)  # El = not mine
     w = experts.weights(dtype)
-    impl = resolve_gmm_impl(cfg.gmm_impl, dtype)
+    impl = resolve_gmm_impl(cfg.gmm_impl, dtype, cfg.precision, (x_SD.shape[-1], cfg.expert_hidden))
     ffn = expert_ffns(cfg, impl)
     if impl == "einsum":
         plan, owner_B = dispatch.blocked_plan(lidx_Gk, El + 1, block_size(lidx_Gk.size, El + 1))

@@ -23,6 +23,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from olmo_jax.kernels import vma
 from olmo_jax.model.moe import dispatch, payload
 from olmo_jax.model.moe.experts import resolve_gmm_impl
 from olmo_jax.model.moe.layer import block_size
@@ -86,7 +87,7 @@ def ragged_dispatch(x_SD, routing, experts, cfg, dtype, *, axis: str, emulate: b
     El = E // ep
     S, D = x_SD.shape
     N = S * cfg.top_k
-    impl = resolve_gmm_impl(cfg.gmm_impl, dtype)
+    impl = resolve_gmm_impl(cfg.gmm_impl, dtype, cfg.precision, (x_SD.shape[-1], cfg.expert_hidden))
     blocked = impl == "einsum"
     block = block_size(ep * N, El) if blocked else 1
     rows = dispatch.blocked_rows(ep * N, El, block) if blocked else ep * N
@@ -96,18 +97,24 @@ def ragged_dispatch(x_SD, routing, experts, cfg, dtype, *, axis: str, emulate: b
     lay = ragged_layout(plan.group_sizes_E, ep, block, axis)
     a2a = lambda *args: ragged_all_to_all(*args, axis_name=axis, emulate=emulate)  # noqa: E731
 
-    def exchange(a_NX):  # any payload width X (the MXFP8 payload is packed uint8 rows)
-        return a2a(a_NX, jnp.zeros((rows, a_NX.shape[-1]), a_NX.dtype), lay.fwd_input_offsets,
-                   lay.fwd_send_sizes, lay.fwd_output_offsets, lay.fwd_recv_sizes)
+    def buffer(n_rows, like_X):
+        """The receive buffer, typed varying like the rows sent into it: ragged_all_to_all
+        types its result like this operand, and an invariant one would make the backward
+        pass psum the receive buffer's cotangent over the devices (different tokens)."""
+        return vma.like(jnp.zeros((n_rows, like_X.shape[-1]), like_X.dtype), like_X)
 
-    recv_RD = payload.transfer(send_ND, exchange, cfg.precision)
+    def exchange(a_NX, *offsets):  # any payload width X (the MXFP8 payload: packed uint8 rows)
+        return a2a(a_NX, buffer(rows, a_NX), *offsets)
+
+    recv_RD = payload.transfer(send_ND, exchange, cfg.precision, lay.fwd_input_offsets,
+                               lay.fwd_send_sizes, lay.fwd_output_offsets, lay.fwd_recv_sizes)
     w = experts.weights(dtype)
     ffn = expert_ffns(cfg, impl)
     if blocked:
         y_RD = ffn.blocked(recv_RD, block_owners(lay.padded_sizes_J, rows, block), *w)
     else:
         y_RD = ffn.ragged(recv_RD, lay.group_sizes_J, *w)
-    back_ND = a2a(y_RD, jnp.zeros((N, D), y_RD.dtype), lay.bwd_input_offsets,
+    back_ND = a2a(y_RD, buffer(N, y_RD), lay.bwd_input_offsets,
                   lay.bwd_send_sizes, lay.bwd_output_offsets, lay.bwd_recv_sizes)
     y_SD = dispatch.combine_rows(back_ND, plan, routing.weights_Sk)
     return y_SD, jnp.zeros((), jnp.float32)

@@ -43,11 +43,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from olmo_jax.kernels.vma import varying_axes
 from olmo_jax.model.config import TransformerConfig
 from olmo_jax.model.moe.losses import RouterStats
 from olmo_jax.model.rope import rope_tables
 from olmo_jax.model.transformer import run_blocks
-from olmo_jax.model.vma import varying_axes
 from olmo_jax.parallel.mesh import AXES
 from olmo_jax.parallel.pipeline import schedule as sched_lib
 from olmo_jax.parallel.pipeline.layout import PIPE, STAGE_KEY, Chunking
