@@ -13,19 +13,22 @@
 #
 # Python: the machine's python3 (override with GPU_CHECK_PYTHON), which needs jax
 # 0.11.2 .. 0.12.x with its CUDA plugin, flax >= 0.12.10, optax, chex, orbax-checkpoint,
-# ml_collections (+ absl-py, PyYAML). The lent H200 image has all of them (jax 0.11.2 +
-# jax-cuda13-plugin) except ml_collections: carry that one pure-Python wheel (77 kB,
-# its deps absl-py and PyYAML are on the image) in .whl/. Carried wheels are installed
-# without an index and without deps into /tmp/olmo_jax_site, ahead of the image's
-# packages. Prepare it once, in the repository root, on a machine that reaches a package
-# index (.whl/ is git-ignored):
+# ml_collections, grain. The lent H200 image has all but the wheels listed in
+# tools/gpu_wheels.txt (ml_collections, grain and grain's array_record, cloudpickle,
+# portpicker: 4.6 MB, of which array_record 3.8 MB; their other dependencies are on the
+# image; tests/trainer/test_image_packages.py checks that list). Carry them in .whl/: they
+# are installed without an index and without deps into /tmp/olmo_jax_site, ahead of the
+# image's packages. Prepare them once, in the repository root, on a machine that reaches
+# a package index (.whl/ is git-ignored):
 #
-#   python3 -m pip download --no-deps --only-binary=:all: -d .whl ml_collections==1.1.0
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+#     -d .whl -r tools/gpu_wheels.txt
 #
 # Nothing else is needed there: olmo_jax runs on jax 0.11.2 (olmo_jax/compat.py). On a
-# bare machine with no jax, the same .whl/ may also hold jax/jaxlib/flax and the CUDA
-# plugin+pjrt wheels, but those are ~220 MB, beyond the device tool's 64 MiB carry.
-# With no .whl/ the image's packages are used as they are.
+# bare machine with no jax, .whl/ may also hold jax/jaxlib/flax and the CUDA plugin+pjrt
+# wheels, but those are ~220 MB, beyond the device tool's 64 MiB carry.
+# With no .whl/ the machine's packages are used as they are.
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -42,12 +45,10 @@ if compgen -G "$WHEELS/*.whl" > /dev/null; then
   if "$PY" -m pip --version > /dev/null 2>&1; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target "$SITE" "$WHEELS"/*.whl || { echo "[gpu_check.sh] wheel install failed"; exit 2; }
-  else  # no pip on the image: a pure-Python wheel is a zip of its site-packages files
+  else  # no pip on the machine: a wheel (no scripts, no .data) is a zip of its site-packages files
     "$PY" - "$SITE" "$WHEELS"/*.whl <<'EOF' || exit 2
 import sys, zipfile
 for wheel in sys.argv[2:]:
-    if not wheel.endswith("-none-any.whl"):
-        sys.exit(f"[gpu_check.sh] no pip here to install {wheel} (only pure-Python wheels are unpacked)")
     zipfile.ZipFile(wheel).extractall(sys.argv[1])
 EOF
   fi
@@ -64,7 +65,7 @@ command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,driver_version,
 if ! "$PY" - <<'EOF'
 import importlib, sys
 missing = []
-for name in ("jax", "flax", "optax", "chex", "orbax.checkpoint", "ml_collections", "absl"):
+for name in ("jax", "flax", "optax", "chex", "orbax.checkpoint", "ml_collections", "absl", "grain"):
     try:
         importlib.import_module(name)
     except Exception as e:

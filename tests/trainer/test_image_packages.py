@@ -1,9 +1,10 @@
-"""Training needs only the lent GPU image's packages plus ml_collections (the one wheel
-tools/gpu_check.sh carries): a short `python -m olmo_jax.train --config=configs/tiny.py`
+"""Training needs only the lent GPU image's packages plus the wheels tools/gpu_check.sh
+carries (tools/gpu_wheels.txt): a short `python -m olmo_jax.train --config=configs/tiny.py`
 run in a child process finishes, and every module it imported belongs to the standard
 library, olmo_jax, the repository's configs, or a distribution that the image's packages
 (jax, jaxlib, flax, optax, orbax-checkpoint, chex, absl-py, numpy, tokenizers,
-safetensors, PyYAML) or ml_collections require. `make test` runs this file in the jax
+safetensors, PyYAML) or the carried ones require; and every carried wheel's own
+requirements are on the image or carried too. `make test` runs this file in the jax
 0.11.2 venv (.venv-jax011, the image's jax) as well as in .venv."""
 
 import importlib.metadata as md
@@ -18,7 +19,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 IMAGE = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "chex", "absl-py", "numpy",
          "tokenizers", "safetensors", "PyYAML")
-CARRIED = ("ml_collections",)
+CARRIED = tuple(line.split("==")[0] for line in (REPO / "tools" / "gpu_wheels.txt").read_text().splitlines()
+                if line.strip() and not line.startswith("#"))
 
 # Runs olmo_jax.train as `python -m` would and writes the top-level modules it imported
 # with their files (None: built in or made at run time, e.g. Cython's runtime modules).
@@ -54,6 +56,13 @@ def _closure(roots) -> set[str]:
             if "extra ==" not in req and "extra==" not in req:
                 todo.append(_norm(re.split(r"[\s<>=!~;\[(]", req.strip(), maxsplit=1)[0]))
     return seen
+
+
+def test_the_carried_wheels_need_nothing_else():
+    on_image = _closure(IMAGE)
+    missing = _closure(CARRIED) - on_image - {_norm(c) for c in CARRIED}
+    assert not missing, f"add to tools/gpu_wheels.txt (the carried wheels need them): {sorted(missing)}"
+    assert not {_norm(c) for c in CARRIED} & on_image, "a carried wheel the image already has"
 
 
 def test_tiny_trains_with_the_gpu_images_packages(tmp_path):
