@@ -7,6 +7,10 @@ ORACLE := .venv-oracle
 ORACLE_PY := $(ORACLE)/bin/python
 GPU_VENV := .venv-gpu
 GPU_PY := $(GPU_VENV)/bin/python
+# jax 0.11.2 (the lent GPU image's jax): the kernel, model and parallel tests run there too.
+J11 := .venv-jax011
+J11_PY := $(J11)/bin/python
+J11_TESTS ?= tests/kernels tests/model tests/parallel tests/tools tests/trainer/test_image_packages.py
 CONFIG ?= configs/tiny.py
 ARGS ?=
 PYTEST_ARGS ?=
@@ -15,7 +19,7 @@ GPU_PYTEST_ARGS ?= tests/gpu
 TEST_WORKERS ?= 2
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
-.PHONY: train test venv oracle gpu-venv chromium lint clean
+.PHONY: train test venv oracle jax011 gpu-venv chromium lint clean
 
 venv: $(VENV)/.installed
 
@@ -24,7 +28,7 @@ $(VENV)/.installed: pyproject.toml
 	  py=$$(tools/find_python.sh); echo "creating $(VENV) with $$py"; \
 	  $$py -m venv $(VENV); fi
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev,hf]'
+	$(PY) -m pip install -q -e '.[dev,hf,tensorboard,wandb]'
 	@touch $@
 
 # The transformers/torch oracle used only by parity tests (Python 3.11: the CPU torch wheel).
@@ -54,6 +58,18 @@ $(GPU_VENV)/.installed: pyproject.toml tools/gpu-requirements.txt
 	  find $$d/lib -name 'libcudnn_*.so*' ! -name 'libcudnn_graph.so*' -delete && rm -rf $$d/include
 	@touch $@
 
+# olmo_jax on jax 0.11.2 with the flax/optax/orbax/chex of its day (tools/jax011-requirements.txt).
+jax011: $(J11)/.installed
+
+$(J11)/.installed: tools/jax011-requirements.txt pyproject.toml
+	@set -e; if [ ! -x $(J11_PY) ]; then \
+	  py=$$(tools/find_python.sh --jax011); echo "creating $(J11) with $$py"; \
+	  $$py -m venv $(J11); fi
+	$(J11_PY) -m pip install -q --upgrade pip
+	$(J11_PY) -m pip install -q -r tools/jax011-requirements.txt
+	$(J11_PY) -m pip install -q --no-deps -e .
+	@touch $@
+
 train: venv
 	XLA_FLAGS= $(PY) -m olmo_jax.train --config=$(CONFIG) $(ARGS)
 
@@ -71,15 +87,18 @@ chromium:
 	  fi; \
 	fi
 
-# The suite in .venv (CPU), then tests/gpu in .venv-gpu (README: "Compiling for GPUs without one").
-test: venv oracle chromium
+# The suite in .venv (CPU), the jax 0.11.2 subset in .venv-jax011, then tests/gpu in
+# .venv-gpu (README: "Compiling for GPUs without one").
+test: venv oracle chromium jax011
 	@$(MAKE) --no-print-directory gpu-venv || { echo "error: $(GPU_VENV) could not be installed" \
 	  "(see pip's message above): tests/gpu cannot run" >&2; exit 1; }
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --ignore=tests/gpu $(PYTEST_ARGS)
+	@if [ -n "$(strip $(J11_TESTS))" ]; then echo "jax 0.11.2 ($(J11)): $(J11_TESTS)"; \
+	  $(J11_PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(J11_TESTS); fi
 	$(GPU_PY) -m pytest -q -n $(TEST_WORKERS) $(GPU_PYTEST_ARGS)
 
 lint: venv
 	$(PY) -m ruff check olmo_jax tests tools configs
 
 clean:
-	rm -rf $(VENV) $(ORACLE) $(GPU_VENV) runs .pytest_cache .artifacts
+	rm -rf $(VENV) $(ORACLE) $(J11) $(GPU_VENV) runs .pytest_cache .artifacts

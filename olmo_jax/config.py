@@ -10,6 +10,7 @@ typed model config; each error names the field and the fix.
 from __future__ import annotations
 
 import difflib
+import importlib.util
 
 import ml_collections
 
@@ -76,6 +77,7 @@ def default_config() -> ml_collections.ConfigDict:
     p.virtual_stages = 1  # chunks per stage: interleaved_1f1b needs >= 2 (gpipe: circular)
 
     c.optim = o = ml_collections.ConfigDict()
+    o.name = "adamw"  # adamw | muon (Muon on weight matrices, AdamW on the rest; olmo_jax/optim)
     o.lr = 3e-3
     o.schedule = "cosine"  # cosine | wsd | constant
     o.warmup_steps = 20
@@ -86,13 +88,21 @@ def default_config() -> ml_collections.ConfigDict:
     o.b2 = 0.95
     o.eps = 1e-8
     o.clip_grad_norm = 1.0  # 0 = no clipping
+    o.muon_beta = 0.95  # muon: momentum
+    o.muon_ns_steps = 5  # muon: Newton-Schulz iterations
+    o.muon_rms = 0.2  # muon: update RMS of every matrix (scale rule: RMS matched to AdamW)
+    o.muon_lr = 0.0  # muon: peak lr of the matrices (0 = optim.lr, which the scale rule allows)
 
     c.data = d = ml_collections.ConfigDict()
     d.paths = ""  # comma-separated token files; "" = the embedded stdlib corpus
     d.tokenizer = "bytes"  # bytes | path to a tokenizer.json
     d.vocab_size = 0  # vocab of the token files (0 = the tokenizer's padded vocab)
     d.dtype = ""  # "" = from the vocab size; uint16 | uint32
-    d.eval_fraction = 0.01
+    d.eval_fraction = 0.01  # the default eval split: this share of the windows held out of training
+    # Named eval sets {name: token files (a list or comma-separated)}, held out by the user;
+    # each logged as eval/<name>/loss and eval/<name>/perplexity (olmo_jax/data/loader.py).
+    d.eval_sets = ml_collections.ConfigDict()
+    d.prefetch = 2  # batches the grain pipeline reads ahead on its own thread (0 = none)
 
     c.trainer = t = ml_collections.ConfigDict()
     t.max_steps = 100
@@ -106,6 +116,16 @@ def default_config() -> ml_collections.ConfigDict:
     t.eval_every = 50  # 0 = only at the end
     t.eval_batches = 4
     t.expert_counts_every = 0  # > 0: per-expert counts to {run_dir}/expert_counts.jsonl
+    # Metric sinks (olmo_jax/trainer/sinks.py), comma-separated: jsonl (always) | tensorboard | wandb
+    t.loggers = "jsonl"
+    t.wandb = w = ml_collections.ConfigDict()
+    w.mode = "offline"  # online | offline (no network; `wandb sync` later) | disabled
+    w.project = "olmo_jax"
+    w.entity = ""  # "" = the W&B default
+    w.name = ""  # "" = the run_dir's folder name
+    w.group = ""
+    w.tags = ""  # comma-separated
+    t.profile_steps = ""  # "START:END": jax.profiler trace of steps [START, END) into {run_dir}/profile
     t.sample_prompt = "import os\nimport sys\n\n\ndef "
     t.sample_tokens = 120
     t.sample_temperature = 0.6  # 0 = greedy
@@ -135,8 +155,12 @@ _CHOICES = {
     "parallel.dispatch": ("rowwise", "ragged", "allgather"),
     "parallel.pipeline_schedule": ("gpipe", "1f1b", "interleaved_1f1b"),
     "optim.schedule": ("cosine", "wsd", "constant"),
+    "optim.name": ("adamw", "muon"),
     "trainer.nan_policy": ("skip", "halt"),
+    "trainer.wandb.mode": ("online", "offline", "disabled"),
 }
+LOGGERS = ("jsonl", "tensorboard", "wandb")
+_LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}  # logger -> module (extra)
 
 
 def _get(cfg, dotted: str):
@@ -210,10 +234,23 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"trainer.spike_window must be >= 2, got {t.spike_window}")
     if t.peer_timeout_s <= 0:
         raise ConfigError(f"trainer.peer_timeout_s must be > 0, got {t.peer_timeout_s}")
+    loggers(t)
+    profile_window(t.profile_steps)
+    if cfg.data.prefetch < 0:
+        raise ConfigError(f"data.prefetch must be >= 0 (0 = no read-ahead), got {cfg.data.prefetch}")
     if o.lr <= 0:
         raise ConfigError(f"optim.lr must be > 0, got {o.lr}")
     if not 0 <= o.min_lr_ratio <= 1:
         raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
+    if o.name == "muon":
+        if not 0 <= o.muon_beta < 1:
+            raise ConfigError(f"optim.muon_beta must be in [0, 1), got {o.muon_beta}")
+        if o.muon_ns_steps < 1:
+            raise ConfigError(f"optim.muon_ns_steps must be >= 1, got {o.muon_ns_steps}")
+        if o.muon_rms <= 0:
+            raise ConfigError(f"optim.muon_rms must be > 0, got {o.muon_rms}")
+        if o.muon_lr < 0:
+            raise ConfigError(f"optim.muon_lr must be >= 0 (0 = optim.lr), got {o.muon_lr}")
     if o.warmup_steps < 0:
         raise ConfigError(f"optim.warmup_steps must be >= 0, got {o.warmup_steps}")
     if not 0 < o.decay_fraction <= 1:
@@ -223,3 +260,41 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
             f"model.vocab_size={cfg.model.vocab_size} is smaller than data.vocab_size="
             f"{cfg.data.vocab_size}; raise model.vocab_size (or set it to 0 = from the data)"
         )
+
+
+def loggers(t: ml_collections.ConfigDict) -> tuple[str, ...]:
+    """The metric sinks named by trainer.loggers, checked (known, installed, jsonl kept)."""
+    names = tuple(dict.fromkeys(x.strip() for x in t.loggers.split(",") if x.strip()))
+    for name in names:
+        if name not in LOGGERS:
+            raise ConfigError(
+                f"trainer.loggers={t.loggers!r}: unknown logger {name!r}; choose from {', '.join(LOGGERS)}"
+            )
+    if "jsonl" not in names:
+        raise ConfigError(
+            f"trainer.loggers={t.loggers!r} must include jsonl: metrics.jsonl is what resuming, "
+            "the report and the summary read; e.g. trainer.loggers=jsonl,tensorboard"
+        )
+    for name in names:
+        module = _LOGGER_PACKAGES.get(name)
+        if module and importlib.util.find_spec(module) is None:
+            raise ConfigError(
+                f"trainer.loggers includes {name}, but the {module} package is not installed; "
+                f"pip install 'olmo-jax[{name}]' (or remove {name} from trainer.loggers)"
+            )
+    return names
+
+
+def profile_window(spec: str) -> tuple[int, int] | None:
+    """trainer.profile_steps 'START:END' -> (START, END): the steps START..END-1 (numbered
+    as in metrics.jsonl, the first step is 1) are traced; '' -> None."""
+    if not spec.strip():
+        return None
+    fix = "write it as START:END with 1 <= START < END, e.g. trainer.profile_steps=10:13"
+    try:
+        a, b = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise ConfigError(f"trainer.profile_steps={spec!r} is not START:END; {fix}") from None
+    if not 1 <= a < b:
+        raise ConfigError(f"trainer.profile_steps={spec!r}: need 1 <= START < END; {fix}")
+    return a, b

@@ -6,6 +6,15 @@ python -m olmo_jax.convert hf-to-orbax --hf HF_DIR --out DIR
 python -m olmo_jax.convert orbax-to-hf --ckpt CKPT --out HF_DIR [--dtype bfloat16]
     CKPT: a run folder (its latest checkpoint), a checkpoints folder or one step folder;
     HF_DIR gets config.json + safetensors for OlmoeForCausalLM.from_pretrained.
+python -m olmo_jax.convert upcycle --ckpt CKPT --out DIR --experts E --top-k K
+        [--granularity G] [--keep-dense N] [--shared-expert] [--noise S] [--gating ...]
+    a dense model -> an MoE of E copies of each MLP (granular: E*G experts of hidden F/G,
+    top K*G), fresh router; exact (same logits) at --noise 0 (olmo_jax/checkpoint/upcycle.py).
+python -m olmo_jax.convert experts --ckpt CKPT --out DIR
+        (--duplicate N [--noise S] | --prune E --counts RUN_DIR | --top-k K)
+    expert surgery on an MoE model (olmo_jax/checkpoint/surgery.py).
+Both write DIR/checkpoints/0 (weights only: the optimizer state is dropped) + DIR/config.py;
+    fine-tune: python -m olmo_jax.train --config=DIR/config.py --config.trainer.init_from=DIR
 """
 
 from __future__ import annotations
@@ -36,7 +45,71 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("float32", "bfloat16", "float16"),
         help="tensor dtype (default: the source model's, else float32)",
     )
+    u = sub.add_parser("upcycle", help="dense olmo_jax checkpoint -> MoE (copies of the MLPs)")
+    u.add_argument("--ckpt", required=True, help="run folder, checkpoints folder or step folder")
+    u.add_argument("--out", required=True, help="new (or empty) output folder")
+    u.add_argument("--experts", type=int, required=True, help="E copies of each dense MLP")
+    u.add_argument("--top-k", type=int, required=True, help="copies routed per token")
+    u.add_argument("--granularity", type=int, default=1,
+                   help="G slices of the hidden dim per copy: E*G experts, top-k*G routed")
+    u.add_argument("--keep-dense", type=int, default=0, help="the first N blocks stay dense")
+    u.add_argument("--shared-expert", action="store_true",
+                   help="the MLP also becomes a shared expert (shared and routed get half each)")
+    u.add_argument("--noise", type=float, default=0.0,
+                   help="relative Gaussian noise per routed copy (0 = exact upcycling)")
+    u.add_argument("--gating", default="topk_softmax", choices=("topk_softmax", "softmax", "sigmoid"))
+    u.add_argument("--norm-topk-prob", action="store_true", help="softmax: renormalize over the k")
+    u.add_argument("--router-weight-scale", type=float, default=1.0)
+    u.add_argument("--seed", type=int, default=0, help="router init and noise")
+    e = sub.add_parser("experts", help="expert surgery on an MoE olmo_jax checkpoint")
+    e.add_argument("--ckpt", required=True, help="run folder, checkpoints folder or step folder")
+    e.add_argument("--out", required=True, help="new (or empty) output folder")
+    op = e.add_mutually_exclusive_group(required=True)
+    op.add_argument("--duplicate", type=int, help="N copies of every expert (top-k x N)")
+    op.add_argument("--prune", type=int, help="keep this many most-used experts per block")
+    op.add_argument("--top-k", type=int, help="experts routed per token")
+    e.add_argument("--counts", help="--prune: a run folder or its expert_counts.jsonl")
+    e.add_argument("--noise", type=float, default=0.0, help="--duplicate: relative noise per copy")
+    e.add_argument("--seed", type=int, default=0)
     return parser
+
+
+def _upcycle(args):
+    from olmo_jax.checkpoint import rewrite, upcycle
+
+    spec = upcycle.UpcycleSpec(
+        args.experts, args.top_k, args.granularity, args.keep_dense, args.shared_expert,
+        args.noise, args.gating, args.norm_topk_prob, args.router_weight_scale, args.seed)
+    _, model, path = rewrite.rewrite(
+        args.ckpt, args.out, lambda c, p, s: upcycle.upcycle(c, p, spec, s), "upcycle",
+        "MoE upcycled from the dense model")
+    exact = args.noise == 0 and upcycle.weights_sum_to_one(model.config.moe)
+    return model, path, ("same logits as the dense model" if exact else
+                         "NOT exact: " + ("--noise > 0" if args.noise else
+                                          "the combine weights do not sum to 1 (use "
+                                          "--gating topk_softmax or --norm-topk-prob)"))
+
+
+def _experts(args):
+    from olmo_jax.checkpoint import rewrite, surgery
+
+    if args.prune is not None:
+        if not args.counts:
+            raise SystemExit("error: --prune needs --counts RUN_DIR (its expert_counts.jsonl)")
+
+        def transform(c, p, s):
+            return surgery.prune(c, p, s, args.prune, surgery.read_counts(args.counts, c))
+        what = f"MoE pruned to the {args.prune} most-used experts per block of the model"
+    elif args.duplicate is not None:
+        def transform(c, p, s):
+            return surgery.duplicate(c, p, s, args.duplicate, args.noise, args.seed)
+        what = f"MoE with every expert duplicated x{args.duplicate} of the model"
+    else:
+        def transform(c, p, s):
+            return surgery.set_top_k(c, p, s, args.top_k)
+        what = f"MoE with top_k={args.top_k} of the model"
+    _, model, path = rewrite.rewrite(args.ckpt, args.out, transform, "experts", what)
+    return model, path, what
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,6 +126,17 @@ def main(argv: list[str] | None = None) -> int:
                 f"fine-tune: python -m olmo_jax.train --config={config_path} "
                 f"--config.trainer.init_from={out} --config.data.paths=YOUR_TOKENS.npy"
             )
+        elif args.command in ("upcycle", "experts"):
+            from olmo_jax.checkpoint.rewrite import OPTIMIZER_NOTE
+
+            model, path, note = (_upcycle if args.command == "upcycle" else _experts)(args)
+            m = model.config.moe
+            print(f"wrote {path.parent}/checkpoints/0 and {path} in {time.perf_counter() - t0:.1f}s: "
+                  f"{m.num_experts} experts of hidden {m.expert_hidden}, top-{m.top_k}, "
+                  f"{model.config.n_moe_layers} MoE blocks; {note}")
+            print(OPTIMIZER_NOTE)
+            print(f"fine-tune: python -m olmo_jax.train --config={path} "
+                  f"--config.trainer.init_from={path.parent} --config.data.paths=YOUR_TOKENS.npy")
         else:
             hf.orbax_to_hf(args.ckpt, args.out, args.dtype)
             print(

@@ -104,6 +104,8 @@ def run_training(cfg) -> int:
             raise
         # Several processes: a crash here must not leave the others waiting in a collective.
         traceback.print_exc()
+        if isinstance(e, jax.errors.JaxRuntimeError):  # e.g. a collective whose peer died
+            distributed.await_lost_peer()
         return distributed.report_error(f"{type(e).__name__}: {e}", 1)
     distributed.finish()
     return 0

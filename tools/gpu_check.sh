@@ -11,22 +11,24 @@
 #   e.g. through the device tool:   tools/gpu_check.sh "$OUT"      (carry: [".whl"])
 #        on a CPU, to try it:       GPU_CHECK_PYTHON=.venv/bin/python tools/gpu_check.sh /tmp/gc --dry-run
 #
-# Python: the machine's python3 (override with GPU_CHECK_PYTHON), which needs jax 0.12
-# with its CUDA plugin, flax, optax, chex, orbax-checkpoint, ml_collections. A bare
-# machine gets the missing ones from wheels carried in .whl/ (installed without an index
-# into /tmp/olmo_jax_site). Prepare them once, in the repository root, on a machine that
-# reaches a package index (.whl/ is git-ignored):
+# Python: the machine's python3 (override with GPU_CHECK_PYTHON), which needs jax
+# 0.11.2 .. 0.12.x with its CUDA plugin, flax >= 0.12.10, optax, chex, orbax-checkpoint,
+# ml_collections, grain. The lent H200 image has all but the wheels listed in
+# tools/gpu_wheels.txt (ml_collections, grain and grain's array_record, cloudpickle,
+# portpicker: 4.6 MB, of which array_record 3.8 MB; their other dependencies are on the
+# image; tests/trainer/test_image_packages.py checks that list). Carry them in .whl/: they
+# are installed without an index and without deps into /tmp/olmo_jax_site, ahead of the
+# image's packages. Prepare them once, in the repository root, on a machine that reaches
+# a package index (.whl/ is git-ignored):
 #
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
-#     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
-#     jax==0.12.0.1 jaxlib==0.12.0.1 jax-cuda13-plugin==0.12.0.1 jax-cuda13-pjrt==0.12.0.1 \
-#     flax==0.12.12 ml_collections==1.1.0
+#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+#     -d .whl -r tools/gpu_wheels.txt
 #
-# Those six wheels are 224 MB (jax-cuda13-pjrt 135 MB, jaxlib 87 MB): more than the
-# device tool's 64 MiB carry limit. Where the image already has jax 0.12 + its CUDA
-# plugin, download only the last two (0.6 MB). For a CUDA 12 driver use the cuda12
-# plugin and pjrt wheels instead. With no .whl/ the image's packages are used as they are.
+# Nothing else is needed there: olmo_jax runs on jax 0.11.2 (olmo_jax/compat.py). On a
+# bare machine with no jax, .whl/ may also hold jax/jaxlib/flax and the CUDA plugin+pjrt
+# wheels, but those are ~220 MB, beyond the device tool's 64 MiB carry.
+# With no .whl/ the machine's packages are used as they are.
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -36,11 +38,20 @@ OUT_DIR="${1:-}"
 [ $# -gt 0 ] && shift
 LIMIT_S="${GPU_CHECK_TIMEOUT_S:-470}"
 
-if compgen -G ".whl/*.whl" > /dev/null; then
-  SITE=/tmp/olmo_jax_site
-  echo "[gpu_check.sh] installing $(ls .whl/*.whl | wc -l) carried wheels into $SITE"
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target "$SITE" .whl/*.whl || { echo "[gpu_check.sh] wheel install failed"; exit 2; }
+WHEELS="${GPU_CHECK_WHEELS:-$REPO/.whl}"  # overridable for the CPU test
+if compgen -G "$WHEELS/*.whl" > /dev/null; then
+  SITE="${GPU_CHECK_SITE:-/tmp/olmo_jax_site}"
+  echo "[gpu_check.sh] installing carried wheels into $SITE:" $(cd "$WHEELS" && ls *.whl)
+  if "$PY" -m pip --version > /dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$SITE" "$WHEELS"/*.whl || { echo "[gpu_check.sh] wheel install failed"; exit 2; }
+  else  # no pip on the machine: a wheel (no scripts, no .data) is a zip of its site-packages files
+    "$PY" - "$SITE" "$WHEELS"/*.whl <<'EOF' || exit 2
+import sys, zipfile
+for wheel in sys.argv[2:]:
+    zipfile.ZipFile(wheel).extractall(sys.argv[1])
+EOF
+  fi
   export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
@@ -54,7 +65,7 @@ command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,driver_version,
 if ! "$PY" - <<'EOF'
 import importlib, sys
 missing = []
-for name in ("jax", "flax", "optax", "chex", "orbax.checkpoint", "ml_collections", "absl"):
+for name in ("jax", "flax", "optax", "chex", "orbax.checkpoint", "ml_collections", "absl", "grain"):
     try:
         importlib.import_module(name)
     except Exception as e:
@@ -64,11 +75,11 @@ if missing:
     print("[gpu_check.sh] carry them as wheels in .whl/ (see the top of tools/gpu_check.sh)")
     sys.exit(1)
 import jax
-major, minor = (int(p) for p in jax.__version__.split(".")[:2])
+version = tuple(int(p) for p in jax.__version__.split(".")[:3])
 print(f"[gpu_check.sh] python {sys.version.split()[0]}, jax {jax.__version__}, devices {jax.devices()}")
-if (major, minor) < (0, 12):
-    print(f"[gpu_check.sh] WARNING: olmo_jax targets jax 0.12, found {jax.__version__}: "
-          "Pallas Mosaic GPU APIs may differ; carry the jax 0.12 wheels (top of this script)")
+if not (0, 11, 2) <= version < (0, 13):
+    print(f"[gpu_check.sh] jax {jax.__version__}: olmo_jax needs jax >= 0.11.2, < 0.13 (pyproject.toml)")
+    sys.exit(1)
 EOF
 then
   exit 2

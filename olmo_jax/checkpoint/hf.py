@@ -299,9 +299,9 @@ def save_model(model, out_dir: str | Path, dtype: str | None = None) -> None:
 # ---- conversions between folders (python -m olmo_jax.convert) ------------------------
 CONFIG_FILE = "config.py"
 
-_CONFIG_PY = '''"""olmo_jax run config of the Hugging Face OLMoE model converted from
+_CONFIG_PY = '''"""olmo_jax run config of the {what} from
 {source}
-by `python -m olmo_jax.convert hf-to-orbax`. Its checkpoint is this folder; fine-tune with
+by `python -m olmo_jax.convert {command}`. Its checkpoint is this folder; fine-tune with
     python -m olmo_jax.train --config={config_path} --config.trainer.init_from={out_dir} \\
         --config.data.paths=YOUR_TOKENS.npy
 """
@@ -368,16 +368,23 @@ def hf_to_orbax(hf_dir: str | Path, out_dir: str | Path) -> Path:
     if (hf_dir / "tokenizer.json").is_file():
         shutil.copy(hf_dir / "tokenizer.json", out_dir / "tokenizer.json")
         tokenizer = str(out_dir / "tokenizer.json")
+    return save_init_checkpoint(out_dir, model, hf_dir.absolute(), "hf-to-orbax",
+                                "Hugging Face OLMoE model converted", tokenizer)
+
+
+def save_init_checkpoint(out_dir: Path, model: HFModel, source, command: str, what: str,
+                         tokenizer: str = "") -> Path:
+    """{out}/checkpoints/0 (weights only: no optimizer state) and {out}/config.py, whose
+    trainer.init_from starts a fresh run from these weights; returns the config's path."""
+    out_dir = Path(out_dir).absolute()
     run_cfg = run_config(model.config, tokenizer)
     ckpts = m.Checkpoints(out_dir / m.RUN_SUBDIR, async_save=False)
-    ckpts.save(
-        0,
-        model={"params": model.params, "model_state": model.model_state},
-        json_items={
-            m.CONFIG: {"config": run_cfg.to_dict(), "model": m.model_config_to_dict(model.config)},
-            m.HF_CONFIG: model.hf_config,
-        },
-    )
+    json_items = {m.CONFIG: {"config": run_cfg.to_dict(),
+                             "model": m.model_config_to_dict(model.config)}}
+    if model.hf_config is not None:
+        json_items[m.HF_CONFIG] = model.hf_config
+    ckpts.save(0, model={"params": model.params, "model_state": model.model_state},
+               json_items=json_items)
     ckpts.close()
     lines = [
         f"    c.{k} = {v!r}" for k, v in _model_assignments(model.config) if k not in _RUN_SETTINGS
@@ -387,7 +394,9 @@ def hf_to_orbax(hf_dir: str | Path, out_dir: str | Path) -> Path:
     config_path = out_dir / CONFIG_FILE
     config_path.write_text(
         _CONFIG_PY.format(
-            source=hf_dir.absolute(),
+            what=what,
+            source=source,
+            command=command,
             config_path=config_path,
             out_dir=out_dir,
             assignments="\n".join(lines),

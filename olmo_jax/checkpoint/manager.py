@@ -3,6 +3,8 @@
     {dir}/{step}/model       params + model_state     (orbax arrays, named trees)
     {dir}/{step}/train       step, rng, opt_state     (absent in converted checkpoints)
     {dir}/{step}/data        the data loader's position (JSON)
+    {dir}/{step}/data_iter   the grain iterator state of each process's batch stream
+                             (grain's orbax handler: process_I-of-N.json)
     {dir}/{step}/config      the resolved run config + the typed model config (JSON)
     {dir}/{step}/hf_config   the Hugging Face config.json a model came from (JSON, optional)
 
@@ -18,9 +20,11 @@ fit (a mismatch names the first parameter and both shapes).
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
+import grain
 import jax
 import orbax.checkpoint as ocp
 
@@ -35,6 +39,7 @@ from olmo_jax.checkpoint.tree import (
 from olmo_jax.model.config import MoEConfig, TransformerConfig
 
 MODEL, TRAIN, DATA, CONFIG, HF_CONFIG = "model", "train", "data", "config", "hf_config"
+DATA_ITER = "data_iter"
 _ARRAY_ITEMS = (MODEL, TRAIN)
 _JSON_ITEMS = (DATA, CONFIG, HF_CONFIG)
 RUN_SUBDIR = "checkpoints"  # a run's checkpoints live in {run_dir}/checkpoints
@@ -68,6 +73,7 @@ class Checkpoints:
         self.read_only = read_only
         handlers = {name: ocp.StandardCheckpointHandler() for name in _ARRAY_ITEMS}
         handlers.update({name: ocp.JsonCheckpointHandler() for name in _JSON_ITEMS})
+        handlers[DATA_ITER] = grain.checkpoint.CheckpointHandler()
         self._mgr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     # ---- listing -------------------------------------------------------------------
@@ -92,10 +98,11 @@ class Checkpoints:
         model: dict,
         train: dict | None = None,
         json_items: dict[str, Any] | None = None,
+        data_iter: dict | None = None,
     ) -> None:
         """Starts an asynchronous save of step `step`. `model` / `train` are pytrees
         (saved under their leaves' names); `json_items` maps DATA/CONFIG/HF_CONFIG to
-        JSON-serializable values."""
+        JSON-serializable values; `data_iter` is this process's grain iterator state."""
         if self.read_only:
             raise ValueError(f"{self.directory} was opened read-only")
         args = {MODEL: ocp.args.StandardSave(nest(flatten_named(model)))}
@@ -105,6 +112,8 @@ class Checkpoints:
             if name not in _JSON_ITEMS:
                 raise ValueError(f"unknown JSON item {name!r}")
             args[name] = ocp.args.JsonSave(value)
+        if data_iter is not None:  # a snapshot: the stream moves on while the save runs
+            args[DATA_ITER] = grain.checkpoint.CheckpointSave(_IteratorState(data_iter))
         self._mgr.save(step, args=ocp.args.Composite(**args), force=True)
 
     def wait(self) -> None:
@@ -175,6 +184,39 @@ class Checkpoints:
             )[item]
         except Exception as e:
             raise CheckpointError(f"cannot read {self.step_dir(step) / item}: {e}") from e
+
+
+    def read_iterator_state(self, step: int) -> dict | None:
+        """This process's grain iterator state saved with step `step`; None when the
+        checkpoint has none for it (written before grain, or by another process count)."""
+        where = self.step_dir(step) / DATA_ITER
+        index, count = jax.process_index(), jax.process_count()
+        if not (where / f"process_{index}-of-{count}.json").is_file():
+            return None
+        holder = _IteratorState(None)
+        try:
+            self._mgr.restore(
+                step, args=ocp.args.Composite(**{DATA_ITER: grain.checkpoint.CheckpointRestore(holder)}))
+        except Exception as e:
+            raise CheckpointError(f"cannot read {where}: {e}") from e
+        return holder.state
+
+
+class _IteratorState:
+    """A grain iterator's state, held still: what grain's orbax handler saves (get_state)
+    and restores into (set_state)."""
+
+    def __init__(self, state: dict | None):
+        self.state = state
+
+    def get_state(self) -> bytes:
+        return json.dumps(self.state).encode()
+
+    def set_state(self, state: bytes) -> None:
+        self.state = json.loads(state)
+
+    def start_prefetch(self) -> None:
+        pass
 
 
 def targets(like: Any, shardings: Any) -> dict[str, jax.ShapeDtypeStruct]:

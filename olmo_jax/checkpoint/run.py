@@ -2,7 +2,8 @@
 
 - Start: a run_dir that already holds checkpoints continues from the latest COMPLETE one
   (`trainer.resume`, default on): params, optimizer state, step, RNG, data position, all
-  read onto this run's shardings. Otherwise `trainer.init_from` (if set) loads a
+  read onto this run's shardings, and the grain iterator state of this process's batch
+  stream (`iterator_state`, applied by the loop). Otherwise `trainer.init_from` (if set) loads a
   checkpoint's weights into a fresh run (new optimizer state, step 0).
 - metrics.jsonl on resume: the records of steps after the restored checkpoint (trained,
   then lost with the process) are dropped, the file is then appended to. Every step
@@ -117,6 +118,8 @@ class RunCheckpoints:
         self.resumed_from: int | None = None
         self.previous_records: list[dict] = []
         self.last_saved: int | None = self.latest
+        # The grain iterator state (data/pipeline.py) of the checkpoint resumed from, if any.
+        self.iterator_state: dict | None = None
 
     def _check_architecture(self, ckpts: m.Checkpoints, step: int, what: str) -> None:
         saved = m.saved_model_config(ckpts, step)
@@ -201,6 +204,7 @@ class RunCheckpoints:
         if "guard" not in train:
             train["guard"] = _fresh_guard(abstract, shardings)
         train_loader.load_state_dict(self.ckpts.read_json(step, m.DATA))
+        self.iterator_state = self.ckpts.read_iterator_state(step)
         if train_loader.step != int(train["step"]) or step != int(train["step"]):
             raise CheckpointError(
                 f"checkpoint {self.ckpts.step_dir(step)} is inconsistent: folder step {step}, "
@@ -230,17 +234,26 @@ class RunCheckpoints:
         return bool(force or (self.save_every and step % self.save_every == 0)) and (
             self.last_saved != step)
 
-    def maybe_save(self, step: int, state: TrainState, train_loader, force: bool = False) -> None:
-        """Saves after `step` completed steps when it is a save step (or `force`)."""
+    def maybe_save(self, step: int, state: TrainState, train_loader, force: bool = False,
+                   stream=None) -> None:
+        """Saves after `step` completed steps when it is a save step (or `force`);
+        `stream`: the train batch stream, whose grain iterator state is saved too."""
         if not self.due(step, force):
             return
         train_loader.step = step  # the next batch to train on
+        data_iter = None
+        if stream is not None:
+            data_iter = stream.get_state()
+            if int(data_iter["next_index"]) != step:
+                raise CheckpointError(
+                    f"the data stream is at step {data_iter['next_index']} when saving step {step}")
         config = {"config": self.cfg.to_dict(), "model": m.model_config_to_dict(self.model_cfg)}
         self.ckpts.save(
             step,
             model=model_tree(state),
             train=train_tree(state),
             json_items={m.DATA: train_loader.state_dict(), m.CONFIG: config},
+            data_iter=data_iter,
         )
         self.last_saved = step
 

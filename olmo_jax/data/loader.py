@@ -5,29 +5,24 @@
   a window never crosses a file boundary, and a file's last `< seq_len` tokens are unused.
 - `split_windows`: the deterministic train / held-out split of window ids.
 - `BatchLoader`: batches addressed by global step. The windows of one split form an
-  endless stream, epoch after epoch, each epoch a permutation drawn from
-  `default_rng([seed, epoch])`; the batch of step s is stream positions
+  endless stream, epoch after epoch, each epoch a permutation (grain's shuffle, seeded by
+  seed and epoch: pipeline.py); the batch of step s is stream positions
   `[s * B, (s + 1) * B)`. Epochs wrap: a batch may end one epoch and start the next, no
   window is dropped, and each is seen once per epoch. So `batch(step)` depends only on
   (data, seed, B, step): not on call order, process count or mesh, and each process can
-  read only its `rows` of the global batch.
-- `build_data`: the factory from the `data` config section.
+  read only its `rows` of the global batch. `BatchLoader.stream(rows)` yields those rows
+  step after step, read ahead by grain, with a checkpointable iterator state.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from olmo_jax.data.corpus import CORPUS_DTYPE, stdlib_corpus
 from olmo_jax.data.errors import DataError
-from olmo_jax.data.token_file import TokenFile, dtype_for_vocab, token_dtype
-from olmo_jax.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from olmo_jax.data.pipeline import BatchStream, window_order
+from olmo_jax.data.token_file import TokenFile
 
 # The hold-out depends only on the data, never on the training seed, so runs with
 # different seeds are evaluated on the same windows.
@@ -120,7 +115,7 @@ class BatchLoader:
                 f"than one global batch of {global_batch_size}; lower seq_len or the global "
                 "batch size, or add token files to data.paths"
             )
-        self._permutations: dict[int, np.ndarray] = {}
+        self._order = window_order(self.window_ids, seed)  # position -> window id (grain)
 
     @property
     def n_windows(self) -> int:
@@ -139,28 +134,19 @@ class BatchLoader:
         """The epoch that the first row of `step`'s batch belongs to."""
         return step * self.global_batch_size // self.n_windows
 
-    def _permutation(self, epoch: int) -> np.ndarray:
-        permutation = self._permutations.get(epoch)
-        if permutation is None:
-            permutation = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
-            if len(self._permutations) >= 2:  # a batch spans at most two epochs (n >= B)
-                self._permutations.pop(next(iter(self._permutations)), None)
-            self._permutations[epoch] = permutation
-        return permutation
-
     def batch(self, step: int, rows: slice | None = None) -> np.ndarray:
         """Rows `rows` (default all) of step `step`'s global batch, int32 [rows, seq_len + 1]."""
         if step < 0:
             raise IndexError(f"step {step} must be non-negative")
         row_ids = np.arange(self.global_batch_size)[rows if rows is not None else slice(None)]
         positions_R = step * self.global_batch_size + row_ids
-        epochs_R, offsets_R = np.divmod(positions_R, self.n_windows)
-        window_ids_R = np.empty_like(positions_R)
-        for epoch in np.unique(epochs_R):
-            in_epoch = epochs_R == epoch
-            permutation = self._permutation(int(epoch))
-            window_ids_R[in_epoch] = self.window_ids[permutation[offsets_R[in_epoch]]]
-        return self.windows.read(window_ids_R)
+        return self.windows.read([self._order[int(p)] for p in positions_R])
+
+    def stream(self, rows: np.ndarray | None = None, prefetch: int = 0) -> BatchStream:
+        """Rows `rows` (default all) of the batches from `self.step` on, read ahead
+        `prefetch` batches by grain on its own thread (pipeline.py)."""
+        rows = np.arange(self.global_batch_size) if rows is None else rows
+        return BatchStream(self, rows, prefetch)
 
     def iterate(
         self, start_step: int | None = None, rows: slice | None = None
@@ -201,112 +187,3 @@ class BatchLoader:
                 "settings, or start a new run"
             )
         self.step = int(state["step"])
-
-
-@dataclass(frozen=True)
-class Data:
-    """What `build_data` returns. `eval` is None when data.eval_fraction is 0."""
-
-    train: BatchLoader
-    eval: BatchLoader | None
-    tokenizer: Tokenizer
-    vocab_size: int
-    windows: TokenWindows
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "olmo_jax"
-
-
-def _field(cfg: Any, name: str, default: Any) -> Any:
-    """`cfg[name]` for mappings, `cfg.name` otherwise (ml_collections, dataclasses)."""
-    if isinstance(cfg, Mapping):
-        return cfg.get(name, default)
-    return getattr(cfg, name, default)
-
-
-def build_data(
-    data_cfg: Any,
-    seq_len: int,
-    global_batch_size: int,
-    seed: int = 0,
-    cache_dir: str | Path | None = None,
-) -> Data:
-    """Train and eval loaders from the `data` config section: a dict, ConfigDict or object
-    with `paths` (token files, a list or one comma-separated string; empty: the embedded
-    stdlib corpus, cached in `cache_dir`),
-    `tokenizer` ('' | 'bytes' | path to tokenizer.json), `vocab_size` (0: the tokenizer's
-    padded vocabulary), `eval_fraction` (default 0.01; at least one global batch is held
-    out, 0 disables eval) and `dtype` ('' from the vocabulary, 'uint16', 'uint32')."""
-    paths = _field(data_cfg, "paths", ())
-    if isinstance(paths, str):  # the config's form: comma-separated paths
-        paths = [p.strip() for p in paths.split(",") if p.strip()]
-    paths = [paths] if isinstance(paths, Path) else list(paths)
-    tokenizer_spec = str(_field(data_cfg, "tokenizer", ""))
-    tokenizer = load_tokenizer(tokenizer_spec)
-    vocab_size = int(_field(data_cfg, "vocab_size", 0)) or tokenizer.padded_vocab_size
-    eval_fraction = float(_field(data_cfg, "eval_fraction", 0.01))
-    dtype_name = str(_field(data_cfg, "dtype", ""))
-    if vocab_size < tokenizer.vocab_size:
-        raise DataError(
-            f"data.vocab_size={vocab_size} is smaller than the tokenizer's vocabulary "
-            f"({tokenizer.vocab_size}); set it to 0 (the padded tokenizer vocabulary, "
-            f"{tokenizer.padded_vocab_size}) or at least {tokenizer.vocab_size}"
-        )
-
-    if not paths:
-        if not isinstance(tokenizer, ByteTokenizer):
-            raise DataError(
-                "data.paths is empty, so the byte-tokenized embedded corpus is used, but "
-                f"data.tokenizer={tokenizer_spec!r}; set data.tokenizer='' or list token "
-                "files made with that tokenizer in data.paths"
-            )
-        if dtype_name and token_dtype(dtype_name) != CORPUS_DTYPE:
-            raise DataError(
-                f"data.dtype={dtype_name!r}, but the embedded corpus (data.paths empty) is "
-                "uint16; set data.dtype=''"
-            )
-        corpus_path = stdlib_corpus(cache_dir if cache_dir is not None else default_cache_dir())
-        files = [TokenFile(corpus_path, CORPUS_DTYPE, vocab_size)]
-    else:
-        dtype = token_dtype(dtype_name) if dtype_name else dtype_for_vocab(vocab_size)
-        for i, path in enumerate(paths):
-            if not Path(path).expanduser().is_file():
-                raise DataError(
-                    f"data.paths[{i}]: token file {path} does not exist; make one from text "
-                    "files with `python tools/tokenize_files.py INPUTS -o OUTPUT` (or leave "
-                    "data.paths empty for the embedded stdlib corpus)"
-                )
-        files = [TokenFile(Path(path).expanduser(), dtype, vocab_size) for path in paths]
-
-    windows = TokenWindows(files, seq_len)
-    n_batches_needed = 2 if eval_fraction > 0 else 1  # train, and eval when enabled
-    if len(windows) < n_batches_needed * global_batch_size:
-        raise DataError(
-            f"the data ({windows.n_tokens} tokens in {len(files)} file(s)) gives "
-            f"{len(windows)} windows of seq_len {seq_len} + 1 tokens, fewer than "
-            f"{n_batches_needed} global batch(es) of {global_batch_size} (training"
-            + (", and eval since data.eval_fraction > 0" if eval_fraction > 0 else "")
-            + "); lower seq_len or the global batch size, or add token files to data.paths"
-        )
-    min_eval_windows = global_batch_size if eval_fraction > 0 else 0
-    train_ids, eval_ids = split_windows(len(windows), eval_fraction, SPLIT_SEED, min_eval_windows)
-    if len(train_ids) < global_batch_size:
-        raise DataError(
-            f"after holding out {len(eval_ids)} of {len(windows)} windows for eval "
-            f"(data.eval_fraction={eval_fraction}, at least one global batch), "
-            f"{len(train_ids)} remain for training, fewer than one global batch of "
-            f"{global_batch_size} at seq_len {seq_len}; lower data.eval_fraction, seq_len or "
-            "the global batch size, or add token files to data.paths"
-        )
-    # Eval batches ignore the training seed too: every run evaluates the same batches.
-    eval_loader = None
-    if len(eval_ids):
-        eval_loader = BatchLoader(windows, eval_ids, global_batch_size, SPLIT_SEED)
-    return Data(
-        train=BatchLoader(windows, train_ids, global_batch_size, seed),
-        eval=eval_loader,
-        tokenizer=tokenizer,
-        vocab_size=vocab_size,
-        windows=windows,
-    )

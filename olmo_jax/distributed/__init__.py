@@ -5,6 +5,7 @@ or started by hand), all driving one global device mesh.
     distributed.initialize(launch, peer_timeout_s) # before anything touches a device
     distributed.is_main()                          # process 0 writes logs and metrics
     distributed.place_batch(read_rows, shape, sharding)  # each process reads its rows
+    distributed.local_rows(shape, sharding)        # ... which are these
 
 On CPU the processes' collectives go over TCP (JAX's gloo backend, the default of
 `jax_cpu_collectives_implementation`); each process's device count comes from XLA_FLAGS
@@ -26,8 +27,8 @@ from olmo_jax.distributed.watchdog import EXIT_PEER_LOST, Watchdog
 from olmo_jax.model.config import ConfigError
 
 __all__ = [
-    "EXIT_PEER_LOST", "Launch", "detect", "finish", "initialize", "is_main", "place_batch",
-    "report_error", "set_hint",
+    "EXIT_PEER_LOST", "Launch", "await_lost_peer", "detect", "finish", "initialize", "is_main",
+    "local_rows", "place_batch", "report_error", "rows_reader", "set_hint",
 ]
 
 _watchdog: Watchdog | None = None
@@ -82,6 +83,14 @@ def finish() -> None:
         _watchdog.finish()
 
 
+def await_lost_peer() -> None:
+    """After a runtime error in a multi-process run: when it came from a collective whose
+    peer died, exit with EXIT_PEER_LOST and the watchdog's message (within
+    trainer.peer_timeout_s); else return (no effect in a single process)."""
+    if _watchdog is not None:
+        _watchdog.await_verdict()
+
+
 def report_error(message: str, code: int) -> int:
     """Prints `error: message` and returns `code` (the exit code). In a multi-process run
     it exits the process itself after telling the others (they stop with this message
@@ -120,3 +129,24 @@ def place_batch(read_rows: Callable[[np.ndarray], np.ndarray], shape: tuple[int,
         return read[key][..., index[-1]]
 
     return jax.make_array_from_callback(tuple(shape), sharding, shard)
+
+
+def local_rows(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> np.ndarray:
+    """The global row ids (into the flattened leading axes of `shape`, as `place_batch`
+    numbers them) that this process's devices hold, sorted: what it reads of each batch."""
+    *lead, _ = shape
+    row_ids = np.arange(int(np.prod(lead))).reshape(lead)
+    held = [row_ids[index[:-1]].reshape(-1)
+            for index in sharding.addressable_devices_indices_map(tuple(shape)).values()]
+    return np.unique(np.concatenate(held))
+
+
+def rows_reader(row_ids: np.ndarray, rows_RL: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+    """`read_rows` for `place_batch` from rows already read: rows_RL[i] is global row
+    row_ids[i] (sorted, e.g. from `local_rows`)."""
+    def read_rows(ids: np.ndarray) -> np.ndarray:
+        at = np.searchsorted(row_ids, ids)
+        if not np.array_equal(row_ids[np.minimum(at, len(row_ids) - 1)], ids):
+            raise ValueError(f"rows {ids} are not all among the rows read ({row_ids})")
+        return rows_RL[at]
+    return read_rows

@@ -16,6 +16,11 @@ at most 1 s: a few small RPCs per process.)
 
 If process 0 itself dies, the coordination service it hosts dies with it and JAX ends every
 other process at once, with its own message ("the leader task was preempted/died").
+
+A collective may also fail at once when a peer dies (jax 0.11's CPU collectives raise
+"Gloo AllGather failed: ... Connection reset by peer"): the training process then calls
+`await_verdict()` before reporting a crash, so the run still ends with EXIT_PEER_LOST and
+the message naming the lost process when that is the cause.
 """
 
 from __future__ import annotations
@@ -122,6 +127,14 @@ class Watchdog:
                 self.client.key_value_set(_PREFIX + "failed", message, allow_overwrite=True)
         except Exception:  # the service is gone: the others stop anyway
             pass
+
+    def await_verdict(self) -> None:
+        """After a runtime error in this process: wait until the watchdog would have found
+        a lost process (peer_timeout_s, plus the ticks to read `failed`); if one is lost,
+        the watchdog thread exits this process with EXIT_PEER_LOST meanwhile. Returns when
+        every watched process still beats (the error is this process's own)."""
+        if self._thread.is_alive():
+            self._thread.join(self.timeout + 5 * self.tick)
 
     def finish(self) -> None:
         """This process ended its run normally: stop watching, and tell the others."""

@@ -25,6 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from olmo_jax import compat
 from olmo_jax.kernels import platform, vma
 
 BLOCK = 32
@@ -172,8 +173,8 @@ def quantize_rowcol_pallas(x_MK, rounding: str = "rceil", block_m: int = 64, blo
             inv = plgpu.layout_cast(
                 lax.broadcast_in_dim(_inverse_scale(e), (bm, BLOCK), (0,)), plgpu.Layout.WGMMA
             )
-            plgpu.store(qr_s.at[:, j, :], _to_e4m3(v * inv), optimized=False)
-            plgpu.store(sr_g.at[j], e.astype(jnp.uint8), optimized=False)
+            compat.gpu_store(qr_s.at[:, j, :], _to_e4m3(v * inv))
+            compat.gpu_store(sr_g.at[j], e.astype(jnp.uint8))
 
         # Column-wise (blocks along M): 32 consecutive rows share a scale per column.
         @pl.loop(0, bm // BLOCK)
@@ -191,7 +192,7 @@ def quantize_rowcol_pallas(x_MK, rounding: str = "rceil", block_m: int = 64, blo
             def _quantize_row(t):
                 qc_s[rows + t] = _to_e4m3(x_s[rows + t].astype(jnp.float32) * inv)
 
-            plgpu.store(sc_g.at[i], e.astype(jnp.uint8), optimized=False)
+            compat.gpu_store(sc_g.at[i], e.astype(jnp.uint8))
 
     def body(x_g, qr_g, sr_g, qc_g, sc_g):
         mi = lax.axis_index("m")

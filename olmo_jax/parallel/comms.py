@@ -14,7 +14,8 @@ differentiation (their op_name has `transpose(`), `phase` says fwd / bwd / step 
 step: ZeRO parameter gathers and gradient reductions); op_name also carries the scopes
 the parallel code sets (`Collective.purpose`: zero_gather, zero_reduce, fsdp_gather,
 loss_allsum, moe_<backend>, and for pipelines pipe_gather / pipe_reduce (parameters to the
-stages and gradients back) and pipe_send (activations and cotangents between stages);
+stages and gradients back) and pipe_send (activations and cotangents between stages),
+muon_gather / muon_return (Muon's matrices to their owning ranks and the results back);
 "other" for what GSPMD adds, e.g. the gradient-norm sum).
 A backend may widen a collective's payload (XLA:CPU sends bf16 as f32, converting before
 and after): `bytes` is what the compiled program moves, `jax_bytes` what the JAX program
@@ -45,7 +46,8 @@ DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16"
 
 # Named scopes set by olmo_jax.parallel (zero.py, strategy.py, expert/*).
 SCOPES = ("zero_gather", "zero_reduce", "fsdp_gather", "loss_allsum", "moe_rowwise",
-          "moe_ragged", "moe_allgather", "pipe_gather", "pipe_reduce", "pipe_send")
+          "moe_ragged", "moe_allgather", "pipe_gather", "pipe_reduce", "pipe_send",
+          "muon_gather", "muon_return")
 
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*->.*\{\s*$")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*)$")
@@ -102,7 +104,8 @@ class Collective:
         traffic: ZeRO gathers/reductions and what GSPMD adds around the update)."""
         if self.backward:
             return "bwd"
-        once = ("zero_gather", "zero_reduce", "pipe_gather", "pipe_reduce", "other")
+        once = ("zero_gather", "zero_reduce", "pipe_gather", "pipe_reduce", "muon_gather",
+                "muon_return", "other")
         return "step" if self.purpose in once else "fwd"
 
     @property

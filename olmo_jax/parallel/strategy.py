@@ -5,7 +5,9 @@ shard_map wrappers the train/eval steps run under.
 The whole forward and backward pass runs per device inside one `jax.shard_map` over the
 mesh, so every collective is explicit: expert dispatch (expert.py backends), the
 router-statistics and loss sums (`allsum`), and parameter gather / gradient reduction
-(zero.py). The optimizer update runs outside, elementwise on the stored shards.
+(zero.py). The optimizer update runs outside, elementwise on the stored shards; Muon's
+Newton-Schulz, which is not elementwise, runs in its own shard_map on whole matrices,
+each owned by one data-parallel rank (muon.py, `optimizer_args`).
 
     plan = build_plan(cfg, model_cfg)          # validates the config against the devices
     graphdef, state = init_state(model_cfg, tx, seed, dispatcher=plan.dispatcher)
@@ -36,6 +38,7 @@ from olmo_jax.model.attention import resolve_attention_impl
 from olmo_jax.model.config import ConfigError, TransformerConfig
 from olmo_jax.parallel import expert as expert_lib
 from olmo_jax.parallel import mesh as mesh_lib
+from olmo_jax.parallel import muon as muon_lib
 from olmo_jax.parallel import rules, zero
 from olmo_jax.parallel.mesh import BATCH_AXES
 from olmo_jax.parallel.pipeline import Pipeline, build_pipeline, check_unpipelined
@@ -54,6 +57,13 @@ class ParallelPlan:
     dispatcher: Callable | None  # the MoE layer's dispatcher (None = local_dispatch)
     layouts: object  # tree of zero.ParamLayout, the params' structure
     pipeline: Pipeline | None = None  # parallel.pipe > 1
+    muon: muon_lib.Ownership | None = None  # optim.name=muon: who orthogonalizes what
+
+    def optimizer_args(self) -> dict:
+        """Extra arguments of the optimizer's update on this mesh (Muon's orthogonalize)."""
+        if self.muon is None:
+            return {}
+        return {"orthogonalize": muon_lib.make_orthogonalize(self.muon, self.mesh)}
 
     @property
     def target(self) -> platform.Target:
@@ -91,8 +101,8 @@ class ParallelPlan:
         compute = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self._specs("compute"),
                                is_leaf=rules.is_spec)
         unsharded = optax.tree_utils.tree_map_params(
-            tx, lambda _, s: s, state.opt_state, compute,
-            transform_non_params=lambda _: replicated,
+            tx, _mirror, state.opt_state, compute,
+            transform_non_params=lambda _: replicated, is_leaf=_masked,
         )
         stored = self.state_shardings(state, tx).opt_state
         return (zero.per_device_bytes(state.opt_state, stored),
@@ -214,13 +224,22 @@ class ParallelPlan:
         )
 
 
+def _masked(x) -> bool:
+    return isinstance(x, optax.MaskedNode)
+
+
+def _mirror(leaf, sharding):
+    """A moment's sharding: its parameter's (optax.partition masks the other group's)."""
+    return leaf if _masked(leaf) else sharding
+
+
 def state_shardings(state, tx: optax.GradientTransformation, mesh: Mesh, param_shardings):
     """A TrainState of NamedShardings: `param_shardings` for the params, the same for the
     optimizer moments that mirror them, everything else replicated."""
     replicated = NamedSharding(mesh, PartitionSpec())
     opt_sh = optax.tree_utils.tree_map_params(
-        tx, lambda _, s: s, state.opt_state, param_shardings,
-        transform_non_params=lambda _: replicated,
+        tx, _mirror, state.opt_state, param_shardings,
+        transform_non_params=lambda _: replicated, is_leaf=_masked,
     )
     return type(state)(
         step=replicated,
@@ -315,5 +334,12 @@ def build_plan(cfg, model_cfg: TransformerConfig, abstract_params=None,
             lambda x, spec: zero.param_layout(x.shape, spec, mesh, shard),
             abstract_params, compute,
         )
+    muon = None
+    if "optim" in cfg and cfg.optim.name == "muon":
+        if pipeline is not None:
+            raise ConfigError(
+                f"optim.name=muon does not support parallel.pipe={mesh.shape['pipe']} yet: "
+                "use parallel.pipe=1 or optim.name=adamw")
+        muon = muon_lib.ownership(abstract_params, layouts, mesh)
     return ParallelPlan(mesh, p.strategy, bool(p.zero1), cfg.trainer.grad_accum, dispatch,
-                        dispatcher, layouts, pipeline)
+                        dispatcher, layouts, pipeline, muon)

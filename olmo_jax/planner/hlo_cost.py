@@ -29,14 +29,15 @@ import re
 
 from olmo_jax.parallel.comms import DTYPE_BYTES, KINDS, HloModule, Instruction
 
-# The model's named scopes (model/transformer.py, model/attention.py, model/moe/layer.py),
+# The model's named scopes (model/transformer.py, model/attention.py, model/moe/layer.py;
+# the optimizer's update: trainer/step.py),
 # most specific first, and the term of OLMo-core's formula each one is (metrics.py).
 SCOPES = ("attention_scores", "attention", "router", "routed_experts", "shared_experts",
-          "dense_mlp", "lm_head")
+          "dense_mlp", "lm_head", "optimizer")
 SCOPE_TERM = {"attention_scores": "attention_scores", "attention": "attention_proj",
               "router": "router", "routed_experts": "routed_experts",
               "shared_experts": "shared_experts", "dense_mlp": "dense_mlp",
-              "lm_head": "lm_head"}
+              "lm_head": "lm_head", "optimizer": "optimizer"}  # optimizer: not a model term
 OTHER = "other"
 REMAT_SCOPE = "rematted_computation"  # jax.checkpoint's name for the recomputed forward
 

@@ -21,6 +21,7 @@ from olmo_jax.parallel import comms
 from olmo_jax.parallel.expert import slots_per_expert
 from olmo_jax.parallel.mesh import batch_shards
 from olmo_jax.planner import hardware, hlo_cost, memory, pipeline, roofline
+from olmo_jax.planner import optimizer as optimizer_lib
 from olmo_jax.planner.compile import CompiledStep
 
 TERMS = {  # formula term -> label
@@ -64,6 +65,7 @@ class Plan:
     notes: list[str]
     pipeline: pipeline.PipelineCost | None = None  # parallel.pipe > 1
     layer_factor: dict[str, float] = dataclasses.field(default_factory=dict)  # layer_factors
+    optimizer: optimizer_lib.OptimizerCost | None = None  # the update's share, per device
 
     @property
     def matmul_ratio(self) -> float:
@@ -98,6 +100,7 @@ class Plan:
             "mfu_overlapped": p.mfu(True), "lower_s": s.lower_s, "compile_s": s.compile_s,
             "notes": self.notes,
             "pipeline": self.pipeline.to_json() if self.pipeline is not None else None,
+            "optimizer": self.optimizer.to_json() if self.optimizer is not None else None,
         }
 
 
@@ -184,7 +187,8 @@ def build(step: CompiledStep, spec: hardware.DeviceSpec, label: str = "",
                 hlo, recomputed, cost, float(ca.get("flops", 0.0)),
                 hlo_cost.program_cost(step.module, loops_once=True).flops, factor, note, colls,
                 memory.argument_bytes(step.state, step.shardings, step.batch), peak_bytes, peak,
-                proj, list(notes or []), pipe, layer_factors(step))
+                proj, list(notes or []), pipe, layer_factors(step),
+                optimizer_lib.optimizer_cost(step, cost, colls, spec))
 
 
 # ---- text ------------------------------------------------------------------------------
@@ -415,6 +419,8 @@ def format_plan(plan: Plan, config_path: str = "") -> str:
     head += [f"  note        {n}" for n in plan.notes]
     sections = [head, _flops_section(plan), _memory_section(plan),
                 _collectives_section(plan), _projection_section(plan)]
+    if plan.optimizer is not None:
+        sections.insert(4, optimizer_lib.format_section(plan.optimizer))
     return "\n\n".join("\n".join(sec) for sec in sections)
 
 

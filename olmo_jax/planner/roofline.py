@@ -26,7 +26,7 @@ from olmo_jax.planner.hardware import DeviceSpec, intra_node, link_seconds
 from olmo_jax.planner.hlo_cost import OpCost
 
 ON_CHIP_SCOPES = ("attention_scores",)  # fused on a GPU: no HBM traffic of their own
-FLOAT32_SCOPES = ("router",)  # float32 (precision=highest) dots whatever model.dtype
+FLOAT32_SCOPES = ("router", "optimizer")  # float32 dots whatever model.dtype
 
 
 @dataclasses.dataclass(frozen=True)

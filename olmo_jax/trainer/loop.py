@@ -3,9 +3,12 @@ step once (ahead of time, checked to fit in memory: preflight.py); train, log, e
 end with a one-screen summary and a text sample.
 
 In a multi-process run (olmo_jax/distributed) every process runs this same loop on its
-part of the mesh and reads only its rows of each batch; process 0 alone prints and writes
-metrics and config.json; checkpoints are saved and restored by all together. SIGTERM /
-SIGINT save and stop (preemption.py); bad steps are skipped or halt the run (guard.py)."""
+part of the mesh and reads only its rows of each batch (a grain stream read ahead off this
+thread: data/pipeline.py); process 0 alone prints and writes metrics (to the sinks of
+trainer.loggers: sinks.py) and config.json; checkpoints, the data iterator state included,
+are saved and restored by all together. SIGTERM / SIGINT save and stop (preemption.py); bad
+steps are skipped or halt the run (guard.py); trainer.profile_steps traces steps
+(profiler.py). Evaluation (the default split and data.eval_sets) is sharded like training."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from rich.table import Table
 from olmo_jax import config as config_lib
 from olmo_jax import distributed
 from olmo_jax import metrics as metrics_lib
+from olmo_jax.checkpoint.errors import CheckpointError
 from olmo_jax.checkpoint.run import RunCheckpoints, truncate_metrics
 from olmo_jax.data import build_data
 from olmo_jax.model.config import ConfigError
@@ -30,9 +34,11 @@ from olmo_jax.parallel.strategy import build_plan
 from olmo_jax.trainer import guard as guard_lib
 from olmo_jax.trainer import preflight
 from olmo_jax.trainer import run_dir as run_dir_lib
-from olmo_jax.trainer.logger import ExpertCountsLog, MetricsLog, ProgressBar
+from olmo_jax.trainer.logger import ProgressBar
 from olmo_jax.trainer.preemption import Preemption
+from olmo_jax.trainer.profiler import StepProfiler
 from olmo_jax.trainer.sample import generate
+from olmo_jax.trainer.sinks import build_sinks
 from olmo_jax.trainer.state import abstract_model, abstract_train_state, init_state
 from olmo_jax.trainer.step import make_eval_step, make_train_step
 
@@ -43,13 +49,14 @@ class Summary:
     tokens: int
     first_loss: float
     final_loss: float
-    final_eval_loss: float
+    final_eval_loss: float  # the default split's (data.eval_fraction)
     mean_tokens_per_s: float
     mean_mfu: float
     compile_s: float
     metrics_path: str
     sample: str
     preempted: bool = False  # stopped by SIGTERM / SIGINT after saving a checkpoint
+    final_eval_sets: dict = dataclasses.field(default_factory=dict)  # {name: loss} (data.eval_sets)
 
 
 def _placer(plan, seq_len: int):
@@ -61,6 +68,30 @@ def _placer(plan, seq_len: int):
         return distributed.place_batch(lambda rows: loader.batch(step, rows), shape,
                                        plan.batch_sharding())
     return place
+
+
+def _train_stream(plan, loader, seq_len: int, prefetch: int):
+    """(stream, place_rows): this process's rows of each training batch, read ahead by
+    grain (data/pipeline.py), and place_rows(rows_RL) -> the global batch on the plan's
+    sharding."""
+    shape, sharding = plan.batch_shape(loader.global_batch_size, seq_len), plan.batch_sharding()
+    row_ids = distributed.local_rows(shape, sharding)
+    def place_rows(rows_RL):
+        return distributed.place_batch(distributed.rows_reader(row_ids, rows_RL), shape, sharding)
+    return loader.stream(row_ids, prefetch), place_rows
+
+
+def _evaluate(eval_fn, state, data, n_batches, place) -> dict[str, float]:
+    """The eval records: eval_loss on the default split, eval/<name>/loss and
+    eval/<name>/perplexity on each named set; every batch sharded like training."""
+    record = {}
+    if data.eval is not None:
+        record["eval_loss"] = _eval_loss(eval_fn, state, data.eval, n_batches, place)
+    for name, loader in data.eval_sets.items():
+        loss = _eval_loss(eval_fn, state, loader, n_batches, place)
+        record[f"eval/{name}/loss"] = loss
+        record[f"eval/{name}/perplexity"] = float(np.exp(min(loss, 700.0)))
+    return record
 
 
 def _eval_loss(eval_fn, state, loader, n_batches, place) -> float:
@@ -165,13 +196,26 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
             f"pipeline {s.kind}: {s.stages} stages x {s.virtual} virtual, {s.microbatches} "
             f"microbatches, {s.ticks} ticks, bubble {100 * s.bubble:.1f}% (logged as pipeline_bubble)")
 
-    log = MetricsLog(metrics_path, append=checkpoints.resumed, enabled=main)
+    console.print(f"eval every {t_cfg.eval_every or t_cfg.max_steps} steps: {data.describe_eval()}")
     if checkpoints.resumed and main:  # like metrics.jsonl: drop what was logged after the checkpoint
         truncate_metrics(run_dir / "expert_counts.jsonl", start)
-    counts_log = ExpertCountsLog(
-        run_dir, t_cfg.expert_counts_every if main else 0, model_cfg.n_dense_layers,
-        append=checkpoints.resumed,
-    )
+    counts_every = t_cfg.expert_counts_every
+    profiler = StepProfiler(t_cfg.profile_steps, run_dir)
+    stream, place_rows = None, None
+    try:
+        if start < stop:
+            stream, place_rows = _train_stream(plan, data.train, t_cfg.seq_len, cfg.data.prefetch)
+            if checkpoints.iterator_state is not None:  # resumed: grain's saved iterator state
+                stream.set_state(checkpoints.iterator_state)
+                if stream.step != start:
+                    raise CheckpointError(
+                        f"checkpoint step {start}: its data_iter state is at step {stream.step}")
+        sinks = build_sinks(cfg, run_dir, model_cfg.n_dense_layers, checkpoints.resumed_from, main)
+    except BaseException:
+        if stream is not None:
+            stream.close()
+        checkpoints.close()
+        raise
     distributed.set_hint(
         f"the checkpoints in {checkpoints.ckpts.directory} are kept: relaunch every process "
         "with the same command to resume from the last one")
@@ -185,14 +229,23 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
 
     history: list[dict] = list(checkpoints.previous_records)
     last_eval = next((r["eval_loss"] for r in reversed(history) if "eval_loss" in r), float("nan"))
+    last_sets = {name: next((r[f"eval/{name}/loss"] for r in reversed(history)
+                             if f"eval/{name}/loss" in r), float("nan")) for name in data.eval_sets}
     t_last, step_last = time.perf_counter(), start
     preempted = None
     try:
         with Preemption() as preempt, ProgressBar(t_cfg.max_steps, start, console) as bar:
             for step in range(start, stop):
-                state, m = compiled(state, place(data.train, step))
                 done = step + 1
-                counts_log.maybe_write(done, m)
+                batch_step, rows_RL = next(stream)
+                assert batch_step == step, (batch_step, step)
+                with profiler.step(done):
+                    state, m = compiled(state, place_rows(rows_RL))
+                profiler.after(done, state)
+                if main and counts_every and done % counts_every == 0:
+                    counts_LE = np.asarray(m["expert_counts"])  # [MoE blocks, experts]
+                    first = model_cfg.n_dense_layers
+                    sinks.expert_counts(done, list(range(first, first + len(counts_LE))), counts_LE)
                 is_eval = t_cfg.eval_every and done % t_cfg.eval_every == 0
                 if done % t_cfg.log_every == 0 or done in (1, t_cfg.max_steps) or is_eval:
                     m = jax.device_get(m)
@@ -205,9 +258,11 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
                     record["tflops_per_device"] = flops_tok * tok_s / n_dev / 1e12
                     record["mfu"] = flops_tok * tok_s / n_dev / peak
                     if is_eval or done == t_cfg.max_steps:
-                        last_eval = _eval_loss(eval_fn, state, data.eval, t_cfg.eval_batches, place)
-                        record["eval_loss"] = last_eval
-                    log.write(record)
+                        evals = _evaluate(eval_fn, state, data, t_cfg.eval_batches, place)
+                        record.update(evals)
+                        last_eval = evals.get("eval_loss", last_eval)
+                        last_sets = {n: evals[f"eval/{n}/loss"] for n in data.eval_sets}
+                    sinks.scalars(done, record)
                     history.append(record)
                     bar.update(done, record)
                     t_last, step_last = time.perf_counter(), done
@@ -215,14 +270,16 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
                 force = done == stop or preempt_now
                 if checkpoints.due(done, force):  # never save a halted run's state
                     halt_if(state.guard.halt_step, state.guard.halt_reason)
-                checkpoints.maybe_save(done, state, data.train, force=force)
+                checkpoints.maybe_save(done, state, data.train, force=force, stream=stream)
                 if preempt_now:
                     preempted = (preempt.signal_name, done)
                     break
     finally:
+        profiler.stop()
         checkpoints.close()  # waits for the last save
-        log.close()
-        counts_log.close()
+        if stream is not None:
+            stream.close()
+        sinks.close()
 
     timed = history[1:] or history  # the first interval includes warm-up
     summary = Summary(
@@ -237,6 +294,7 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
         metrics_path=str(run_dir / "metrics.jsonl"),
         sample="",
         preempted=preempted is not None,
+        final_eval_sets=last_sets,
     )
     if preempted is not None:
         console.print(
@@ -260,6 +318,8 @@ def print_summary(s: Summary, console: Console) -> None:
     table.add_row("steps / tokens", f"{s.steps:,} / {s.tokens:,}")
     table.add_row("train loss", f"{s.first_loss:.3f} -> {s.final_loss:.3f}")
     table.add_row("validation loss", f"{s.final_eval_loss:.3f}")
+    for name, loss in s.final_eval_sets.items():
+        table.add_row(f"eval/{name}", f"loss {loss:.3f}, perplexity {np.exp(min(loss, 700.0)):,.2f}")
     table.add_row("throughput", f"{s.mean_tokens_per_s:,.0f} tokens/s, MFU {100 * s.mean_mfu:.1f}%")
     table.add_row("compile", f"{s.compile_s:.1f} s")
     table.add_row("metrics", s.metrics_path)

@@ -9,7 +9,8 @@
   is kept as config.replaced-<time>.json and the run goes on with the new config (it still
   resumes from the folder's checkpoints, whose architecture checkpoint/run.py checks).
 - Fields that may change between launches of one run: where and how it runs (parallel.*,
-  intervals, hard_stop, the reliability knobs) and the model fields a checkpoint does not
+  intervals, hard_stop, the reliability knobs, the metric sinks and profiler, the named
+  eval sets, data read-ahead) and the model fields a checkpoint does not
   depend on (checkpoint/run.py FREE_MODEL_FIELDS, FREE_MOE_FIELDS).
 """
 
@@ -31,8 +32,10 @@ FREE_TRAINER_FIELDS = {
     "run_dir", "cache_dir", "log_every", "eval_every", "eval_batches", "expert_counts_every",
     "sample_prompt", "sample_tokens", "sample_temperature", "save_every", "keep_last", "keep_every", "resume",
     "init_from", "hard_stop", "overwrite", "grad_accum", "nan_policy", "max_skipped",
-    "spike_sigma", "memory_limit_gb", "peer_timeout_s",
+    "spike_sigma", "memory_limit_gb", "peer_timeout_s", "loggers", "profile_steps",
 }
+# Fields of other sections that change what is logged or how data is read, not the run.
+FREE_DATA_FIELDS = {"prefetch"}
 
 
 def _is_free(dotted: str) -> bool:
@@ -40,7 +43,9 @@ def _is_free(dotted: str) -> bool:
     if section == "parallel":
         return True
     if section == "trainer":
-        return rest in FREE_TRAINER_FIELDS
+        return rest in FREE_TRAINER_FIELDS or rest.startswith("wandb.")
+    if section == "data":
+        return rest in FREE_DATA_FIELDS or rest.startswith("eval_sets.")
     if section == "model":
         if rest.startswith("moe."):
             return rest[4:] in FREE_MOE_FIELDS

@@ -193,7 +193,10 @@ def make_train_step(graphdef, cfg: TransformerConfig, tx: optax.GradientTransfor
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         grads, parts = grads_and_parts(state.params, state.model_state, batch_BT1, rng)
         grad_norm = optax.tree.norm(grads)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        extra = parallel.optimizer_args() if parallel is not None else {}  # Muon's owners
+        with jax.named_scope("optimizer"):
+            updates, opt_state = optax.with_extra_args_support(tx).update(
+                grads, state.opt_state, state.params, **extra)
         params = optax.apply_updates(state.params, updates)
         model_state = state.model_state
         if cfg.moe.bias_rate > 0:  # aux-loss-free balancing, from the step's global counts

@@ -5,7 +5,9 @@ compilation cache, on for this module only, makes all but the first cheap).
 1. Resume: 20 steps straight vs 10 steps (hard stop), a resumed child process killed with
    SIGKILL in the middle of saving step 15, and a second resume to 20. Every step's loss
    in metrics.jsonl is bitwise the straight run's, each step appears once, the
-   checkpoint of step 10 is untouched by the kill, the interrupted save is ignored.
+   checkpoint of step 10 is untouched by the kill, the interrupted save is ignored; the
+   TensorBoard events of the three launches read back (EventAccumulator) as metrics.jsonl,
+   each step once; every checkpoint holds the grain iterator state of its step.
 2. Fine-tune: hf-to-orbax, then trainer.init_from starts from exactly those weights (the
    first loss is the HF model's loss on that batch) with a fresh optimizer; a run whose
    architecture differs from the checkpoint's is refused, naming the field.
@@ -22,7 +24,9 @@ import time
 from pathlib import Path
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from olmo_jax.checkpoint import hf
 from olmo_jax.checkpoint.errors import CheckpointError
@@ -42,6 +46,7 @@ def set_trainer(cfg, run_dir: Path, **trainer):
     t.max_steps, t.log_every, t.eval_every, t.eval_batches = 20, 1, 0, 1
     t.global_batch_size, t.seq_len, t.sample_tokens = 8, 32, 0
     t.save_every, t.keep_last, t.keep_every = 5, 2, 10
+    t.loggers = "jsonl,tensorboard"
     for k, v in trainer.items():
         t[k] = v
     return cfg
@@ -115,6 +120,13 @@ def test_resume_is_bitwise_and_survives_kill_mid_save(tmp_path, compile_cache):
         assert a["loss"] == b["loss"], (a["step"], a["loss"], b["loss"])  # bitwise
         assert a["grad_norm"] == b["grad_norm"]
     assert resumed.final_loss == straight.final_loss
+    acc = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [
+        (r["step"], np.float32(r["loss"])) for r in got]
+    for step in (10, 15, 20):
+        state = json.loads((ckpts / str(step) / "data_iter" / "process_0-of-1.json").read_text())
+        assert state == {"next_index": step}
     assert resumed.final_eval_loss == straight.final_eval_loss
     # Retention: the newest two plus multiples of keep_every; the temporary folder is gone.
     assert sorted(os.listdir(ckpts), key=int) == ["10", "15", "20"]

@@ -9,6 +9,9 @@ with the 8 experts on an `expert` axis of 8 devices that spans both processes.
    trainer.peer_timeout_s (+ slack) instead of hanging in a collective.
 3. Every step both launches logged (before and after the resume) has the loss and gradient
    norm of this process's single-process 8-device run of the same steps within 1e-5.
+4. With trainer.loggers=jsonl,tensorboard, process 0 alone writes event files (one per
+   launch), and they hold the steps of metrics.jsonl (the steps past the checkpoint that the
+   first launch logged are dropped on resume).
 """
 
 import os
@@ -30,7 +33,8 @@ def checkpoint_steps(run_dir):
 @pytest.mark.slow
 def test_two_processes_match_one_through_preemption_resume_and_a_dead_peer(tmp_path, compile_cache):
     cache, run = compile_cache, tmp_path / "run"
-    args = [f"--config.trainer.run_dir={run}", "--config.trainer.peer_timeout_s=5"]
+    args = [f"--config.trainer.run_dir={run}", "--config.trainer.peer_timeout_s=5",
+            "--config.trainer.loggers=jsonl,tensorboard"]
 
     first = Run(2, args, tmp_path / "logs1", cache)
     wait_for_step(run, 5, first)
@@ -58,6 +62,15 @@ def test_two_processes_match_one_through_preemption_resume_and_a_dead_peer(tmp_p
     records = logged_steps(run)
     last = records[-1]["step"]
     assert [r["step"] for r in records] == list(range(1, last + 1)) and last >= saved[0] + 3
+    events = sorted((run / "tensorboard").glob("events.out.tfevents.*"))
+    writers = [int(e.name.split(".")[-2]) for e in events]  # ...<time>.<host>.<pid>.<uid>
+    assert writers == [first.procs[0].pid, second.procs[0].pid], (events, first.procs, second.procs)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    tb_steps, steps = [e.step for e in acc.Scalars("loss")], [r["step"] for r in records]
+    assert tb_steps in (steps, steps[:-1]), tb_steps  # process 0 may die before flushing the last
     cfg = runpy.run_path(str(ROOT / CONFIG))["get_config"]()
     cfg.trainer.run_dir, cfg.trainer.hard_stop = str(tmp_path / "reference"), last
     train(cfg)  # one process, 8 devices, uninterrupted

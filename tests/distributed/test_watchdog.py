@@ -1,7 +1,8 @@
 """The lost-process watchdog's protocol, on an in-memory stand-in for the coordination
 service's key-value store (the real one is exercised by tests/distributed/test_multiprocess.py):
 a silent process is named by process 0 and every other process stops with the same message;
-a process that fails alone tells the others; one that finished is never called lost."""
+a process that fails alone tells the others; one that finished is never called lost; a
+runtime error (a collective failing because a peer died) waits for the verdict."""
 
 import threading
 import time
@@ -86,3 +87,25 @@ def test_finished_processes_are_not_lost():
     time.sleep(1.0)  # > peer timeout: p1 says nothing more, but it said "done"
     assert not p0.exited.is_set()
     p0.finish()
+
+
+def test_an_error_after_a_peer_died_ends_with_the_lost_process_message():
+    """jax 0.11's CPU collectives fail at once when a peer dies ("Connection reset by peer"):
+    the survivor waits for the watchdog's verdict instead of reporting its own crash."""
+    _, (p0, p1, p2) = watchdogs(3, timeout=2.0)
+    time.sleep(0.5)
+    silence(p2)
+    started = time.monotonic()
+    p1.await_verdict()  # returns once p1's watchdog has exited (Recording: instead of os._exit)
+    assert p1.exited.is_set() and p1.message.startswith("lost process 2 of 3: no heartbeat for 2 s")
+    assert time.monotonic() - started < 2.0 + 5 * 0.2
+    assert p0.exited.wait(1)
+
+
+def test_an_error_of_its_own_is_reported_after_the_wait():
+    _, (p0, p1) = watchdogs(2, timeout=1.0)
+    started = time.monotonic()
+    p1.await_verdict()  # nobody is lost: returns after peer_timeout_s + 5 ticks
+    assert 1.0 <= time.monotonic() - started < 3 and not p1.exited.is_set() and not p0.exited.is_set()
+    p0.finish()
+    p1.finish()

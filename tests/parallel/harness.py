@@ -45,16 +45,16 @@ NO_PIPE = Pipe()
 
 def make_cfg(data=1, expert=1, dispatch="rowwise", strategy="ddp", zero1=True, grad_accum=1,
              capacity_factor=NO_DROP_CF, lb_granularity="global", batch=BATCH, seq=SEQ,
-             layers=(2, 0), pipe: Pipe = NO_PIPE, width=32):
+             layers=(2, 0), pipe: Pipe = NO_PIPE, width=32, optim="adamw"):
     """`layers`: (model.n_layers, model.n_dense_layers); `width`: model.d_model and
-    model.moe.expert_hidden (64 for the Pallas kernels' tiles)."""
+    model.moe.expert_hidden (64 for the Pallas kernels' tiles); `optim`: optim.name."""
     c = default_config()
     m = c.model
     m.vocab_size, m.d_model, m.n_heads = VOCAB, width, 2
     m.n_layers, m.n_dense_layers = layers
     m.moe.num_experts, m.moe.top_k, m.moe.expert_hidden = 8, 2, width
     m.moe.lb_granularity = lb_granularity
-    c.optim.lr, c.optim.warmup_steps = 1e-2, 1
+    c.optim.lr, c.optim.warmup_steps, c.optim.name = 1e-2, 1, optim
     p = c.parallel
     p.data, p.expert, p.dispatch, p.strategy = data, expert, dispatch, strategy
     p.zero1, p.capacity_factor = zero1, capacity_factor
@@ -78,11 +78,11 @@ def to_numpy(tree):
 
 
 @functools.cache
-def host_state(lb_granularity="global", layers=(2, 0), moe=(), width=32):
+def host_state(lb_granularity="global", layers=(2, 0), moe=(), width=32, optim="adamw"):
     """(model_cfg, tx, schedule, graphdef, state): built once; the state as numpy. `moe`:
     (field, value) pairs replacing model.moe fields that change no parameter (gmm_impl,
     precision), so every variant starts from the same weights."""
-    cfg = make_cfg(lb_granularity=lb_granularity, layers=layers, width=width)
+    cfg = make_cfg(lb_granularity=lb_granularity, layers=layers, width=width, optim=optim)
     model_cfg = model_config(cfg)
     model_cfg = dataclasses.replace(model_cfg, moe=dataclasses.replace(model_cfg.moe, **dict(moe)))
     tx, schedule = build_optimizer(cfg.optim, cfg.trainer.max_steps)
@@ -133,9 +133,11 @@ def _execute(step, state, placed_batches, abstract=False) -> Run:
 
 
 @functools.cache
-def reference_run(grad_accum=1, batch=BATCH, layers=(2, 0), moe=(), width=32) -> Run:
+def reference_run(grad_accum=1, batch=BATCH, layers=(2, 0), moe=(), width=32,
+                  optim="adamw") -> Run:
     """One device, the model's local dispatch, no parallel plan."""
-    model_cfg, tx, schedule, graphdef, state = host_state(layers=layers, moe=moe, width=width)
+    model_cfg, tx, schedule, graphdef, state = host_state(layers=layers, moe=moe, width=width,
+                                                          optim=optim)
     dev = jax.devices()[0]
     step = jax.jit(make_train_step(graphdef, model_cfg, tx, schedule, grad_accum))
     placed = [jax.device_put(b, dev) for b in batches(batch=batch)]
@@ -145,14 +147,14 @@ def reference_run(grad_accum=1, batch=BATCH, layers=(2, 0), moe=(), width=32) ->
 @functools.cache
 def plan_run(data, expert, dispatch="rowwise", strategy="ddp", zero1=True, grad_accum=1,
              batch=BATCH, capacity_factor=NO_DROP_CF, layers=(2, 0), pipe: Pipe = NO_PIPE,
-             remat="none", abstract=False, moe=(), width=32) -> Run:
+             remat="none", abstract=False, moe=(), width=32, optim="adamw") -> Run:
     """The same on a pipe x data x expert mesh through the trainer's ParallelPlan and
     its jitted step (state shardings, donation). `remat`: model.remat (same weights);
-    `abstract`: compile from ShapeDtypeStructs; `moe`: as host_state."""
-    model_cfg, tx, schedule, _, state = host_state(layers=layers, moe=moe, width=width)
+    `abstract`: compile from ShapeDtypeStructs; `moe`: as host_state; `optim`: optim.name."""
+    model_cfg, tx, schedule, _, state = host_state(layers=layers, moe=moe, width=width, optim=optim)
     model_cfg = dataclasses.replace(model_cfg, remat=remat)
     cfg = make_cfg(data, expert, dispatch, strategy, zero1, grad_accum, capacity_factor,
-                   batch=batch, layers=layers, pipe=pipe, width=width)
+                   batch=batch, layers=layers, pipe=pipe, width=width, optim=optim)
     plan = build_plan(cfg, model_cfg)
     graphdef = abstract_model(model_cfg, plan.dispatcher)[0]
     shardings = plan.state_shardings(state, tx)

@@ -94,7 +94,9 @@ def test_sigterm_and_sigint_save_exit_and_resume_bitwise(tmp_path, compile_cache
         return rows
 
     wrap_loader(monkeypatch, interrupt)
-    summary = loop.train(run_config(run))
+    cfg = run_config(run)
+    cfg.data.prefetch = 0  # batches read on the loop's thread, in step: the signal lands in int_step
+    summary = loop.train(cfg)
     assert summary.preempted and summary.steps == int_step and checkpoints(run)[-1] == int_step
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
     monkeypatch.undo()

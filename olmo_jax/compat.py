@@ -1,0 +1,33 @@
+"""The one place where olmo_jax bridges jax 0.11.2 and 0.12 (pyproject pins >=0.11.2,<0.13).
+
+The lent H200 image ships jax/jaxlib 0.11.2 and installs nothing, so every API olmo_jax
+uses must exist in 0.11.2 or have a fallback here with identical numerics on both.
+What differs (checked against both installed versions; `make test` runs the kernel,
+model and parallel tests in .venv-jax011 too):
+
+- `plgpu.store(ref, value, optimized=False)` (Pallas Mosaic GPU) is new in 0.12. In
+  0.11.2 the ref assignment `ref[...] = value` lowers (Lane semantics) to the same
+  unoptimized untiled store of the value's fragments (it also reads the old contents,
+  which are discarded); in interpret mode both are the state `swap`. `gpu_store` picks.
+
+Everything else olmo_jax uses exists in 0.11.2 with the same meaning: `jax.shard_map`,
+`jax.typeof`, `jax.lax.pcast`, `jax.reshard`, `jax.lax.ragged_all_to_all`,
+`jax.nn.scaled_matmul`, `jax.experimental.topologies`, `plgpu.kernel` / `load` /
+`layout_cast` / `emit_pipeline` / `nd_loop` / `wgmma` / `InterpretGPUParams`.
+(flax must be >= 0.12.10 with jax 0.11.2: flax 0.12.9 and older subclass
+`jax.experimental.hijax.HiPrimitive`, which jax 0.11.2 names `HiPrim`, so `from flax
+import nnx` fails.)
+"""
+
+from __future__ import annotations
+
+
+def gpu_store(ref, value) -> None:
+    """Store `value` into the Pallas Mosaic GPU ref `ref` (SMEM or GMEM), unoptimized."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    store = getattr(plgpu, "store", None)
+    if store is not None:  # jax >= 0.12
+        store(ref, value, optimized=False)
+    else:  # jax 0.11: the swap lowering stores untiled, optimized=False
+        ref[...] = value
