@@ -86,7 +86,7 @@ def profile(cfg, steps: int):
     for plane in data.planes:
         for line in plane.lines:
             for ev in line.events:
-                stats = dict(ev.stats)  # noqa: the profiler's own type
+                stats = dict(ev.stats)
                 if "hlo_op" in stats and "jit_" in str(stats.get("hlo_module", "")):
                     per_op[stats["hlo_op"]] += ev.duration_ns / steps
     table = collections.Counter()
