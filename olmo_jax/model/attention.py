@@ -206,10 +206,10 @@ class Attention(nnx.Module):
         else:
             # Head-major for the core: one 4-D transpose each (XLA fuses it into the
             # norm / RoPE element-wise work that produces q and k), none per chunk.
-            q_BNTH, k_BKTH, v_BKTH = (a.transpose(0, 2, 1, 3) for a in (q_BTNH, k_BTKH, v_BTKH))
             with jax.named_scope("attention_scores"):  # named for olmo_jax/planner
+                q_BNTH, k_BKTH, v_BKTH = (a.transpose(0, 2, 1, 3) for a in (q_BTNH, k_BTKH, v_BTKH))
                 o_BNTH = causal_attention_heads(q_BNTH, k_BKTH, v_BKTH)
-            o_BTNH = o_BNTH.transpose(0, 2, 1, 3)  # fused with the chunks' concatenation
+                o_BTNH = o_BNTH.transpose(0, 2, 1, 3)  # fused with the chunks' concatenation
         o_RJ = o_BTNH.reshape(B * T, N * H)
         y_RD = self._proj("rj,jd->rd", o_RJ, self.o_proj[...].reshape(N * H, D).astype(dt))
         return y_RD.reshape(B, T, D)
