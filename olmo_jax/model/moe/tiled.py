@@ -71,12 +71,13 @@ def _put(a, rows, row0):
     return jax.lax.dynamic_update_slice_in_dim(a, rows, row0, axis=0)
 
 
-def _fwd_loop(x_PD, starts_E, padded_E, wgu_EDJ, wd_EFD, sizes):
+def _fwd_loop(x_PD, starts_E, padded_E, wg_EDF, wu_EDF, wd_EFD, sizes):
     P, D = x_PD.shape
     E, F, _ = wd_EFD.shape
 
     def expert(e, carry):
-        wgu_DJ, wd_FD = wgu_EDJ[e], wd_EFD[e]
+        # [w_gate | w_up] of this expert only (cache-sized; no [E, D, 2F] copy)
+        wgu_DJ, wd_FD = jnp.concatenate([wg_EDF[e], wu_EDF[e]], axis=-1), wd_EFD[e]
 
         def tile(c, row0, size):
             y_PD, gu_PJ = c
@@ -86,18 +87,18 @@ def _fwd_loop(x_PD, starts_E, padded_E, wgu_EDJ, wd_EFD, sizes):
 
         return _for_tiles(starts_E[e], padded_E[e], sizes, tile, carry)
 
-    ops = (x_PD, starts_E, padded_E, wgu_EDJ, wd_EFD)  # loop carries vary like all of them
+    ops = (x_PD, starts_E, padded_E, wg_EDF, wu_EDF, wd_EFD)  # carries vary like all of them
     init = (jnp.zeros((P, D), x_PD.dtype), jnp.zeros((P, 2 * F), x_PD.dtype))
     return jax.lax.fori_loop(0, E, expert, tuple(vma.like(a, *ops) for a in init))
 
 
-def _bwd_loop(x_PD, gu_PJ, dy_PD, starts_E, padded_E, wgu_EDJ, wd_EFD, sizes):
+def _bwd_loop(x_PD, gu_PJ, dy_PD, starts_E, padded_E, wg_EDF, wu_EDF, wd_EFD, sizes):
     E, F, _ = wd_EFD.shape
-    ops = (x_PD, gu_PJ, dy_PD, starts_E, padded_E, wgu_EDJ, wd_EFD)
+    ops = (x_PD, gu_PJ, dy_PD, starts_E, padded_E, wg_EDF, wu_EDF, wd_EFD)
 
     def expert(e, carry):
-        dx_PD, dwgu_EDJ, dwd_EFD = carry
-        wgu_DJ, wd_FD = wgu_EDJ[e], wd_EFD[e]
+        dx_PD, dwg_EDF, dwu_EDF, dwd_EFD = carry
+        wgu_DJ, wd_FD = jnp.concatenate([wg_EDF[e], wu_EDF[e]], axis=-1), wd_EFD[e]
 
         def tile(c, row0, size):
             dx_PD, dwgu_DJ, dwd_FD = c
@@ -115,11 +116,12 @@ def _bwd_loop(x_PD, gu_PJ, dy_PD, starts_E, padded_E, wgu_EDJ, wd_EFD, sizes):
 
         acc = tuple(vma.like(jnp.zeros_like(w), *ops) for w in (wgu_DJ, wd_FD))
         dx_PD, dwgu_DJ, dwd_FD = _for_tiles(starts_E[e], padded_E[e], sizes, tile, (dx_PD, *acc))
-        dwgu_EDJ = jax.lax.dynamic_update_index_in_dim(dwgu_EDJ, dwgu_DJ, e, 0)
-        dwd_EFD = jax.lax.dynamic_update_index_in_dim(dwd_EFD, dwd_FD, e, 0)
-        return dx_PD, dwgu_EDJ, dwd_EFD
+        put = jax.lax.dynamic_update_index_in_dim
+        return (dx_PD, put(dwg_EDF, dwgu_DJ[:, :F], e, 0), put(dwu_EDF, dwgu_DJ[:, F:], e, 0),
+                put(dwd_EFD, dwd_FD, e, 0))
 
-    init = (jnp.zeros_like(x_PD), jnp.zeros_like(wgu_EDJ), jnp.zeros_like(wd_EFD))
+    init = (jnp.zeros_like(x_PD), jnp.zeros_like(wg_EDF), jnp.zeros_like(wu_EDF),
+            jnp.zeros_like(wd_EFD))
     return jax.lax.fori_loop(0, E, expert, tuple(vma.like(a, *ops) for a in init))
 
 
@@ -130,20 +132,18 @@ def _ffn_tiled(x_PD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, sizes):
 
 def _ffn_tiled_fwd(x_PD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, sizes):
     starts_E, padded_E = padded_runs(group_sizes_E, sizes[-1])
-    wgu_EDJ = jnp.concatenate([w_gate_EDF, w_up_EDF], axis=-1)
-    y_PD, gu_PJ = _fwd_loop(x_PD, starts_E, padded_E, wgu_EDJ, w_down_EFD, sizes)
-    return y_PD, (x_PD, gu_PJ, group_sizes_E, wgu_EDJ, w_down_EFD)
+    y_PD, gu_PJ = _fwd_loop(x_PD, starts_E, padded_E, w_gate_EDF, w_up_EDF, w_down_EFD, sizes)
+    return y_PD, (x_PD, gu_PJ, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD)
 
 
 def _ffn_tiled_bwd(sizes, res, dy_PD):
-    x_PD, gu_PJ, group_sizes_E, wgu_EDJ, w_down_EFD = res
-    F = w_down_EFD.shape[1]
+    x_PD, gu_PJ, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD = res
     starts_E, padded_E = padded_runs(group_sizes_E, sizes[-1])
-    dx_PD, dwgu_EDJ, dwd_EFD = _bwd_loop(x_PD, gu_PJ, dy_PD.astype(x_PD.dtype), starts_E,
-                                         padded_E, wgu_EDJ, w_down_EFD, sizes)
-    dwgu_EDJ = cotangent_like(dwgu_EDJ, wgu_EDJ)
-    return (cotangent_like(dx_PD, x_PD), None, dwgu_EDJ[..., :F], dwgu_EDJ[..., F:],
-            cotangent_like(dwd_EFD, w_down_EFD))
+    dx_PD, dwg_EDF, dwu_EDF, dwd_EFD = _bwd_loop(
+        x_PD, gu_PJ, dy_PD.astype(x_PD.dtype), starts_E, padded_E, w_gate_EDF, w_up_EDF,
+        w_down_EFD, sizes)
+    return (cotangent_like(dx_PD, x_PD), None, cotangent_like(dwg_EDF, w_gate_EDF),
+            cotangent_like(dwu_EDF, w_up_EDF), cotangent_like(dwd_EFD, w_down_EFD))
 
 
 _ffn_tiled.defvjp(_ffn_tiled_fwd, _ffn_tiled_bwd)
