@@ -7,8 +7,9 @@ zero rows to a multiple of TILE_MULTIPLE (8), so padding is at most 7 rows per e
 Compute: a loop over the experts, and inside it over tiles of the expert's own run: as
 many full tiles of MAX_TILE rows as fit, then the remainder (a multiple of 8) as at most
 one tile of each smaller power of two (256, 128, ..., 8; `lax.cond` skips the others).
-Every tile is a dense GEMM of its rows against the expert's weights, read in place: no
-weight is gathered per block and nothing is expanded over the experts. The trip counts
+Every tile is a dense GEMM of its rows against the expert's weights (gate and up joined
+once per expert, a cache-sized copy): no weight is gathered per block and nothing is
+expanded over the experts. The trip counts
 are the routing's own, so the rows that run are the routed ones plus their padding,
 whatever the static buffer size (the expert-parallel backends size theirs for the worst
 case: those rows cost memory, not GEMMs). Rows outside every expert's run come out zero.
