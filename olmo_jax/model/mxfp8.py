@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 
 from olmo_jax.kernels import mxfp8 as mx
-from olmo_jax.kernels import platform
+from olmo_jax.kernels import platform, vma
+from olmo_jax.kernels.vma import cotangent_like
 
 PRECISIONS = ("bf16", "mxfp8")
 
@@ -118,7 +119,9 @@ def mx_nt(layout: str, a_q, a_s, bt_q, bt_s, aux, dtype):
             out = jax.nn.scaled_matmul(a_q[None], bt_q[None], a_s[None], bt_s[None])[0]
         else:
             out = jax.nn.scaled_matmul(a_q, bt_q, a_s, bt_s)
-        return out.astype(dtype)
+        # cuDNN's block-scaled GEMM (a custom call) types its output device-invariant
+        # inside shard_map; it holds per-device rows, so type it like its operands.
+        return vma.like(out.astype(dtype), a_q, bt_q)
     a = mx.dequantize(a_q, a_s, -1, dtype)
     w = jnp.swapaxes(mx.dequantize(bt_q, bt_s, -1, dtype), -1, -2)
     return LAYOUTS[layout](a, w, aux).astype(dtype)
@@ -171,8 +174,8 @@ def wgrad(layout, a, dy, wq: WeightQ, aux, rounding, quantize_wgrad: bool):
     dy = dy.astype(a.dtype)
     if quantize_wgrad:
         a, dy = round_trip(a, -2, rounding), round_trip(dy, -2, rounding)
-    if layout in WGRADS:
-        return WGRADS[layout](a, dy, aux).astype(a.dtype)
+    if layout in WGRADS:  # a kernel typed like (a, dy): summed to the weight's axes
+        return cotangent_like(WGRADS[layout](a, dy, aux).astype(a.dtype), wq.dgrad_q)
     # w's type (shape, dtype, and inside shard_map its manual axes), from a saved copy;
     # the conversion is dead code after the transpose and is never computed.
     w_like = wq.dgrad_q.astype(a.dtype)
