@@ -26,3 +26,14 @@ def ones_param(shape: tuple[int, ...], axes: tuple[str | None, ...]):
 def logical_axes(variable: nnx.Variable) -> tuple[str | None, ...]:
     """The logical axis names a parameter was created with (plus any stacking axes)."""
     return tuple(variable.get_metadata().get("out_sharding") or (None,) * variable.ndim)
+
+
+def path_name(path) -> str:
+    """'moe_blocks/ffn/experts/w_gate' for a jax key path of the params (an nnx Variable's
+    `.value` dropped): the one spelling of parameter names (ZeRO layouts, Muon's matrices)."""
+    parts = []
+    for k in path:
+        name = getattr(k, "key", getattr(k, "name", getattr(k, "idx", None)))
+        if name is not None and name != "value":
+            parts.append(str(name))
+    return "/".join(parts)

@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from olmo_jax.model.params import path_name as leaf_name
+
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic (= optax.contrib's default)
 MATRIX_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "w_gate", "w_up", "w_down")
 
@@ -107,18 +109,6 @@ def orthogonalize_local(mats: dict, dims: dict, ns) -> dict:
 class MuonState(NamedTuple):
     count: jax.Array  # int32 scalar
     mu: Any  # momentum, the (masked) params' structure
-
-
-def leaf_name(path) -> str:
-    """'moe_blocks/ffn/experts/w_gate' for a key path (an nnx Variable's `.value` dropped):
-    the name Muon's matrices go by (the same spelling as parallel/zero.py's path_name)."""
-    parts = []
-    for k in path:
-        name = getattr(k, "key", getattr(k, "name", getattr(k, "idx", None)))
-        if name is not None and name != "value":
-            parts.append(str(name))
-    return "/".join(parts)
-
 
 
 def _is_masked(x) -> bool:

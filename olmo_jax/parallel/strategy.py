@@ -36,6 +36,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from olmo_jax.kernels import platform, resolve_gmm_impl
 from olmo_jax.model.attention import resolve_attention_impl
 from olmo_jax.model.config import ConfigError, TransformerConfig
+from olmo_jax.model.params import path_name
 from olmo_jax.parallel import expert as expert_lib
 from olmo_jax.parallel import mesh as mesh_lib
 from olmo_jax.parallel import muon as muon_lib
@@ -118,7 +119,7 @@ class ParallelPlan:
                                   is_leaf=lambda x: isinstance(x, NamedSharding))
             for (path, x), sh in zip(leaves, shs, strict=True):
                 shape = "x".join(map(str, x.shape)) or "scalar"
-                lines.append(f"{part}/{zero.path_name(path)} {shape} {tuple(sh.spec)}")
+                lines.append(f"{part}/{path_name(path)} {shape} {tuple(sh.spec)}")
         return lines
 
     def batch_sharding(self) -> NamedSharding:

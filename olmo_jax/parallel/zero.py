@@ -26,6 +26,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
+from olmo_jax.model.params import path_name
 from olmo_jax.parallel.mesh import BATCH_AXES
 
 
@@ -62,16 +63,6 @@ def param_layout(shape: tuple[int, ...], compute: PartitionSpec, mesh: Mesh,
     if dim is not None:
         storage[dim] = axes if len(axes) > 1 else axes[0]
     return ParamLayout(PartitionSpec(*spec), PartitionSpec(*storage), axes, dim)
-
-
-def path_name(path) -> str:
-    """'moe_blocks/ffn/experts/w_gate' for a jax key path (Variable `.value` dropped)."""
-    parts = []
-    for k in path:
-        name = getattr(k, "key", getattr(k, "name", getattr(k, "idx", None)))
-        if name is not None and name != "value":
-            parts.append(str(name))
-    return "/".join(parts)
 
 
 def _scoped(prefix: str, fn):

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from olmo_jax.model.params import path_name
 from olmo_jax.parallel import zero
 from olmo_jax.parallel.comms import HloModule
 from olmo_jax.planner.hlo_cost import OTHER, Walker, dims, scope_of, type_bytes
@@ -66,8 +67,8 @@ def param_shapes(params, plan) -> dict[tuple[int, ...], str]:
         if rows is not None and getattr(lay, "stage", False):
             shapes.append((rows,) + shapes[1][1:])
         for shape in shapes:
-            if zero.path_name(path) not in names[shape]:
-                names[shape].append(zero.path_name(path))
+            if path_name(path) not in names[shape]:
+                names[shape].append(path_name(path))
     out = {}
     for shape, group in names.items():
         prefix = group[0].rsplit("/", 1)[0]

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from olmo_jax.model.params import path_name
 from olmo_jax.optim import build_optimizer
 from olmo_jax.parallel import zero
 from olmo_jax.parallel.mesh import AXES
@@ -71,7 +72,7 @@ def mesh_section(cfg, model_cfg, plan) -> dict:
     shardings = plan.state_shardings(state, tx)
     mesh = plan.mesh
     flat = list(mesh.devices.flat)
-    compute = {zero.path_name(p): _spec_str(lay.compute) for p, lay in
+    compute = {path_name(p): _spec_str(lay.compute) for p, lay in
                jax.tree_util.tree_leaves_with_path(
                    plan.layouts, is_leaf=lambda x: isinstance(x, zero.ParamLayout))}
     leaves = []
@@ -79,7 +80,7 @@ def mesh_section(cfg, model_cfg, plan) -> dict:
         shs = jax.tree.leaves(getattr(shardings, part), is_leaf=lambda x: isinstance(x, NamedSharding))
         items = jax.tree_util.tree_leaves_with_path(getattr(state, part))
         for (path, x), sh in zip(items, shs, strict=True):
-            name = zero.path_name(path)
+            name = path_name(path)
             category, param = _category(part, name)
             leaves.append({
                 "name": f"{part}/{name}", "category": category, "param": param,

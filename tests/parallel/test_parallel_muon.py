@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from olmo_jax.model.config import ConfigError
+from olmo_jax.model.params import path_name
 from olmo_jax.parallel import comms
 from olmo_jax.parallel.strategy import build_plan
-from olmo_jax.parallel.zero import path_name
 from tests.parallel.harness import (
     Pipe,
     host_state,

@@ -45,6 +45,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from olmo_jax.kernels.vma import varying_axes
 from olmo_jax.model.config import ConfigError
+from olmo_jax.model.params import path_name
 from olmo_jax.parallel import zero
 from olmo_jax.parallel.mesh import BATCH_AXES
 
@@ -166,7 +167,7 @@ def param_layouts(abstract_params, compute_specs, mesh: Mesh, shard: bool):
     """A tree of StageLayout, the params' structure."""
 
     def one(path, x, spec):
-        stage = zero.path_name(path).split("/")[0] == STAGE_KEY
+        stage = path_name(path).split("/")[0] == STAGE_KEY
         return param_layout(x.shape, spec, mesh, shard, stage)
 
     return jax.tree_util.tree_map_with_path(one, abstract_params, compute_specs)
@@ -236,7 +237,7 @@ def gather(params, layouts, chunks: Chunking):
     rows = chunks.rows
 
     def one(path, x, lay):
-        with jax.named_scope(f"pipe_gather/{zero.path_name(path)}"):
+        with jax.named_scope(f"pipe_gather/{path_name(path)}"):
             return _gather_over_pipe(x, lay, rows)
 
     return zero.gather(jax.tree_util.tree_map_with_path(one, params, layouts), layouts)
@@ -248,7 +249,7 @@ def reduce(grads, layouts, chunks: Chunking):
     grads = zero.reduce(grads, layouts)
 
     def one(path, g, lay):
-        with jax.named_scope(f"pipe_reduce/{zero.path_name(path)}"):
+        with jax.named_scope(f"pipe_reduce/{path_name(path)}"):
             return _reduce_over_pipe(g, lay, rows, keep, chunks.n_layers)
 
     return jax.tree_util.tree_map_with_path(one, grads, layouts)
