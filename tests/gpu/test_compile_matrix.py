@@ -27,10 +27,10 @@ refused, with a ConfigError / ValueError naming the field, and only the cells of
 (2) Trace, lower, compile: any exception fails the cell. (3) The compiled program is on
 the path the cell asks for (`path_problems`): native ragged_all_to_all for
 dispatch=ragged (not the dense emulation CPU runs); the expert GEMMs in the cell's layout
-(`expert_layout`: rowwise fills capacity buffers and runs batched products whatever
-gmm_impl is; local / ragged / allgather run the resolved grouped matmul, the Pallas
-kernel's wgmma Mosaic GPU calls for pallas (= auto on Hopper in bf16), jax.lax.ragged_dot
-for ragged_dot (= auto on Blackwell), never the CPU's blocked einsum); cuDNN block-scaled
+(`expert_layout`: every dispatch runs the resolved grouped matmul, rowwise over its
+equal-sized capacity groups: the Pallas kernel's wgmma Mosaic GPU calls for pallas (= auto
+on Hopper), jax.lax.ragged_dot for ragged_dot (= auto on Blackwell in bf16); with MXFP8
+on Blackwell auto takes the batched / blocked einsum layouts); cuDNN block-scaled
 GEMMs for MXFP8 experts on Blackwell (`block_scaled_expected`), none on Hopper or in
 bf16; the fused MXFP8 quantizer kernel on both; cuDNN fused attention forward and
 backward (model.attention_impl=auto in bfloat16); stage-to-stage sends in the pipelined
@@ -87,7 +87,9 @@ class Cell:
         """What model.moe.gmm_impl must resolve to on this GPU (model.dtype bfloat16)."""
         if self.gmm != "auto":
             return self.gmm
-        return "pallas" if self.kind in HOPPER else "ragged_dot"
+        if self.kind in HOPPER:
+            return "pallas"
+        return "einsum" if self.precision == "mxfp8" else "ragged_dot"  # Blackwell
 
 
 CELLS = (
@@ -121,19 +123,21 @@ def cell_config(cell: Cell):
 
 
 def expert_layout(cell: Cell) -> str:
-    """How the cell's expert GEMMs run: rowwise dispatch fills fixed capacity buffers
-    (batched products, whatever gmm_impl says); the others feed the resolved grouped matmul
-    sorted rows (pallas: the Pallas kernel; ragged_dot: jax.lax.ragged_dot)."""
-    if cell.dispatch == "rowwise":
-        return "batched"
-    return {"pallas": "pallas", "ragged_dot": "ragged"}[cell.resolved_gmm]
+    """How the cell's expert GEMMs run: the resolved grouped matmul over rows grouped by
+    expert (pallas: the Pallas kernel; ragged_dot: jax.lax.ragged_dot; rowwise's capacity
+    buffers are such groups of equal size), or with einsum (auto for MXFP8 on Blackwell)
+    batched products: over rowwise's capacity buffers, or the blocked dropless layout."""
+    r = cell.resolved_gmm
+    if r in ("pallas", "ragged_dot"):
+        return {"pallas": "pallas", "ragged_dot": "ragged"}[r]
+    return "batched" if cell.dispatch == "rowwise" else "blocked"
 
 
 def block_scaled_expected(cell: Cell) -> bool:
-    """MXFP8 experts on Blackwell run cuDNN block-scaled GEMMs: always in the batched
-    layout, and with gmm_impl=auto (which must pick a block-scaled layout there)."""
+    """MXFP8 experts on Blackwell run cuDNN block-scaled GEMMs in the batched and blocked
+    layouts (gmm_impl=auto must pick one there); ragged_dot dequantizes."""
     return (cell.kind in BLACKWELL and cell.precision == "mxfp8"
-            and (expert_layout(cell) == "batched" or cell.gmm == "auto"))
+            and expert_layout(cell) in ("batched", "blocked"))
 
 
 def path_problems(cell: Cell, step) -> list[str]:

@@ -68,8 +68,13 @@ def rowwise_dispatch(x_SD, routing, experts, cfg, dtype, *, capacity_factor: flo
 
     # The payload travels in model.moe.precision (MXFP8: 33/64 of bf16's bytes).
     recv = payload.transfer(send_RD, exchange, cfg.precision).reshape(El, ep * C, D)
-    ffn = expert_ffns(cfg, resolve_gmm_impl(cfg.gmm_impl, dtype, cfg.precision, (x_SD.shape[-1], cfg.expert_hidden)))
-    y = ffn.batched(recv, *experts.weights(dtype))
+    impl = resolve_gmm_impl(cfg.gmm_impl, dtype, cfg.precision, (D, cfg.expert_hidden))
+    ffn = expert_ffns(cfg, impl)
+    if impl in ("ragged_dot", "pallas"):  # the grouped GEMM over ep * C rows per local expert
+        sizes_J = jnp.full((El,), ep * C, jnp.int32)
+        y = ffn.ragged(recv.reshape(El * ep * C, D), sizes_J, *experts.weights(dtype))
+    else:  # einsum, tiled: one batched product over the capacity buffers
+        y = ffn.batched(recv, *experts.weights(dtype))
     back = jax.lax.all_to_all(y.reshape(El, ep, C, D), axis, 1, 1)  # [El, expert rank, C, D]
     y_SD = dispatch.combine_rows(back.reshape(E * C, D), plan, routing.weights_Sk)
     return y_SD, jnp.sum(~plan.keep_Sk).astype(jnp.float32)
