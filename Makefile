@@ -5,6 +5,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 ORACLE := .venv-oracle
 ORACLE_PY := $(ORACLE)/bin/python
+GPU_VENV := .venv-gpu
+GPU_PY := $(GPU_VENV)/bin/python
 # jax 0.11.2 (the lent GPU image's jax): the kernel, model and parallel tests run there too.
 J11 := .venv-jax011
 J11_PY := $(J11)/bin/python
@@ -12,11 +14,12 @@ J11_TESTS ?= tests/kernels tests/model tests/parallel tests/tools tests/trainer/
 CONFIG ?= configs/tiny.py
 ARGS ?=
 PYTEST_ARGS ?=
+GPU_PYTEST_ARGS ?= tests/gpu
 # Test processes (pytest-xdist; whole files per process, so a module compiles its programs once).
 TEST_WORKERS ?= 2
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
-.PHONY: train test venv oracle jax011 chromium lint clean
+.PHONY: train test venv oracle jax011 gpu-venv chromium lint clean
 
 venv: $(VENV)/.installed
 
@@ -37,6 +40,22 @@ $(ORACLE)/.installed: tools/oracle-requirements.txt
 	  $$py -m venv $(ORACLE); fi
 	$(ORACLE_PY) -m pip install -q --upgrade pip
 	$(ORACLE_PY) -m pip install -q -r tools/oracle-requirements.txt
+	@touch $@
+
+# XLA:GPU without a GPU (tests/gpu: the training step compiled for abstract H200/B300s):
+# the project plus the few CUDA wheels a compile needs (tools/gpu-requirements.txt).
+gpu-venv: $(GPU_VENV)/.installed
+
+$(GPU_VENV)/.installed: pyproject.toml tools/gpu-requirements.txt
+	@set -e; if [ ! -x $(GPU_PY) ]; then \
+	  py=$$(tools/find_python.sh); echo "creating $(GPU_VENV) with $$py"; \
+	  $$py -m venv $(GPU_VENV); fi
+	$(GPU_PY) -m pip install -q --upgrade pip
+	$(GPU_PY) -m pip install -q -e '.[dev]' -c tools/gpu-requirements.txt
+	$(GPU_PY) -m pip install -q --no-deps -r tools/gpu-requirements.txt
+	@# cuDNN's execution engines only run kernels: a compile loads libcudnn.so.9 and libcudnn_graph.so.9.
+	@d=$$($(GPU_PY) -c 'import nvidia.cudnn; print(list(nvidia.cudnn.__path__)[0])') && \
+	  find $$d/lib -name 'libcudnn_*.so*' ! -name 'libcudnn_graph.so*' -delete && rm -rf $$d/include
 	@touch $@
 
 # olmo_jax on jax 0.11.2 with the flax/optax/orbax/chex of its day (tools/jax011-requirements.txt).
@@ -68,13 +87,18 @@ chromium:
 	  fi; \
 	fi
 
+# The suite in .venv (CPU), the jax 0.11.2 subset in .venv-jax011, then tests/gpu in
+# .venv-gpu (README: "Compiling for GPUs without one").
 test: venv oracle chromium jax011
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	@$(MAKE) --no-print-directory gpu-venv || { echo "error: $(GPU_VENV) could not be installed" \
+	  "(see pip's message above): tests/gpu cannot run" >&2; exit 1; }
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --ignore=tests/gpu $(PYTEST_ARGS)
 	@if [ -n "$(strip $(J11_TESTS))" ]; then echo "jax 0.11.2 ($(J11)): $(J11_TESTS)"; \
 	  $(J11_PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(J11_TESTS); fi
+	$(GPU_PY) -m pytest -q -n $(TEST_WORKERS) $(GPU_PYTEST_ARGS)
 
 lint: venv
 	$(PY) -m ruff check olmo_jax tests tools configs
 
 clean:
-	rm -rf $(VENV) $(ORACLE) $(J11) runs .pytest_cache .artifacts
+	rm -rf $(VENV) $(ORACLE) $(J11) $(GPU_VENV) runs .pytest_cache .artifacts

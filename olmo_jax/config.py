@@ -55,7 +55,7 @@ def default_config() -> ml_collections.ConfigDict:
     e.n_shared_experts = 0
     e.shared_hidden = 0
     e.capacity_factor = 0.0  # 0 = dropless
-    e.gmm_impl = "auto"  # auto | pallas | ragged_dot | einsum (olmo_jax/kernels)
+    e.gmm_impl = "auto"  # auto | tiled | pallas | ragged_dot | einsum (olmo_jax/kernels)
     e.precision = "bf16"  # bf16 (= model.dtype) | mxfp8 expert GEMMs
     e.mxfp8_wgrad = False  # mxfp8: round the weight-gradient GEMM operands too
     e.lb_loss_coef = 0.01

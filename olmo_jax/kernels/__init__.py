@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from olmo_jax.kernels import platform
 
-GMM_IMPLS = ("auto", "pallas", "ragged_dot", "einsum")
+GMM_IMPLS = ("auto", "tiled", "pallas", "ragged_dot", "einsum")
 # The Pallas grouped matmul tiles d_model and the expert hidden size in blocks of 64 (the
 # weight-gradient kernel's wgmma M is one of them).
 PALLAS_GMM_DIM_MULTIPLE = 64
@@ -35,24 +35,32 @@ def resolve_gmm_impl(gmm_impl: str, dtype=None, precision: str = "bf16", dims=No
     """The grouped-matmul implementation for `model.moe.gmm_impl` on the target platform
     (`platform.current_target()`: the mesh's devices while a step is traced).
 
-    auto: on CPU the padded batched einsum (measured fastest there: ragged_dot expands
-    to a dense masked product, E times the FLOPs); with MXFP8 experts on a GPU with
+    auto: on CPU the tiled per-expert GEMM loop (olmo_jax/model/moe/tiled.py: dense
+    GEMMs over each expert's own rows; ragged_dot there expands to a dense masked
+    product, E times the FLOPs), or with MXFP8 experts on CPU the blocked einsum (the
+    tiled loop has no MXFP8 version); with MXFP8 experts on a GPU with
     block-scaled MMA (Blackwell) the blocked einsum layout too, whose GEMMs are
     `jax.nn.scaled_matmul` (cuDNN block-scaled MMA; no grouped block-scaled GEMM exists
     for the sorted layout); on a Hopper GPU with a 16-bit compute dtype the Pallas
     kernel when `dims` (d_model, expert hidden) fit its tiles; elsewhere (other GPUs,
     TPU, float32, other dims) jax.lax.ragged_dot.
+    tiled: bf16/float precision only (refused with MXFP8 experts, naming the fix).
     pallas: checked here, so a wrong choice fails before tracing with the fix named.
     `dtype` is the compute dtype (None: not checked); `dims` None: not checked."""
     if gmm_impl == "auto":
         if platform.current_target().platform == "cpu":
-            return "einsum"
+            return "einsum" if precision == "mxfp8" else "tiled"
         if precision == "mxfp8" and platform.block_scaled_mma_supported():
             return "einsum"
         fits = dims is None or pallas_gmm_fits(dims)
         if platform.pallas_gmm_supported() and _is_16bit(dtype) and fits:
             return "pallas"
         return "ragged_dot"
+    if gmm_impl == "tiled" and precision == "mxfp8":
+        raise ValueError(
+            "model.moe.gmm_impl=tiled has no MXFP8 version (model.moe.precision=mxfp8): use "
+            "model.moe.gmm_impl=auto (the blocked einsum on CPU) or einsum"
+        )
     if gmm_impl == "pallas":
         if not platform.pallas_gmm_supported() and platform.interpret_params() is None:
             raise ValueError(

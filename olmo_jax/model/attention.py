@@ -2,10 +2,12 @@
 
 The attention core (`model.attention_impl`, resolved by `resolve_attention_impl` for the
 target platform: the mesh's devices while a step is traced):
-  xla    a hand-written VJP (flash-attention's math without tiling): the backward pass
-         recomputes the probabilities from q, k and the saved log-sum-exp instead of
-         keeping [T, S] matrices alive between the passes; causal query chunks skip the
-         upper triangle. XLA still materializes each chunk's float32 scores.
+  xla    a hand-written VJP (flash-attention's math without tiling) in the head-major
+         layout ([B, heads, T, H]: one 4-D transpose per tensor, fused with RoPE; no 5-D
+         transposes): the backward pass recomputes the probabilities from q, k and the
+         saved log-sum-exp instead of keeping [T, S] matrices alive between the passes;
+         causal query chunks skip the upper triangle; the softmax scale is applied to the
+         queries, not the scores. XLA still materializes each chunk's float32 scores.
   cudnn  cuDNN's fused flash attention (`jax.nn.dot_product_attention(...,
          implementation="cudnn")`, causal, grouped-query heads): no [T, S] buffer.
   auto   cudnn on an NVIDIA GPU in bfloat16/float16, xla elsewhere.
@@ -59,22 +61,36 @@ def cudnn_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array) -> 
 
 def causal_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array) -> jax.Array:
     """Softmax(q k^T / sqrt(H)) v with a causal mask; N query heads share K kv heads.
+    [B, T, N, H] in and out: `causal_attention_heads` between two 4-D transposes."""
+    B, T, N, H = q_BTNH.shape
+    o_BNTH = causal_attention_heads(q_BTNH.transpose(0, 2, 1, 3), k_BSKH.transpose(0, 2, 1, 3),
+                                    v_BSKH.transpose(0, 2, 1, 3))
+    return o_BNTH.transpose(0, 2, 1, 3)
 
-    Scores and softmax in float32; returns [B, T, N, H] in q's dtype. The G = N / K query
-    heads of one kv head are stacked as rows (M = G * T), so every product is one batched
-    matmul over (B, K) with no repeated keys.
-    """
-    T = q_BTNH.shape[1]
+
+def causal_attention_heads(q_BNTH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array) -> jax.Array:
+    """causal_attention in the head-major layout: q [B, N, T, H], k and v [B, K, S, H],
+    out [B, N, T, H]. Scores and softmax in float32; out in q's dtype.
+
+    Query head n = kv * G + g (G = N / K) is a free view [B, K, G, T, H] of q, so the G
+    query heads of one kv head are stacked as rows of one batched matmul over (B, K): no
+    repeated keys and no 5-D transpose. Causal blocks: query chunk i looks only at keys
+    [0, (i + 1) * Tc), skipping the upper triangle (2 chunks: 3/4 of the score work, 4
+    chunks: 5/8)."""
+    B, N, T, H = q_BNTH.shape
+    K = k_BKSH.shape[1]
+    G = N // K
     n_chunks = query_chunks(T)
     Tc = T // n_chunks
-    # Causal blocks: query chunk i only looks at keys [0, (i + 1) * Tc), skipping the
-    # upper triangle (2 chunks: 3/4 of the score work, 4 chunks: 5/8).
-    outs = [
-        _chunk_attention(q_BTNH[:, i * Tc : (i + 1) * Tc], k_BSKH[:, : (i + 1) * Tc],
-                         v_BSKH[:, : (i + 1) * Tc], offset=i * Tc)
-        for i in range(n_chunks)
-    ]
-    return outs[0] if n_chunks == 1 else jnp.concatenate(outs, axis=1)
+    q_BKGTH = q_BNTH.reshape(B, K, G, T, H)
+    outs = []
+    for i in range(n_chunks):
+        q_BKMH = q_BKGTH[:, :, :, i * Tc:(i + 1) * Tc].reshape(B, K, G * Tc, H)
+        end = (i + 1) * Tc
+        o_BKMH = _attention_core(q_BKMH, k_BKSH[:, :, :end], v_BKSH[:, :, :end], Tc, i * Tc)
+        outs.append(o_BKMH.reshape(B, K, G, Tc, H))
+    o_BKGTH = outs[0] if n_chunks == 1 else jnp.concatenate(outs, axis=3)
+    return o_BKGTH.reshape(B, N, T, H)
 
 
 def query_chunks(T: int) -> int:
@@ -85,29 +101,21 @@ def query_chunks(T: int) -> int:
     return 1
 
 
-def _chunk_attention(q_BTNH, k_BSKH, v_BSKH, offset: int):
-    """Queries at positions offset .. offset + T - 1 against keys 0 .. S - 1."""
-    B, T, N, H = q_BTNH.shape
-    K = k_BSKH.shape[2]
-    G = N // K
-    q_BKMH = q_BTNH.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
-    k_BKSH = k_BSKH.transpose(0, 2, 1, 3)
-    v_BKSH = v_BSKH.transpose(0, 2, 1, 3)
-    o_BKMH = _attention_core(q_BKMH, k_BKSH, v_BKSH, T, offset)
-    return o_BKMH.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
-
-
-def _masked_scores(q_BKMH, k_BKSH, T, offset):
-    """Scaled float32 scores with future positions set to -inf-ish; row m is the query at
-    position offset + m % T."""
-    H = q_BKMH.shape[-1]
-    s_BKMS = jnp.einsum("bkmh,bksh->bkms", q_BKMH, k_BKSH, preferred_element_type=jnp.float32)
+def _masked_scores(qs_BKMH, k_BKSH, T, offset):
+    """Float32 scores of the pre-scaled queries with future positions set to -inf-ish;
+    row m is the query at position offset + m % T."""
+    s_BKMS = jnp.einsum("bkmh,bksh->bkms", qs_BKMH, k_BKSH, preferred_element_type=jnp.float32)
     M, S = s_BKMS.shape[-2:]
     causal_MS = (jnp.arange(M) % T + offset)[:, None] >= jnp.arange(S)[None, :]
-    return jnp.where(causal_MS, s_BKMS * (H**-0.5), _MASKED), causal_MS
+    return jnp.where(causal_MS, s_BKMS, _MASKED)
 
 
 _MASKED = -1e30
+
+
+def _scaled(q_BKMH):
+    """q / sqrt(H): the softmax scale applied to the [M, H] queries, not the [M, S] scores."""
+    return q_BKMH * jnp.asarray(q_BKMH.shape[-1] ** -0.5, q_BKMH.dtype)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -116,7 +124,7 @@ def _attention_core(q_BKMH, k_BKSH, v_BKSH, T, offset):
 
 
 def _attention_fwd(q_BKMH, k_BKSH, v_BKSH, T, offset):
-    s_BKMS, _ = _masked_scores(q_BKMH, k_BKSH, T, offset)
+    s_BKMS = _masked_scores(_scaled(q_BKMH), k_BKSH, T, offset)
     m_BKM1 = jnp.max(s_BKMS, axis=-1, keepdims=True)
     p_BKMS = jnp.exp(s_BKMS - m_BKM1)
     l_BKM1 = jnp.sum(p_BKMS, axis=-1, keepdims=True)
@@ -130,17 +138,17 @@ def _attention_fwd(q_BKMH, k_BKSH, v_BKSH, T, offset):
 
 def _attention_bwd(T, offset, res, do_BKMH):
     q_BKMH, k_BKSH, v_BKSH, o_BKMH, lse_BKM1 = res
-    H = q_BKMH.shape[-1]
-    s_BKMS, causal_MS = _masked_scores(q_BKMH, k_BKSH, T, offset)
-    p_BKMS = jnp.where(causal_MS, jnp.exp(s_BKMS - lse_BKM1), 0.0)
+    qs_BKMH = _scaled(q_BKMH)
+    # Masked scores are -1e30: exp(s - lse) is exactly 0 there, no second mask needed.
+    p_BKMS = jnp.exp(_masked_scores(qs_BKMH, k_BKSH, T, offset) - lse_BKM1)
     dv_BKSH = jnp.einsum("bkms,bkmh->bksh", p_BKMS.astype(do_BKMH.dtype), do_BKMH)
     dp_BKMS = jnp.einsum("bkmh,bksh->bkms", do_BKMH, v_BKSH, preferred_element_type=jnp.float32)
     delta_BKM1 = jnp.sum(
         do_BKMH.astype(jnp.float32) * o_BKMH.astype(jnp.float32), axis=-1, keepdims=True
     )
-    ds_BKMS = (p_BKMS * (dp_BKMS - delta_BKM1) * (H**-0.5)).astype(q_BKMH.dtype)
-    dq_BKMH = jnp.einsum("bkms,bksh->bkmh", ds_BKMS, k_BKSH)
-    dk_BKSH = jnp.einsum("bkms,bkmh->bksh", ds_BKMS, q_BKMH)
+    ds_BKMS = (p_BKMS * (dp_BKMS - delta_BKM1)).astype(q_BKMH.dtype)  # d scores of qs k^T
+    dq_BKMH = _scaled(jnp.einsum("bkms,bksh->bkmh", ds_BKMS, k_BKSH))
+    dk_BKSH = jnp.einsum("bkms,bkmh->bksh", ds_BKMS, qs_BKMH)
     return (cotangent_like(dq_BKMH, q_BKMH), cotangent_like(dk_BKSH, k_BKSH),
             cotangent_like(dv_BKSH, v_BKSH))
 
@@ -173,15 +181,17 @@ class Attention(nnx.Module):
         dt = self.dtype
         B, T, D = x_BTD.shape
         N, K, H = self.q_proj.shape[1], self.k_proj.shape[1], self.q_proj.shape[2]
-        # q, k and v come from one matmul against the concatenated projections.
+        # q, k and v come from one matmul against the concatenated projections, over the
+        # B * T rows as one 2-D GEMM (so the weight gradient is one GEMM too, not a batched
+        # product over B and a sum).
         w_qkv_DJ = jnp.concatenate(
             [self.q_proj[...].reshape(D, N * H), self.k_proj[...].reshape(D, K * H),
              self.v_proj[...].reshape(D, K * H)], axis=1,
         ).astype(dt)
-        qkv_BTJ = self._proj("btd,dj->btj", x_BTD.astype(dt), w_qkv_DJ)
-        q_BTNH = qkv_BTJ[..., : N * H].reshape(B, T, N, H)
-        k_BTKH = qkv_BTJ[..., N * H : (N + K) * H].reshape(B, T, K, H)
-        v_BTKH = qkv_BTJ[..., (N + K) * H :].reshape(B, T, K, H)
+        qkv_RJ = self._proj("rd,dj->rj", x_BTD.astype(dt).reshape(B * T, D), w_qkv_DJ)
+        q_BTNH = qkv_RJ[:, : N * H].reshape(B, T, N, H)
+        k_BTKH = qkv_RJ[:, N * H : (N + K) * H].reshape(B, T, K, H)
+        v_BTKH = qkv_RJ[:, (N + K) * H :].reshape(B, T, K, H)
         if self.q_norm is not None:
             q_BTNH = self.q_norm(q_BTNH)
             k_BTKH = self.k_norm(k_BTKH)
@@ -190,7 +200,16 @@ class Attention(nnx.Module):
             q_BTNH, k_BTKH, v_BTKH = (jnp.clip(a, -c, c) for a in (q_BTNH, k_BTKH, v_BTKH))
         q_BTNH = apply_rope(q_BTNH, cos_TH, sin_TH)
         k_BTKH = apply_rope(k_BTKH, cos_TH, sin_TH)
-        core = cudnn_attention if resolve_attention_impl(self.impl, dt) == "cudnn" else causal_attention
-        with jax.named_scope("attention_scores"):  # named for olmo_jax/planner
-            o_BTNH = core(q_BTNH, k_BTKH, v_BTKH)
-        return self._proj("btnh,nhd->btd", o_BTNH, self.o_proj[...].astype(dt))
+        if resolve_attention_impl(self.impl, dt) == "cudnn":
+            with jax.named_scope("attention_scores"):  # named for olmo_jax/planner
+                o_BTNH = cudnn_attention(q_BTNH, k_BTKH, v_BTKH)
+        else:
+            # Head-major for the core: one 4-D transpose each (XLA fuses it into the
+            # norm / RoPE element-wise work that produces q and k), none per chunk.
+            with jax.named_scope("attention_scores"):  # named for olmo_jax/planner
+                q_BNTH, k_BKTH, v_BKTH = (a.transpose(0, 2, 1, 3) for a in (q_BTNH, k_BTKH, v_BTKH))
+                o_BNTH = causal_attention_heads(q_BNTH, k_BKTH, v_BKTH)
+                o_BTNH = o_BNTH.transpose(0, 2, 1, 3)  # fused with the chunks' concatenation
+        o_RJ = o_BTNH.reshape(B * T, N * H)
+        y_RD = self._proj("rj,jd->rd", o_RJ, self.o_proj[...].reshape(N * H, D).astype(dt))
+        return y_RD.reshape(B, T, D)

@@ -38,7 +38,7 @@ class MoEConfig:
     shared_hidden: int = 0
     # Dispatch: capacity_factor 0 = dropless; > 0 = per-expert capacity, overflow dropped.
     capacity_factor: float = 0.0
-    gmm_impl: str = "auto"  # auto | pallas | ragged_dot | einsum (olmo_jax/kernels)
+    gmm_impl: str = "auto"  # auto | tiled | pallas | ragged_dot | einsum (olmo_jax/kernels)
     # Expert GEMM precision: bf16 (= model.dtype) | mxfp8 (model/moe/mxfp8_experts.py).
     precision: str = "bf16"
     mxfp8_wgrad: bool = False  # mxfp8: also round the weight-gradient GEMM operands
@@ -77,9 +77,9 @@ class MoEConfig:
             raise ConfigError(
                 f"{prefix}.capacity_factor must be >= 0 (0 = dropless), got {self.capacity_factor}"
             )
-        if self.gmm_impl not in ("auto", "pallas", "ragged_dot", "einsum"):
+        if self.gmm_impl not in ("auto", "tiled", "pallas", "ragged_dot", "einsum"):
             raise ConfigError(
-                f"{prefix}.gmm_impl={self.gmm_impl!r}: choose auto, pallas, ragged_dot or einsum"
+                f"{prefix}.gmm_impl={self.gmm_impl!r}: choose auto, tiled, pallas, ragged_dot or einsum"
             )
         if self.precision not in ("bf16", "mxfp8"):
             raise ConfigError(f"{prefix}.precision={self.precision!r}: choose bf16 or mxfp8")

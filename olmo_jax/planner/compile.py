@@ -9,6 +9,13 @@ XLA writes its buffer assignment and live ranges into a dump folder (compile opt
 `xla_dump_to`), which memory.py reads for the buffers live at the peak. The backend is
 compiled at optimization level 0: the same HLO, buffers and collectives, less LLVM time.
 
+`compile_train_step(cfg, devices, trainer_step=True)` compiles exactly what
+`python -m olmo_jax.train` runs: the step wrapped in the trainer's bad-step guard
+(olmo_jax/trainer/guard.py) on a state that carries the guard's counters, compiled with
+the backend's default options (no dump, full optimisation): what tests/gpu compiles for
+abstract GPUs (olmo_jax.targets). `lowered` keeps the StableHLO, where the JAX-level
+choices (ragged_dot, Pallas kernels, scaled_matmul) are still visible by name.
+
 A pipelined step's module is counted with each pipeline branch run as often as the
 schedule runs it, averaged over the stages (pipeline.branch_weights).
 """
@@ -31,6 +38,7 @@ from olmo_jax.optim import build_optimizer
 from olmo_jax.parallel import comms
 from olmo_jax.parallel.strategy import ParallelPlan, build_plan
 from olmo_jax.planner import memory, pipeline
+from olmo_jax.trainer import guard as guard_lib
 from olmo_jax.trainer.state import TrainState, abstract_train_state
 from olmo_jax.trainer.step import make_train_step
 
@@ -48,6 +56,7 @@ class CompiledStep:
     lower_s: float
     compile_s: float
     live_range: str  # XLA's live-range report ("" when it wrote none)
+    lowered: jax.stages.Lowered | None = None
 
     @property
     def n_devices(self) -> int:
@@ -63,34 +72,45 @@ def model_config(cfg: ml_collections.ConfigDict) -> TransformerConfig:
     return config_lib.model_config(cfg, vocab)
 
 
-def compile_train_step(cfg: ml_collections.ConfigDict, devices) -> CompiledStep:
-    """Lowers and compiles `cfg`'s train step for a mesh over `devices`."""
+def compile_train_step(cfg: ml_collections.ConfigDict, devices, *, trainer_step: bool = False,
+                       options: dict | None = None) -> CompiledStep:
+    """Lowers and compiles `cfg`'s train step for a mesh over `devices`: the planner's
+    (unguarded, XLA:CPU at optimisation level 0 with its buffer dump), or with
+    `trainer_step` the trainer's exact program (module docstring), compiled with XLA
+    `options` (None: the backend's defaults, as the trainer compiles)."""
     config_lib.validate(cfg)
     t0 = time.perf_counter()
     model_cfg = model_config(cfg)
     plan = build_plan(cfg, model_cfg, devices=devices)
     t = cfg.trainer
     tx, schedule = build_optimizer(cfg.optim, t.max_steps)
-    graphdef, abstract = abstract_train_state(model_cfg, tx, dispatcher=plan.dispatcher)
+    guard_cfg = guard_lib.GuardConfig.from_trainer(t) if trainer_step else None
+    graphdef, abstract = abstract_train_state(model_cfg, tx, dispatcher=plan.dispatcher,
+                                              guard_cfg=guard_cfg)
     shardings = plan.state_shardings(abstract, tx)
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                          abstract, shardings)
     batch = jax.ShapeDtypeStruct(plan.batch_shape(t.global_batch_size, t.seq_len), jnp.int32,
                                  sharding=plan.batch_sharding())
-    step = plan.jit_train_step(
-        make_train_step(graphdef, model_cfg, tx, schedule, t.grad_accum, parallel=plan,
-                        expert_ranks=plan.mesh.shape["expert"]),
-        shardings)
+    train_step = make_train_step(graphdef, model_cfg, tx, schedule, t.grad_accum, parallel=plan,
+                                 expert_ranks=plan.mesh.shape["expert"])
+    if trainer_step:
+        train_step = guard_lib.guarded(train_step, guard_cfg)
+    step = plan.jit_train_step(train_step, shardings)
     lowered = step.lower(state, batch)
     t1 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="olmo_jax_plan_") as dump:
-        compiled = lowered.compile({"xla_backend_optimization_level": 0, "xla_dump_to": dump,
-                                    "xla_dump_hlo_module_re": ".*train_step.*"})
-        path = memory.live_range_file(Path(dump))
-        live_range = path.read_text() if path else ""
+    if trainer_step:
+        compiled, live_range = lowered.compile(options), ""
+    else:
+        assert options is None, "options are for trainer_step compiles"
+        with tempfile.TemporaryDirectory(prefix="olmo_jax_plan_") as dump:
+            compiled = lowered.compile({"xla_backend_optimization_level": 0, "xla_dump_to": dump,
+                                        "xla_dump_hlo_module_re": ".*train_step.*"})
+            path = memory.live_range_file(Path(dump))
+            live_range = path.read_text() if path else ""
     t2 = time.perf_counter()
     module = comms.parse_module(compiled)
     if plan.pipeline is not None:
         module = module.counted(pipeline.branch_weights(module, plan.pipeline.schedule))
     return CompiledStep(cfg, model_cfg, plan, compiled, module, state, shardings, batch,
-                        t1 - t0, t2 - t1, live_range)
+                        t1 - t0, t2 - t1, live_range, lowered)

@@ -63,6 +63,8 @@ def branches(module: comms.HloModule) -> list[Branch]:
             continue
         comps = [c.strip().lstrip("%") for c in
                  (ins.attr("branch_computations") or "").strip("{}").split(",") if c.strip()]
+        if not comps and ins.attr("true_computation"):  # a predicated conditional (XLA:GPU)
+            comps = [ins.attr(k).lstrip("%") for k in ("false_computation", "true_computation")]
         if len(comps) != 2:
             raise ValueError(f"pipeline conditional {ins.name} ({ins.op_name}) has "
                              f"{len(comps)} branches, expected the two of a lax.cond")

@@ -139,6 +139,9 @@ def expert_buffer_factor(step: CompiledStep) -> tuple[float | None, str]:
         b = block_size(N, E)
         return (blocked_rows(N, E, b) / N,
                 f"blocked dropless layout, blocks of {b} rows, sized for the worst padding")
+    if impl == "tiled":
+        return None, ("gmm_impl=tiled: per-expert GEMM loops whose trip counts are the routing's "
+                      "(at most 7 padding rows per expert); the HLO counts each loop body once")
     return None, f"gmm_impl={impl} (on CPU ragged_dot expands to a dense product over experts)"
 
 

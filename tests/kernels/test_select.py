@@ -14,11 +14,17 @@ def _gpu(cc):
     return platform.targeting(platform.Target("gpu", cc, 132, abstract=True))
 
 
-def test_auto_on_cpu_is_the_padded_einsum():
+def test_auto_on_cpu_is_the_tiled_loop():
     assert jax.default_backend() == "cpu"
     assert platform.current_target() == platform.Target("cpu")
-    assert resolve_gmm_impl("auto", jnp.bfloat16) == "einsum"
+    assert resolve_gmm_impl("auto", jnp.bfloat16) == "tiled"
+    assert resolve_gmm_impl("auto", jnp.float32, "mxfp8") == "einsum"  # no MXFP8 tiled loop
     assert resolve_gmm_impl("ragged_dot") == "ragged_dot"
+
+
+def test_tiled_with_mxfp8_is_refused_naming_the_fix():
+    with pytest.raises(ValueError, match="gmm_impl=tiled has no MXFP8 version.*gmm_impl=auto"):
+        resolve_gmm_impl("tiled", jnp.bfloat16, "mxfp8")
 
 
 @pytest.mark.parametrize(
@@ -46,7 +52,7 @@ def test_the_target_comes_from_the_mesh_not_the_default_backend():
     assert resolve_gmm_impl("auto", jnp.bfloat16, "mxfp8") == "einsum"  # CPU again
     with _gpu((9, 0)):
         assert resolve_gmm_impl("auto", jnp.bfloat16) == "pallas"
-    assert resolve_gmm_impl("auto", jnp.bfloat16) == "einsum"
+    assert resolve_gmm_impl("auto", jnp.bfloat16) == "tiled"
 
 
 def test_pallas_is_refused_where_it_cannot_run():

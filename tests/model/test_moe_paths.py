@@ -1,5 +1,5 @@
-"""Every MoE path (dropless sorted/ragged_dot, dropless blocked einsum, capacity einsum,
-capacity ragged_dot) and routing option (gating, groups, selection bias, uniform mode)
+"""Every MoE path (dropless sorted/ragged_dot, dropless blocked einsum, dropless tiled
+per-expert loop, capacity einsum, capacity ragged_dot) and routing option (gating, groups, selection bias, uniform mode)
 against the naive loop-over-experts reference, forward and gradients, float32, max abs
 diff <= 1e-5."""
 
@@ -71,6 +71,9 @@ def _reference_loss_and_grads(layer, x, top_k, norm_topk_prob, capacity):
         ("einsum", 0.75, 2, False),  # capacity below demand: some assignments dropped
         ("ragged_dot", 0.75, 2, True),
         ("einsum", 4.0, 2, False),  # capacity above demand: nothing dropped
+        ("tiled", 0.0, 2, False),  # the per-expert GEMM loop, runs padded to 8 rows
+        ("tiled", 0.0, 3, True),
+        ("tiled", 0.75, 2, False),  # capacity buffers under tiled: the batched einsum
     ],
 )
 def test_moe_path_matches_naive_reference(gmm_impl, capacity_factor, top_k, norm):

@@ -136,7 +136,8 @@ def test_rowwise_rows_are_grouped_by_local_expert_then_sender():
 
 @pytest.mark.parametrize("kind,gmm_impl", [("rowwise", "einsum"), ("ragged", "einsum"),
                                            ("ragged", "ragged_dot"), ("allgather", "einsum"),
-                                           ("allgather", "ragged_dot")])
+                                           ("allgather", "ragged_dot"), ("ragged", "tiled"),
+                                           ("allgather", "tiled")])
 def test_backend_matches_naive_on_random_and_worst_case_routing(kind, gmm_impl):
     ep, E, S, k = 4, 8, 6, 2
     cf = E / k  # rowwise: enough slots that nothing can drop

@@ -3,9 +3,11 @@ expert-grouped buffer -> back.
 
 Every layout answers one question per assignment: which row of a static-size buffer
 does it go to, and is it kept? Rows of the buffer belong to experts in order (expert 0's
-rows first). Three layouts:
+rows first). Four layouts:
   sorted    dropless, R = S*k rows, expert e owns a contiguous run of group_sizes[e] rows
             (for jax.lax.ragged_dot / grouped-matmul kernels);
+  padded    sorted, each expert's run padded with zero rows to a multiple of 8 (the
+            tiled per-expert GEMM loop on CPU, olmo_jax/model/moe/tiled.py);
   capacity  E * C rows, expert e owns rows [e*C, (e+1)*C); an assignment whose rank within
             its expert is >= C is dropped;
   blocked   dropless, each expert's run padded to a multiple of `block` rows, so every
@@ -67,20 +69,28 @@ def blocked_rows(n_assignments: int, num_experts: int, block: int) -> int:
     return (-(-n_assignments // block) + num_experts - 1) * block
 
 
-def blocked_plan(idx_Sk: jax.Array, num_experts: int, block: int) -> tuple[BufferPlan, jax.Array]:
-    """Returns the plan and block_expert_B: the expert that owns each block of rows
-    (blocks past the last expert's run are padding owned by the last expert)."""
+def padded_plan(idx_Sk: jax.Array, num_experts: int, multiple: int) -> BufferPlan:
+    """The sorted layout with each expert's run padded to a multiple of `multiple` rows
+    (zero rows; at most multiple - 1 per expert), in a static buffer that fits any
+    routing. group_sizes_E are the unpadded counts."""
     rank_Sk, counts_E = rank_within_expert(idx_Sk, num_experts)
-    padded_E = (counts_E + block - 1) // block * block
+    padded_E = (counts_E + multiple - 1) // multiple * multiple
     starts_E = jnp.cumsum(padded_E) - padded_E
     row_Sk = starts_E[idx_Sk] + rank_Sk
-    n_rows = blocked_rows(idx_Sk.size, num_experts, block)
-    block_start_B = jnp.arange(n_rows // block, dtype=jnp.int32) * block
-    ends_E = starts_E + padded_E
+    n_rows = blocked_rows(idx_Sk.size, num_experts, multiple)
+    return BufferPlan(row_Sk, jnp.ones_like(row_Sk, bool), counts_E, n_rows)
+
+
+def blocked_plan(idx_Sk: jax.Array, num_experts: int, block: int) -> tuple[BufferPlan, jax.Array]:
+    """Returns the plan (padded_plan with multiple = block) and block_expert_B: the expert
+    that owns each block of rows (blocks past the last expert's run are padding owned by
+    the last expert)."""
+    plan = padded_plan(idx_Sk, num_experts, block)
+    padded_E = (plan.group_sizes_E + block - 1) // block * block
+    ends_E = jnp.cumsum(padded_E)
+    block_start_B = jnp.arange(plan.n_rows // block, dtype=jnp.int32) * block
     block_expert_B = jnp.searchsorted(ends_E, block_start_B, side="right").astype(jnp.int32)
-    block_expert_B = jnp.minimum(block_expert_B, num_experts - 1)
-    plan = BufferPlan(row_Sk, jnp.ones_like(row_Sk, bool), counts_E, n_rows)
-    return plan, block_expert_B
+    return plan, jnp.minimum(block_expert_B, num_experts - 1)
 
 
 def source_assignments(plan: BufferPlan) -> jax.Array:

@@ -8,8 +8,11 @@ by `olmo_jax.kernels.resolve_gmm_impl`):
               olmo_jax/kernels/grouped_matmul.py);
   einsum      a padded batched einsum: over [E, C, D] capacity buffers, or, dropless,
               over blocks of the blocked layout with each block's expert's weights
-              gathered ([B, b, D] x [B, D, F]); the fastest path on CPU;
-  auto        einsum on CPU, pallas on Hopper (bf16), ragged_dot elsewhere.
+              gathered ([B, b, D] x [B, D, F]);
+  tiled       a loop of dense per-expert GEMMs over the sorted layout padded to 8 rows
+              per expert (olmo_jax/model/moe/tiled.py); the fastest dropless path on CPU;
+  auto        tiled on CPU (einsum with MXFP8 experts), pallas on Hopper (bf16),
+              ragged_dot elsewhere.
 MXFP8 versions of these FFNs: olmo_jax/model/moe/mxfp8_experts.py.
 """
 

@@ -22,6 +22,7 @@ from olmo_jax.model.moe.experts import Experts, resolve_gmm_impl
 from olmo_jax.model.moe.losses import RouterStats, router_stats
 from olmo_jax.model.moe.mxfp8_experts import expert_ffns
 from olmo_jax.model.moe.router import Router, Routing
+from olmo_jax.model.moe.tiled import TILE_MULTIPLE
 
 Dispatcher = Callable[..., tuple[jax.Array, jax.Array]]
 
@@ -50,7 +51,7 @@ def local_dispatch(x_SD, routing: Routing, experts: Experts, cfg: MoEConfig, dty
         C = expert_capacity(S, cfg.top_k, E, cfg.capacity_factor)
         plan = dispatch.capacity_plan(routing.idx_Sk, E, C)
         x_PD = dispatch.gather_rows(x_SD, plan)
-        if impl in ("ragged_dot", "pallas"):
+        if impl in ("ragged_dot", "pallas"):  # capacity buffers: tiled runs the batched einsum
             y_PD = ffn.ragged(x_PD, jnp.full((E,), C, jnp.int32), *w)
         else:
             y_PD = ffn.batched(x_PD.reshape(E, C, -1), *w).reshape(E * C, -1)
@@ -58,6 +59,10 @@ def local_dispatch(x_SD, routing: Routing, experts: Experts, cfg: MoEConfig, dty
     elif impl in ("ragged_dot", "pallas"):
         plan = dispatch.sorted_plan(routing.idx_Sk, E)
         y_PD = ffn.ragged(dispatch.gather_rows(x_SD, plan), plan.group_sizes_E, *w)
+        dropped = jnp.zeros((), jnp.float32)
+    elif impl == "tiled":
+        plan = dispatch.padded_plan(routing.idx_Sk, E, TILE_MULTIPLE)
+        y_PD = ffn.tiled(dispatch.gather_rows(x_SD, plan), plan.group_sizes_E, *w)
         dropped = jnp.zeros((), jnp.float32)
     elif impl == "einsum":
         b = block_size(routing.idx_Sk.size, E)

@@ -30,7 +30,7 @@ import numpy as np
 from olmo_jax.kernels import mxfp8 as mx
 from olmo_jax.model import mxfp8
 from olmo_jax.model.config import MoEConfig
-from olmo_jax.model.moe import experts
+from olmo_jax.model.moe import experts, tiled
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
@@ -111,6 +111,7 @@ class ExpertFFNs(NamedTuple):
     ragged: object  # (x_RD, group_sizes_E, w_gate, w_up, w_down) -> y_RD
     batched: object  # (x_GCD, w_gate_GDF, w_up_GDF, w_down_GFD) -> y_GCD
     blocked: object  # (x_PD, block_expert_B, w_gate, w_up, w_down) -> y_PD
+    tiled: object  # (x_PD, group_sizes_E, w_gate, w_up, w_down) -> y_PD, padded layout
 
 
 def expert_ffns(cfg: MoEConfig, impl: str) -> ExpertFFNs:
@@ -123,7 +124,7 @@ def expert_ffns(cfg: MoEConfig, impl: str) -> ExpertFFNs:
             ragged = functools.partial(experts.ffn_ragged, gmm=grouped_matmul)
         else:
             ragged = experts.ffn_ragged
-        return ExpertFFNs(ragged, experts.ffn_batched, experts.ffn_blocked)
+        return ExpertFFNs(ragged, experts.ffn_batched, experts.ffn_blocked, tiled.ffn_tiled)
     rounding, qw = "rceil", cfg.mxfp8_wgrad
     ragged_layout = "pallas" if impl == "pallas" else "ragged"
 
@@ -141,4 +142,7 @@ def expert_ffns(cfg: MoEConfig, impl: str) -> ExpertFFNs:
         y = swiglu(x_BbD, w_gate, w_up, w_down, block_expert_B, "blocked", rounding, qw)
         return y.reshape(P, D)
 
-    return ExpertFFNs(ragged_mx, batched_mx, blocked_mx)
+    def tiled_mx(*args):
+        raise ValueError("model.moe.gmm_impl=tiled has no MXFP8 version: use gmm_impl=auto or einsum")
+
+    return ExpertFFNs(ragged_mx, batched_mx, blocked_mx, tiled_mx)

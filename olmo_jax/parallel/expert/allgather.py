@@ -17,6 +17,7 @@ from olmo_jax.model.moe import dispatch, payload
 from olmo_jax.model.moe.experts import resolve_gmm_impl
 from olmo_jax.model.moe.layer import block_size
 from olmo_jax.model.moe.mxfp8_experts import expert_ffns
+from olmo_jax.model.moe.tiled import TILE_MULTIPLE
 
 
 def allgather_dispatch(x_SD, routing, experts, cfg, dtype, *, axis: str):
@@ -31,7 +32,10 @@ def allgather_dispatch(x_SD, routing, experts, cfg, dtype, *, axis: str):
     w = experts.weights(dtype)
     impl = resolve_gmm_impl(cfg.gmm_impl, dtype, cfg.precision, (x_SD.shape[-1], cfg.expert_hidden))
     ffn = expert_ffns(cfg, impl)
-    if impl == "einsum":
+    if impl == "tiled":  # the trailing group (not mine) is never computed: rows stay zero
+        plan = dispatch.padded_plan(lidx_Gk, El + 1, TILE_MULTIPLE)
+        y_PD = ffn.tiled(dispatch.gather_rows(x_GD, plan), plan.group_sizes_E[:El], *w)
+    elif impl == "einsum":
         plan, owner_B = dispatch.blocked_plan(lidx_Gk, El + 1, block_size(lidx_Gk.size, El + 1))
         y_PD = ffn.blocked(dispatch.gather_rows(x_GD, plan), jnp.minimum(owner_B, El - 1), *w)
     else:

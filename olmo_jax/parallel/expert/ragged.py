@@ -11,7 +11,8 @@ the same layout of every receive buffer: grouped by local expert j, then by send
     (each total rounded up to `block` rows when the receiver runs the blocked matmul).
 
 So a rank receives its experts' rows contiguous and grouped (a grouped GEMM,
-`ragged_dot`, or the blocked batched matmul on CPU) with no permutation; the combine is
+`ragged_dot`, the tiled per-expert loop on CPU: runs padded to 8 rows, or the blocked
+batched matmul) with no permutation; the combine is
 the exact reverse ragged_all_to_all. The receive buffer is sized for the worst case
 (every assignment of the ep senders to one rank): static shapes, never a host sync.
 """
@@ -28,6 +29,7 @@ from olmo_jax.model.moe import dispatch, payload
 from olmo_jax.model.moe.experts import resolve_gmm_impl
 from olmo_jax.model.moe.layer import block_size
 from olmo_jax.model.moe.mxfp8_experts import expert_ffns
+from olmo_jax.model.moe.tiled import TILE_MULTIPLE
 from olmo_jax.parallel.expert.ragged_a2a import ragged_all_to_all
 
 
@@ -89,8 +91,8 @@ def ragged_dispatch(x_SD, routing, experts, cfg, dtype, *, axis: str, emulate: b
     N = S * cfg.top_k
     impl = resolve_gmm_impl(cfg.gmm_impl, dtype, cfg.precision, (x_SD.shape[-1], cfg.expert_hidden))
     blocked = impl == "einsum"
-    block = block_size(ep * N, El) if blocked else 1
-    rows = dispatch.blocked_rows(ep * N, El, block) if blocked else ep * N
+    block = block_size(ep * N, El) if blocked else TILE_MULTIPLE if impl == "tiled" else 1
+    rows = dispatch.blocked_rows(ep * N, El, block) if block > 1 else ep * N
 
     plan = dispatch.sorted_plan(routing.idx_Sk, E)
     send_ND = dispatch.gather_rows(x_SD.astype(dtype), plan)
@@ -112,6 +114,8 @@ def ragged_dispatch(x_SD, routing, experts, cfg, dtype, *, axis: str, emulate: b
     ffn = expert_ffns(cfg, impl)
     if blocked:
         y_RD = ffn.blocked(recv_RD, block_owners(lay.padded_sizes_J, rows, block), *w)
+    elif impl == "tiled":  # runs only the received rows, however large the buffer
+        y_RD = ffn.tiled(recv_RD, lay.group_sizes_J, *w)
     else:
         y_RD = ffn.ragged(recv_RD, lay.group_sizes_J, *w)
     back_ND = a2a(y_RD, buffer(N, y_RD), lay.bwd_input_offsets,

@@ -1,0 +1,213 @@
+"""The real training step, compiled by XLA:GPU for abstract GPUs (olmo_jax.targets): every
+combination of GPU, expert dispatch, grouped-matmul implementation and expert precision
+either compiles on the GPU path it names or is refused while the plan is built.
+
+The step is `python -m olmo_jax.train`'s: `compile_train_step(cfg, devices,
+trainer_step=True)` builds the plan, the abstract state (with the bad-step guard's
+counters), the guarded train step and `plan.jit_train_step`, lowers it on
+ShapeDtypeStructs carrying the state's shardings and compiles it. One compile option
+differs from the trainer's: `xla_gpu_autotune_level=0` (COMPILE_OPTIONS). Without a GPU
+XLA cannot time candidate kernels anyway; at level 0 it takes each Triton GEMM fusion's
+default tiling instead of compiling the candidates, the same HLO, fusions, custom calls,
+collectives and buffers, in ~60% of the compile time (5.7 instead of 9.8 CPU seconds for
+an 8-GPU cell).
+
+Cells (ids `<kind>x<gpus>-<dispatch>-<gmm_impl>-<precision>[-pipe2-<schedule>]`):
+  - 1 H200, dispatch local, x model.moe.gmm_impl {auto, ragged_dot, pallas} x
+    model.moe.precision {bf16, mxfp8};
+  - 8 H200 and 8 B300 (parallel.data=2, parallel.expert=4) x parallel.dispatch {rowwise,
+    ragged, allgather} x the same gmm_impl x precision;
+  - 8 H200, parallel.pipe=2 x data=2 x expert=2, one cell per pipeline schedule.
+A 2-layer model (the first dense) with d_model 128, 8 experts top-2, seq 64, vocab 256 in
+bfloat16; the pipelined cells have 2 MoE blocks (4 for interleaved 1F1B, 2 chunks a stage).
+
+Phases. (1) The config is validated and the plan built: the only place a cell may be
+refused, with a ConfigError / ValueError naming the field, and only the cells of REFUSED
+(a refusal elsewhere fails; so does building a plan REFUSED says must be refused).
+(2) Trace, lower, compile: any exception fails the cell. (3) The compiled program is on
+the path the cell asks for (`path_problems`): native ragged_all_to_all for
+dispatch=ragged (not the dense emulation CPU runs); the expert GEMMs in the cell's layout
+(`expert_layout`: rowwise fills capacity buffers and runs batched products whatever
+gmm_impl is; local / ragged / allgather run the resolved grouped matmul, the Pallas
+kernel's wgmma Mosaic GPU calls for pallas (= auto on Hopper in bf16), jax.lax.ragged_dot
+for ragged_dot (= auto on Blackwell), never the CPU's blocked einsum); cuDNN block-scaled
+GEMMs for MXFP8 experts on Blackwell (`block_scaled_expected`), none on Hopper or in
+bf16; the fused MXFP8 quantizer kernel on both; cuDNN fused attention forward and
+backward (model.attention_impl=auto in bfloat16); stage-to-stage sends in the pipelined
+cells. A step that compiled a CPU path for a GPU mesh fails here.
+
+The session prints each cell's status and wall times (tests/gpu/results.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+
+from olmo_jax import config as config_lib
+from olmo_jax import targets
+from olmo_jax.config import default_config
+from olmo_jax.parallel.strategy import build_plan
+from olmo_jax.planner import gpu_hlo
+from olmo_jax.planner.compile import compile_train_step, model_config
+from tests.gpu import results
+
+GMM_IMPLS = ("auto", "ragged_dot", "pallas")
+PRECISIONS = ("bf16", "mxfp8")
+DISPATCHES = ("rowwise", "ragged", "allgather")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+HOPPER, BLACKWELL = ("h100", "h200"), ("b200", "b300")
+COMPILE_OPTIONS = {"xla_gpu_autotune_level": 0}
+
+# Cells refused while the plan is built: (kind, gmm_impl) -> what the message must name.
+REFUSED = {
+    # The Pallas grouped matmul is Hopper wgmma; Blackwell has tcgen05 instead.
+    ("b300", "pallas"): "model.moe.gmm_impl",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    kind: str
+    n: int
+    dispatch: str  # "local" on one GPU
+    gmm: str
+    precision: str
+    schedule: str = ""  # parallel.pipe=2 cells
+
+    @property
+    def id(self) -> str:
+        s = f"{self.kind}x{self.n}-{self.dispatch}-{self.gmm}-{self.precision}"
+        return s + (f"-pipe2-{self.schedule}" if self.schedule else "")
+
+    @property
+    def resolved_gmm(self) -> str:
+        """What model.moe.gmm_impl must resolve to on this GPU (model.dtype bfloat16)."""
+        if self.gmm != "auto":
+            return self.gmm
+        return "pallas" if self.kind in HOPPER else "ragged_dot"
+
+
+CELLS = (
+    [Cell("h200", 1, "local", g, p) for g in GMM_IMPLS for p in PRECISIONS]
+    + [Cell(k, 8, d, g, p) for k in ("h200", "b300") for d in DISPATCHES for g in GMM_IMPLS
+       for p in PRECISIONS]
+    + [Cell("h200", 8, "rowwise", "auto", "bf16", s) for s in SCHEDULES]
+)
+
+
+def cell_config(cell: Cell):
+    c = default_config()
+    m = c.model
+    m.vocab_size, m.d_model, m.n_heads, m.n_kv_heads = 256, 128, 4, 2
+    m.n_layers, m.n_dense_layers, m.dense_hidden = 2, 1, 256
+    m.moe.num_experts, m.moe.top_k, m.moe.expert_hidden = 8, 2, 128
+    m.dtype = "bfloat16"
+    m.moe.gmm_impl, m.moe.precision = cell.gmm, cell.precision
+    p, t = c.parallel, c.trainer
+    t.global_batch_size, t.seq_len = 8, 64
+    if cell.n > 1:
+        p.data, p.expert, p.dispatch = 2, 4, cell.dispatch
+    if cell.schedule:
+        interleaved = cell.schedule == "interleaved_1f1b"
+        m.n_layers = 1 + (4 if interleaved else 2)
+        p.pipe, p.data, p.expert = 2, 2, 2
+        p.pipeline_schedule, p.microbatches = cell.schedule, 4
+        p.virtual_stages = 2 if interleaved else 1
+        t.global_batch_size = 16
+    return c
+
+
+def expert_layout(cell: Cell) -> str:
+    """How the cell's expert GEMMs run: rowwise dispatch fills fixed capacity buffers
+    (batched products, whatever gmm_impl says); the others feed the resolved grouped matmul
+    sorted rows (pallas: the Pallas kernel; ragged_dot: jax.lax.ragged_dot)."""
+    if cell.dispatch == "rowwise":
+        return "batched"
+    return {"pallas": "pallas", "ragged_dot": "ragged"}[cell.resolved_gmm]
+
+
+def block_scaled_expected(cell: Cell) -> bool:
+    """MXFP8 experts on Blackwell run cuDNN block-scaled GEMMs: always in the batched
+    layout, and with gmm_impl=auto (which must pick a block-scaled layout there)."""
+    return (cell.kind in BLACKWELL and cell.precision == "mxfp8"
+            and (expert_layout(cell) == "batched" or cell.gmm == "auto"))
+
+
+def path_problems(cell: Cell, step) -> list[str]:
+    """What in the compiled program contradicts the path the cell asks for."""
+    module = step.module
+    stablehlo = step.lowered.as_text()
+    colls = gpu_hlo.collective_counts(module)
+    kernels = gpu_hlo.mosaic_gpu_kernels(module)
+    wgmma = [k for k in kernels if k.wgmma]
+    scaled = gpu_hlo.block_scaled_dots(module)
+    layout, want_scaled = expert_layout(cell), block_scaled_expected(cell)
+    out = []
+    if cell.dispatch == "ragged" and colls["ragged-all-to-all"] == 0:
+        out.append(f"dispatch=ragged has no native ragged-all-to-all (collectives {dict(colls)}): "
+                   "the dense emulation was compiled")
+    if layout == "pallas" and len(wgmma) < 3:
+        out.append(f"gmm_impl={cell.gmm} must run the Pallas grouped matmul on {cell.kind}: "
+                   f"{len(wgmma)} wgmma Mosaic GPU kernels (of {len(kernels)} Mosaic calls)")
+    if layout != "pallas" and wgmma:
+        out.append(f"{len(wgmma)} Pallas grouped-matmul kernels in the {layout} layout")
+    if layout == "ragged" and not want_scaled and "ragged_dot" not in stablehlo:
+        out.append(f"gmm_impl={cell.gmm} must resolve to ragged_dot on {cell.kind}: the "
+                   "StableHLO has no ragged_dot")
+    if want_scaled and scaled == 0:
+        out.append(f"MXFP8 experts on {cell.kind} ({layout} layout, gmm_impl={cell.gmm}) "
+                   "compiled no cuDNN block-scaled GEMM (__cudnn$blockScaledDot)")
+    if scaled and (cell.kind in HOPPER or cell.precision == "bf16"):
+        out.append(f"{scaled} block-scaled GEMMs on {cell.kind} in {cell.precision}")
+    if cell.precision == "mxfp8" and not [k for k in kernels if not k.wgmma]:
+        out.append("MXFP8 weights quantized without the fused Pallas quantizer kernel "
+                   "(kernels.mxfp8.quantize_rowcol on sm_90+)")
+    attention = {c.target for c in gpu_hlo.cudnn_attention(module)}
+    if not {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"} <= attention:
+        out.append(f"model.attention_impl=auto in bfloat16 on {cell.kind} must run cuDNN fused "
+                   f"attention forward and backward: found {sorted(attention)}")
+    if cell.schedule and colls["collective-permute"] == 0:
+        out.append(f"pipe=2 ({cell.schedule}) has no collective-permute between stages")
+    if step.compiled.memory_analysis() is None:
+        out.append("no memory analysis (buffer assignment) from the compiled step")
+    return out
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+@pytest.mark.parametrize("cell", CELLS, ids=lambda c: c.id)
+def test_cell(cell):
+    cfg = cell_config(cell)
+    devices = targets.abstract_devices(cell.kind, cell.n)
+    expected = REFUSED.get((cell.kind, cell.gmm))
+    t0 = time.perf_counter()
+    try:  # phase 1: the only place a cell may be refused
+        config_lib.validate(cfg)
+        build_plan(cfg, model_config(cfg), devices=devices)
+        refusal = None
+    except ValueError as e:  # ConfigError is one
+        refusal = e
+    if refusal is not None:
+        ok = expected is not None and expected in str(refusal)
+        results.record(cell.id, "refused" if ok else "FAILED", time.perf_counter() - t0,
+                       note=_first_line(refusal))
+        assert expected is not None, f"{cell.id} is refused but must compile: {refusal}"
+        assert expected in str(refusal), f"the refusal must name {expected}: {refusal}"
+        return
+    try:  # phase 2: trace, lower, compile
+        step = compile_train_step(cfg, devices, trainer_step=True, options=COMPILE_OPTIONS)
+    except Exception as e:
+        results.record(cell.id, "FAILED", time.perf_counter() - t0, note=_first_line(e))
+        raise
+    problems = path_problems(cell, step)  # phase 3
+    if expected is not None:
+        problems.insert(0, f"compiled, but must be refused naming {expected}")
+    results.record(cell.id, "wrongpath" if problems else "compiled", step.lower_s,
+                   step.compile_s, "; ".join(problems))
+    assert not problems, f"{cell.id}:\n  " + "\n  ".join(problems)

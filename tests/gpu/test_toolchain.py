@@ -1,0 +1,86 @@
+"""The trimmed CUDA wheel set of .venv-gpu (tools/gpu-requirements.txt) compiles each kind
+of program the GPU paths use, for abstract GPUs: a shard_map all_to_all and
+ragged_all_to_all over 8 GPUs, cuDNN fused attention forward + backward, Pallas Mosaic GPU
+kernels (a plain one and the Hopper grouped matmul), and jax.nn.scaled_matmul as cuDNN's
+block-scaled GEMM on Blackwell. Each is found in the compiled HLO by the helpers of
+olmo_jax.planner.gpu_hlo, which this also checks."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from olmo_jax import targets
+from olmo_jax.kernels import platform
+from olmo_jax.kernels.grouped_matmul import grouped_matmul
+from olmo_jax.planner import gpu_hlo
+
+
+def _spec(mesh, shape, dtype, spec=None):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec or P()))
+
+
+@pytest.fixture(scope="module")
+def mesh8():
+    return targets.make_mesh("h200", (8,), ("x",))
+
+
+def test_all_to_all_and_ragged_all_to_all(mesh8):
+    a2a = jax.shard_map(lambda x: jax.lax.all_to_all(x, "x", 0, 0, tiled=True),
+                        mesh=mesh8, in_specs=P("x"), out_specs=P("x"))
+    x = _spec(mesh8, (64, 16), jnp.bfloat16, P("x"))
+    counts = gpu_hlo.collective_counts(jax.jit(a2a).lower(x).compile())
+    assert counts["all-to-all"] == 1 and counts["ragged-all-to-all"] == 0
+
+    def ragged(x, out, io, ss, oo, rs):
+        return jax.lax.ragged_all_to_all(x, out, io, ss, oo, rs, axis_name="x")
+
+    f = jax.shard_map(ragged, mesh=mesh8, in_specs=(P("x"),) * 6, out_specs=P("x"))
+    sizes = _spec(mesh8, (64,), jnp.int32, P("x"))
+    counts = gpu_hlo.collective_counts(jax.jit(f).lower(x, x, sizes, sizes, sizes, sizes).compile())
+    assert counts["ragged-all-to-all"] == 1
+
+
+def test_cudnn_attention_forward_and_backward(mesh8):
+    def loss(q, k, v):
+        o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+        return o.astype(jnp.float32).sum()
+
+    q = _spec(mesh8, (2, 128, 4, 64), jnp.bfloat16)
+    compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, q, q).compile()
+    calls = {c.target for c in gpu_hlo.cudnn_attention(compiled)}
+    assert calls == {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"}, calls
+
+
+def test_pallas_mosaic_gpu_kernels(mesh8):
+    @functools.partial(plgpu.kernel, out_type=jax.ShapeDtypeStruct((128,), jnp.float32))
+    def add_one(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + 1.0
+
+    plain = gpu_hlo.mosaic_gpu_kernels(
+        jax.jit(add_one).lower(_spec(mesh8, (128,), jnp.float32)).compile())
+    assert [k.wgmma for k in plain] == [False]
+
+    def loss(x, w, gs):
+        return grouped_matmul(x, w, gs).astype(jnp.float32).sum()
+
+    args = (_spec(mesh8, (256, 128), jnp.bfloat16), _spec(mesh8, (8, 128, 128), jnp.bfloat16),
+            _spec(mesh8, (8,), jnp.int32))
+    with platform.cross_lowering():  # the kernel's own platform check reads jax.devices()
+        compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile()
+    kernels = gpu_hlo.mosaic_gpu_kernels(compiled)
+    assert len(kernels) == 3 and all(k.wgmma for k in kernels)  # forward, dx, dw
+
+
+@pytest.mark.parametrize("kind, cudnn", [("b300", 1), ("b200", 1), ("h200", 0)])
+def test_scaled_matmul_is_cudnn_block_scaled_on_blackwell(kind, cudnn):
+    mesh = targets.make_mesh(kind, (1,), ("x",))
+    a = _spec(mesh, (1, 256, 256), jnp.float8_e4m3fn)
+    s = _spec(mesh, (1, 256, 8), jnp.float8_e8m0fnu)
+    compiled = jax.jit(jax.nn.scaled_matmul).lower(a, a, s, s).compile()
+    assert gpu_hlo.block_scaled_dots(compiled) == cudnn
+    assert not gpu_hlo.custom_calls(compiled, gpu_hlo.UNREWRITTEN_BLOCK_SCALED_DOT)
