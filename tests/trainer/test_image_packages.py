@@ -2,7 +2,7 @@
 carries (tools/gpu_wheels.txt): a short `python -m olmo_jax.train --config=configs/tiny.py`
 run in a child process finishes, and every module it imported belongs to the standard
 library, olmo_jax, the repository's configs, or a distribution that the image's packages
-(jax, jaxlib, flax, optax, orbax-checkpoint, chex, absl-py, numpy, tokenizers,
+(jax, jaxlib, flax, optax, orbax-checkpoint, chex, absl-py, numpy, tokenizers, tensorboard,
 safetensors, PyYAML) or the carried ones require; and every carried wheel's own
 requirements are on the image or carried too. `make test` runs this file in the jax
 0.11.2 venv (.venv-jax011, the image's jax) as well as in .venv."""
@@ -18,7 +18,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGE = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "chex", "absl-py", "numpy",
-         "tokenizers", "safetensors", "PyYAML")
+         "tokenizers", "safetensors", "PyYAML", "tensorboard")
 CARRIED = tuple(line.split("==")[0] for line in (REPO / "tools" / "gpu_wheels.txt").read_text().splitlines()
                 if line.strip() and not line.startswith("#"))
 
