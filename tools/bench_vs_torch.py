@@ -31,7 +31,9 @@ from olmo_jax.trainer.step import make_train_step
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def jax_runner(cfg):
+def benchmark_step(cfg):
+    """(model_cfg, jitted train step with donated state, initial state, a fixed random
+    batch) for config `cfg`, one device."""
     model_cfg = config_lib.model_config(cfg)
     tx, schedule = build_optimizer(cfg.optim, 1000)
     graphdef, state = init_state(model_cfg, tx, 0)
@@ -41,6 +43,11 @@ def jax_runner(cfg):
         np.random.default_rng(0).integers(0, model_cfg.vocab_size, (t.global_batch_size, t.seq_len + 1)),
         jnp.int32,
     )
+    return model_cfg, step, state, batch
+
+
+def jax_runner(cfg):
+    model_cfg, step, state, batch = benchmark_step(cfg)
     holder = {"state": state}
 
     def run(n):

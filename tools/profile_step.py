@@ -21,16 +21,13 @@ import tempfile
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from jax.profiler import ProfileData
 
-from olmo_jax import config as config_lib
-from olmo_jax.optim import build_optimizer
 from olmo_jax.parallel import comms
 from olmo_jax.planner import hlo_cost
-from olmo_jax.trainer.state import init_state
-from olmo_jax.trainer.step import make_train_step
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_vs_torch import benchmark_step  # noqa: E402  (the benchmark's own step and batch)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTAINERS = {"while", "conditional", "call"}  # their bodies' operations are traced too
@@ -54,13 +51,7 @@ def kind_of(module: comms.HloModule, walker: hlo_cost.Walker, ins) -> str:
 
 
 def step_runner(cfg):
-    model_cfg = config_lib.model_config(cfg)
-    tx, schedule = build_optimizer(cfg.optim, 1000)
-    graphdef, state = init_state(model_cfg, tx, 0)
-    step = jax.jit(make_train_step(graphdef, model_cfg, tx, schedule), donate_argnums=0)
-    t = cfg.trainer
-    batch = jnp.asarray(np.random.default_rng(0).integers(
-        0, model_cfg.vocab_size, (t.global_batch_size, t.seq_len + 1)), jnp.int32)
+    _, step, state, batch = benchmark_step(cfg)
     compiled = step.lower(state, batch).compile()
     holder = {"state": state}
 
