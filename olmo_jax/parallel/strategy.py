@@ -71,7 +71,7 @@ class ParallelPlan:
         """The platform the steps are traced for: the mesh's devices (abstract GPUs in a
         deviceless compile), not jax.default_backend(); inside platform.cross_lowering()
         (a CPU host lowering for CUDA) an H100."""
-        return platform.cross_lowering_target() or platform.target_of(self.mesh.devices)
+        return plan_target(self.mesh)
 
     @property
     def microbatches(self) -> int:
@@ -282,6 +282,11 @@ def check_model_fits(model_cfg: TransformerConfig, mesh: Mesh, strategy: str) ->
         )
 
 
+def plan_target(mesh: Mesh) -> platform.Target:
+    """The target a plan over `mesh` traces for (ParallelPlan.target)."""
+    return platform.cross_lowering_target() or platform.target_of(mesh.devices)
+
+
 def check_kernels(model_cfg: TransformerConfig, target: platform.Target) -> None:
     """The attention core and the expert GEMM implementation exist on the target (e.g.
     model.moe.gmm_impl=pallas is Hopper only, model.attention_impl=cudnn GPU only), checked
@@ -310,7 +315,7 @@ def build_plan(cfg, model_cfg: TransformerConfig, abstract_params=None,
     if mesh.shape["pipe"] == 1:
         check_unpipelined(p)
     check_model_fits(model_cfg, mesh, p.strategy)
-    check_kernels(model_cfg, platform.target_of(mesh.devices))
+    check_kernels(model_cfg, plan_target(mesh))
     check_batch(cfg.trainer.global_batch_size, mesh, cfg.trainer.grad_accum,
                 microbatches=p.microbatches)
     ep = mesh.shape["expert"]
