@@ -122,22 +122,27 @@ def section_gmm(model_cfg, t_cfg, sz: Sizes, dry: bool) -> dict:
     gs = _random_group_sizes(keys[3], M, G, tail=M // 50 + 1)
     cfg = gm.TileConfig(block_m=64, block_n=32, block_k=32, max_concurrent_steps=2) if dry else None
     f32 = jnp.float32
-    wt = jnp.swapaxes(w, 1, 2)
-    ragged_dw = jax.jit(lambda x, w, dy, gs: jax.vjp(lambda w: jax.lax.ragged_dot(x, w, gs), w)[1](dy)[0])
-    products = {  # name: (pallas, ragged_dot, float32 reference, operands)
-        "forward": (lambda x, w, gs: gm.gmm(x, w, gs, config=cfg),
-                    jax.lax.ragged_dot,
-                    lambda x, w, gs: gm.gmm_reference(x.astype(f32), w.astype(f32), gs), (x, w, gs)),
-        "dgrad": (lambda dy, w, gs: gm.gmm(dy, w, gs, transpose_rhs=True, config=cfg),
-                  lambda dy, w, gs: jax.lax.ragged_dot(dy, jnp.swapaxes(w, 1, 2), gs),
-                  lambda dy, w, gs: gm.gmm_reference(dy.astype(f32), wt.astype(f32), gs), (dy, w, gs)),
-        "wgrad": (lambda x, dy, gs: gm.tgmm(x, dy, gs, config=cfg),
-                  lambda x, dy, gs: ragged_dw(x, w, dy, gs),
-                  lambda x, dy, gs: gm.tgmm_reference(x.astype(f32), dy.astype(f32), gs), (x, dy, gs)),
+    t = lambda w: jnp.swapaxes(w, 1, 2)  # noqa: E731  [G, K, N] -> [G, N, K]
+
+    def ragged_dw(x, dy, w, gs):  # ragged_dot's weight gradient, as autodiff transposes it
+        return jax.vjp(lambda w: jax.lax.ragged_dot(x, w, gs), w)[1](dy)[0]
+
+    # name: (pallas, ragged_dot, float32 reference), each f(a, b, w, gs); w passed, not closed over
+    products = {
+        "forward": (lambda x, _, w, gs: gm.gmm(x, w, gs, config=cfg),
+                    lambda x, _, w, gs: jax.lax.ragged_dot(x, w, gs),
+                    lambda x, _, w, gs: gm.gmm_reference(x.astype(f32), w.astype(f32), gs)),
+        "dgrad": (lambda _, dy, w, gs: gm.gmm(dy, w, gs, transpose_rhs=True, config=cfg),
+                  lambda _, dy, w, gs: jax.lax.ragged_dot(dy, t(w), gs),
+                  lambda _, dy, w, gs: gm.gmm_reference(dy.astype(f32), t(w).astype(f32), gs)),
+        "wgrad": (lambda x, dy, _, gs: gm.tgmm(x, dy, gs, config=cfg),
+                  ragged_dw,
+                  lambda x, dy, _, gs: gm.tgmm_reference(x.astype(f32), dy.astype(f32), gs)),
     }
+    args = (x, dy, w, gs)
     flops = gm.flops(M, K, N)
     rows, checks = [], []
-    for name, (pallas, ragged, reference, args) in products.items():
+    for name, (pallas, ragged, reference) in products.items():
         ref = jax.jit(reference)(*args)
         with _kernel_context(dry):
             f = jax.jit(pallas)

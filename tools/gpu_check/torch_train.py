@@ -66,7 +66,8 @@ def hf_model(s: dict, device):
         router_aux_loss_coef=s["lb_loss_coef"], output_router_logits=True, norm_topk_prob=False,
         tie_word_embeddings=False, pad_token_id=None, bos_token_id=None, eos_token_id=None)
     torch.manual_seed(0)
-    model = transformers.OlmoeForCausalLM(cfg).to(device=device, dtype=torch.bfloat16)
+    with torch.device(device):  # initialized where it trains (3.9B parameters: not on the host)
+        model = transformers.OlmoeForCausalLM(cfg).to(dtype=torch.bfloat16)
     info = {"transformers": transformers.__version__, "attn": model.config._attn_implementation,
             "experts": getattr(model.config, "_experts_implementation", None)}
 
