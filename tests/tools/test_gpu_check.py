@@ -122,3 +122,30 @@ def test_gpu_check_refuses_a_cpu_without_dry_run(tmp_path):
                                    GPU_CHECK_WHEELS=str(tmp_path / "none")),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "--dry-run" in proc.stdout
+
+
+def test_the_loss_check_and_ratios_catch_what_they_should():
+    sys.path.insert(0, str(ROOT / "tools" / "gpu_check"))
+    import table
+
+    def run(losses, tok_s=100.0, mfu=0.5, impl="pallas"):
+        return {"result": {"losses": losses, "tokens_per_s": tok_s, "mfu": mfu, "gmm_impl": impl, "step_ms": 1.0,
+                           "resolved_gmm_impl": impl, "compile_s": 1.0}}
+
+    base = [11.5, 11.4, 11.2]
+    agree = {"train_pallas": run(base), "train_ragged_dot": run([11.5, 11.41, 11.25], impl="ragged_dot"),
+             "train_einsum": run([11.5001, 11.39, 11.21], impl="einsum"),
+             "hf": {"result": {"tokens_per_s": 50.0, "step_ms": 2.0, "losses": base}},
+             "olmo_core": {"error": "no transformer_engine"}}
+    s = table.summarize(agree)
+    assert s["ok"] and s["losses"]["ok"] and s["ratios"] == {"vs_hf": 2.0}
+    assert s["goals_met"] == {"mfu": True, "vs_hf": True}
+    first_off = dict(agree, train_einsum=run([11.7, 11.4, 11.2], impl="einsum"))  # 1.7e-2 at step 1
+    assert not table.summarize(first_off)["losses"]["ok"]
+    curve_off = dict(agree, train_ragged_dot=run([11.5, 11.4, 11.6], impl="ragged_dot"))  # 3.6e-2 later
+    assert not table.summarize(curve_off)["ok"]
+    missing = dict(agree, train_einsum={"error": "timed out after its budget of 70 s"})
+    summary = table.summarize(missing)
+    assert not summary["ok"] and "did not finish" in summary["losses"]["why"]
+    text = table.render({"dry_run": False, "sections": missing, "summary": summary, "total_s": 1.0})
+    assert "timed out after its budget" in text and text.splitlines()[-1].startswith("overall      FAILED")

@@ -104,11 +104,18 @@ def main(argv=None) -> int:
         print(f"[gpu_check] {name}: " + (f"ERROR {res['error'][:300]}" if "error" in res
                                           else f"done in {res.get('seconds', 0):.1f} s"), flush=True)
         (out_dir / "gpu_check.json").write_text(json.dumps(results, indent=1, default=str))
-    results["summary"] = table.summarize(results["sections"])
+    try:
+        results["summary"] = table.summarize(results["sections"])
+    except Exception as e:
+        results["summary"] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
     results["ok"] = results["summary"]["ok"]
     results["total_s"] = time.perf_counter() - start
     (out_dir / "gpu_check.json").write_text(json.dumps(results, indent=1, default=str))
-    print(table.render(results), flush=True)
+    try:
+        text = table.render(results)
+    except Exception as e:  # the table must come out whatever a section returned
+        text = f"table failed ({type(e).__name__}: {e}); the results:\n" + json.dumps(results, indent=1, default=str)
+    print(text, flush=True)
     return 0 if results["ok"] else 1
 
 

@@ -77,7 +77,7 @@ def render(results: dict) -> str:
         for impl in ("xla", "cudnn"):
             r = at.get(impl, {})
             add(f"attention    {impl:<6} " + (f"fwd+bwd {r['fwd_bwd_ms']:.3f} ms, core {r['core_tflops']:.1f} TFLOP/s"
-                                             if "fwd_bwd_ms" in r else f"not run: {r.get('not_run', '?')[:120]}"))
+                                             if "fwd_bwd_ms" in r else f"not run: {r.get('not_run', '?')[:240]}"))
         if "cudnn_speedup_over_xla" in at:
             add(f"attention    cudnn {at['cudnn_speedup_over_xla']:.2f}x the xla path")
     mx = _ok(s.get("mxfp8"))
@@ -94,7 +94,7 @@ def render(results: dict) -> str:
         r = s[n]
         label = {"hf": "transformers", "olmo_core": "OLMo-core"}.get(n, n.replace("train_", "olmo_jax "))
         if "error" in r:
-            add(f"train        {label:<20} DID NOT RUN: {r['error'][:400]}")
+            add(f"train        {label:<20} DID NOT RUN: {r['error'][:900]}")
             continue
         r = r["result"]
         mfu = (f", MFU {100 * r['mfu']:.1f}%" if "mfu" in r else "")
