@@ -6,7 +6,7 @@
 # XLA), MXFP8 numerics, configs/gpu_check_1b.py trained 30 steps through the trainer's
 # plan with gmm_impl pallas / ragged_dot / einsum, then the same shape in torch with
 # transformers' OlmoeForCausalLM and OLMo-core 3's MoE model. One table is printed last;
-# OUT_DIR gets gpu_check.json, gpu_check.log and each section's JSON.
+# OUT_DIR gets gpu_check.json (every section's result) and gpu_check.log.
 #
 #   tools/gpu_check.sh [OUT_DIR] [driver flags, e.g. --sections ceilings,gmm]
 #   on the device, through the `run` tool:  tools/gpu_check.sh "$OUT"    carry: [".whl"]

@@ -1,7 +1,8 @@
 """The GPU check's driver (run by tools/gpu_check.sh): every section in its own process
 with its own time budget, one after another (so JAX's and torch's GPU memory never meet
 and a crash or a hang costs one section), the results in OUT_DIR/gpu_check.json
-(rewritten after each section), and one table printed last whatever failed.
+(rewritten after each section; gpu_check.sh adds gpu_check.log), and one table printed
+last whatever failed.
 
     python tools/gpu_check/driver.py [OUT_DIR] [--dry-run] [--sections a,b] [--deadline-s 470]
 
@@ -24,6 +25,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -49,9 +51,9 @@ SECTIONS = {
 TORCH = ("hf", "olmo_core")
 
 
-def run_section(name: str, out_dir: Path, dry: bool, budget: float) -> dict:
+def run_section(name: str, work_dir: Path, dry: bool, budget: float) -> dict:
     script, args, _ = SECTIONS[name]
-    result_path = out_dir / f"{name}.json"
+    result_path = work_dir / f"{name}.json"
     result_path.unlink(missing_ok=True)
     python = os.environ.get("GPU_CHECK_TORCH_PYTHON", sys.executable) if name in TORCH else sys.executable
     cmd = [python, str(HERE / script), *args, str(result_path),
@@ -90,6 +92,9 @@ def main(argv=None) -> int:
         p.error(f"unknown sections {sorted(unknown)}; choose from {list(SECTIONS)}")
     out_dir = Path(a.out_dir or "/tmp/olmo_jax_gpu_check")
     out_dir.mkdir(parents=True, exist_ok=True)
+    # Each section's own JSON goes beside, not into OUT_DIR: the device tool brings back at
+    # most 8 files, and gpu_check.json holds every section's result anyway.
+    work_dir = Path(tempfile.mkdtemp(prefix="olmo_jax_gpu_check_"))
     start = time.perf_counter()
     results = {"dry_run": a.dry_run, "sections": {}}
     for name in names:
@@ -99,7 +104,7 @@ def main(argv=None) -> int:
         if budget < 5:
             res = {"error": f"skipped: {left:.0f} s left before the {a.deadline_s:.0f} s deadline"}
         else:
-            res = run_section(name, out_dir, a.dry_run, budget)
+            res = run_section(name, work_dir, a.dry_run, budget)
         results["sections"][name] = res
         print(f"[gpu_check] {name}: " + (f"ERROR {res['error'][:300]}" if "error" in res
                                           else f"done in {res.get('seconds', 0):.1f} s"), flush=True)
