@@ -44,3 +44,10 @@ class StepProfiler:
         if self.active:
             self.active = False
             jax.profiler.stop_trace()
+
+    # The loop's hook (hooks.py): `step` wraps the dispatch, these run after it.
+    def on_step(self, step: int, state, metrics: dict) -> None:
+        self.after(step, state)
+
+    def on_end(self) -> None:
+        self.stop()
