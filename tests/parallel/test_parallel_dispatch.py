@@ -17,8 +17,10 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec
 
 from olmo_jax.model.config import MoEConfig
+from olmo_jax.model.moe import sizing
+from olmo_jax.model.moe.layer import routed_experts
 from olmo_jax.model.moe.router import Routing
-from olmo_jax.parallel.expert import make_dispatcher, slots_per_expert
+from olmo_jax.parallel.expert import make_dispatcher
 from olmo_jax.parallel.expert.ragged_a2a import emulated_ragged_all_to_all
 from olmo_jax.parallel.expert.rowwise import rowwise_plan
 from tests.reference import naive_keep_mask
@@ -51,7 +53,8 @@ def sharded_dispatch(kind: str, ep: int, E: int, k: int, capacity_factor: float 
 
     def local(x, idx, w, wg, wu, wd):
         routing = Routing(None, None, w, idx)
-        y, dropped = dispatcher(x, routing, LocalExperts(wg, wu, wd), cfg, jnp.float32)
+        y, dropped = routed_experts(x, routing, LocalExperts(wg, wu, wd), cfg, jnp.float32,
+                                    dispatcher)
         return y, dropped[None]
 
     return jax.jit(jax.shard_map(local, mesh=expert_mesh(ep), in_specs=(X, X, X, W, W, W),
@@ -108,7 +111,7 @@ HAND_KEEP = np.array([
 
 def test_rowwise_low_capacity_drops_exactly_the_documented_assignments():
     cf = 2 / 3  # C = ceil(2/3 * 6 tokens * 2 / 4 experts) = 2
-    assert slots_per_expert(6, 2, 4, cf) == 2
+    assert sizing.capacity(6, 2, 4, cf) == 2
     for r in range(2):
         np.testing.assert_array_equal(naive_keep_mask(HAND_IDX[r], 4, 2), HAND_KEEP[r])
         plan = rowwise_plan(jnp.asarray(HAND_IDX[r]), 4, 2, 2)

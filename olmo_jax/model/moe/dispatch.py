@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from olmo_jax.kernels.vma import cotangent_like
+from olmo_jax.model.moe import sizing
 
 
 class BufferPlan(NamedTuple):
@@ -64,11 +65,6 @@ def capacity_plan(idx_Sk: jax.Array, num_experts: int, capacity: int) -> BufferP
     return BufferPlan(row_Sk, keep_Sk, jnp.minimum(counts_E, capacity), n_rows)
 
 
-def blocked_rows(n_assignments: int, num_experts: int, block: int) -> int:
-    """Static row count that fits any routing once each expert is padded to `block`."""
-    return (-(-n_assignments // block) + num_experts - 1) * block
-
-
 def padded_plan(idx_Sk: jax.Array, num_experts: int, multiple: int) -> BufferPlan:
     """The sorted layout with each expert's run padded to a multiple of `multiple` rows
     (zero rows; at most multiple - 1 per expert), in a static buffer that fits any
@@ -77,20 +73,33 @@ def padded_plan(idx_Sk: jax.Array, num_experts: int, multiple: int) -> BufferPla
     padded_E = (counts_E + multiple - 1) // multiple * multiple
     starts_E = jnp.cumsum(padded_E) - padded_E
     row_Sk = starts_E[idx_Sk] + rank_Sk
-    n_rows = blocked_rows(idx_Sk.size, num_experts, multiple)
+    n_rows = sizing.padded_rows(idx_Sk.size, num_experts, multiple)
     return BufferPlan(row_Sk, jnp.ones_like(row_Sk, bool), counts_E, n_rows)
 
 
+def runs_plan(idx_Sk: jax.Array, num_experts: int, multiple: int) -> BufferPlan:
+    """The dropless layout of `buffer.Runs(group_sizes_E, multiple)`: sorted (multiple
+    1) or padded."""
+    if multiple == 1:
+        return sorted_plan(idx_Sk, num_experts)
+    return padded_plan(idx_Sk, num_experts, multiple)
+
+
+def block_owners(sizes_G: jax.Array, n_rows: int, block: int) -> jax.Array:
+    """owner_B: the group owning each block of `block` rows of a buffer whose runs of
+    sizes_G rows are each padded to a multiple of `block` (blocks past the last run are
+    padding owned by the last group)."""
+    padded_G = (sizes_G + block - 1) // block * block
+    ends_G = jnp.cumsum(padded_G)
+    starts_B = jnp.arange(n_rows // block, dtype=jnp.int32) * block
+    owner_B = jnp.searchsorted(ends_G, starts_B, side="right").astype(jnp.int32)
+    return jnp.minimum(owner_B, sizes_G.shape[0] - 1)
+
+
 def blocked_plan(idx_Sk: jax.Array, num_experts: int, block: int) -> tuple[BufferPlan, jax.Array]:
-    """Returns the plan (padded_plan with multiple = block) and block_expert_B: the expert
-    that owns each block of rows (blocks past the last expert's run are padding owned by
-    the last expert)."""
+    """The plan (padded_plan with multiple = block) and the expert owning each block."""
     plan = padded_plan(idx_Sk, num_experts, block)
-    padded_E = (plan.group_sizes_E + block - 1) // block * block
-    ends_E = jnp.cumsum(padded_E)
-    block_start_B = jnp.arange(plan.n_rows // block, dtype=jnp.int32) * block
-    block_expert_B = jnp.searchsorted(ends_E, block_start_B, side="right").astype(jnp.int32)
-    return plan, jnp.minimum(block_expert_B, num_experts - 1)
+    return plan, block_owners(plan.group_sizes_E, plan.n_rows, block)
 
 
 def source_assignments(plan: BufferPlan) -> jax.Array:

@@ -25,11 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from olmo_jax.kernels import vma
-from olmo_jax.model.moe import dispatch, payload
-from olmo_jax.model.moe.experts import resolve_gmm_impl
-from olmo_jax.model.moe.layer import block_size
-from olmo_jax.model.moe.mxfp8_experts import expert_ffns
-from olmo_jax.model.moe.tiled import TILE_MULTIPLE
+from olmo_jax.model.moe import dispatch, payload, sizing
+from olmo_jax.model.moe.buffer import Dispatched, Runs
 from olmo_jax.parallel.expert.ragged_a2a import ragged_all_to_all
 
 
@@ -44,8 +41,7 @@ class RaggedLayout(NamedTuple):
     bwd_send_sizes: jax.Array
     bwd_output_offsets: jax.Array
     bwd_recv_sizes: jax.Array  # [E]
-    group_sizes_J: jax.Array  # rows per local expert (before block padding)
-    padded_sizes_J: jax.Array  # rows per local expert run in the receive buffer
+    group_sizes_J: jax.Array  # rows per local expert (before padding its run)
 
 
 def ragged_layout(counts_E: jax.Array, ep: int, block: int, axis: str) -> RaggedLayout:
@@ -70,33 +66,29 @@ def ragged_layout(counts_E: jax.Array, ep: int, block: int, axis: str) -> Ragged
         bwd_output_offsets=mine(starts_sE).reshape(-1),
         bwd_recv_sizes=counts_E,
         group_sizes_J=mine(totals_E),
-        padded_sizes_J=padded_rJ[me],
     )
 
 
-def block_owners(padded_sizes_J: jax.Array, n_rows: int, block: int) -> jax.Array:
-    """The local expert owning each block of a buffer whose expert runs are padded to
-    `block` rows (trailing empty blocks go to the last expert; their rows are zeros)."""
-    ends_J = jnp.cumsum(padded_sizes_J)
-    starts_B = jnp.arange(n_rows // block, dtype=jnp.int32) * block
-    owner_B = jnp.searchsorted(ends_J, starts_B, side="right").astype(jnp.int32)
-    return jnp.minimum(owner_B, padded_sizes_J.shape[0] - 1)
+def buffer_rows(n_tokens: int, cfg, impl: str, ep: int) -> int:
+    """Receive rows of a rank, for the worst case: every assignment of the ep senders
+    routed to its El experts, each local expert's run padded for the FFN `impl`."""
+    El, n = cfg.num_experts // ep, ep * n_tokens * cfg.top_k
+    return sizing.runs_rows(n, El, sizing.run_multiple(impl, n, El))
 
 
-def ragged_dispatch(x_SD, routing, experts, cfg, dtype, *, axis: str, emulate: bool | None = None):
+def ragged_dispatch(x_SD, routing, cfg, impl: str, *, axis: str,
+                    emulate: bool | None = None) -> Dispatched:
+    """Receive buffer grouped by local expert: Runs(rows per local expert, multiple)."""
     ep = jax.lax.axis_size(axis)
     E = cfg.num_experts
     El = E // ep
-    S, D = x_SD.shape
-    N = S * cfg.top_k
-    impl = resolve_gmm_impl(cfg.gmm_impl, dtype, cfg.precision, (x_SD.shape[-1], cfg.expert_hidden))
-    blocked = impl == "einsum"
-    block = block_size(ep * N, El) if blocked else TILE_MULTIPLE if impl == "tiled" else 1
-    rows = dispatch.blocked_rows(ep * N, El, block) if block > 1 else ep * N
+    N = x_SD.shape[0] * cfg.top_k
+    multiple = sizing.run_multiple(impl, ep * N, El)
+    rows = buffer_rows(x_SD.shape[0], cfg, impl, ep)
 
     plan = dispatch.sorted_plan(routing.idx_Sk, E)
-    send_ND = dispatch.gather_rows(x_SD.astype(dtype), plan)
-    lay = ragged_layout(plan.group_sizes_E, ep, block, axis)
+    send_ND = dispatch.gather_rows(x_SD, plan)
+    lay = ragged_layout(plan.group_sizes_E, ep, multiple, axis)
     a2a = lambda *args: ragged_all_to_all(*args, axis_name=axis, emulate=emulate)  # noqa: E731
 
     def buffer(n_rows, like_X):
@@ -110,16 +102,11 @@ def ragged_dispatch(x_SD, routing, experts, cfg, dtype, *, axis: str, emulate: b
 
     recv_RD = payload.transfer(send_ND, exchange, cfg.precision, lay.fwd_input_offsets,
                                lay.fwd_send_sizes, lay.fwd_output_offsets, lay.fwd_recv_sizes)
-    w = experts.weights(dtype)
-    ffn = expert_ffns(cfg, impl)
-    if blocked:
-        y_RD = ffn.blocked(recv_RD, block_owners(lay.padded_sizes_J, rows, block), *w)
-    elif impl == "tiled":  # runs only the received rows, however large the buffer
-        y_RD = ffn.tiled(recv_RD, lay.group_sizes_J, *w)
-    else:
-        y_RD = ffn.ragged(recv_RD, lay.group_sizes_J, *w)
-    back_ND = a2a(y_RD, buffer(N, y_RD), lay.bwd_input_offsets,
-                  lay.bwd_send_sizes, lay.bwd_output_offsets, lay.bwd_recv_sizes)
-    y_SD = dispatch.combine_rows(back_ND, plan, routing.weights_Sk)
-    return y_SD, jnp.zeros((), jnp.float32)
 
+    def combine(y_RD):
+        back_ND = a2a(y_RD, buffer(N, y_RD), lay.bwd_input_offsets,
+                      lay.bwd_send_sizes, lay.bwd_output_offsets, lay.bwd_recv_sizes)
+        return dispatch.combine_rows(back_ND, plan, routing.weights_Sk)
+
+    return Dispatched(recv_RD, Runs(lay.group_sizes_J, multiple), combine,
+                      jnp.zeros((), jnp.float32))
