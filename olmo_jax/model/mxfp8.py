@@ -8,7 +8,7 @@ between rows `a` and weights `w` whose contracting dimension is a's last and w's
 second-to-last (w is [K, N] or [E, K, N]); its fields are what the product needs:
   Dense()                 a [M, K] @ w [K, N]                 (attention projections)
   Batched()               a [G, C, K], w [G, K, N] per group   (capacity buffers)
-  Blocked(block_expert_B) a [B, b, K], w [E, K, N], block i uses expert block_expert_B[i]
+  Blocked(block_expert_U) a [B, b, K], w [E, K, N], block i uses expert block_expert_U[i]
   Ragged(group_sizes_G)   a [R, K] sorted by expert: jax.lax.ragged_dot
   Pallas(group_sizes_G)   the same with the Pallas grouped-matmul kernels (olmo_jax.kernels)
 The input and weight gradients of any layout are the vjp of f, so the MXFP8 versions
@@ -70,13 +70,13 @@ class Batched:
 
 @_layout
 class Blocked:
-    """a [B, b, K], w [E, K, N]: block i uses expert block_expert_B[i] (dropless blocked)."""
+    """a [B, b, K], w [E, K, N]: block i uses expert block_expert_U[i] (dropless blocked)."""
 
-    block_expert_B: jax.Array
+    block_expert_U: jax.Array
     scaled_matmul = True
 
     def product(self, a, w):
-        return jnp.einsum("bck,bkn->bcn", a, w[self.block_expert_B])
+        return jnp.einsum("bck,bkn->bcn", a, w[self.block_expert_U])
 
 
 @_layout
@@ -152,7 +152,7 @@ def mx_nt(layout: Layout, a_q, a_s, bt_q, bt_s, dtype):
     quantized along K (their last dim). Returns layout.product(a, bt^T) in `dtype`."""
     if use_scaled_matmul(layout):
         if isinstance(layout, Blocked):
-            bt_q, bt_s = bt_q[layout.block_expert_B], bt_s[layout.block_expert_B]
+            bt_q, bt_s = bt_q[layout.block_expert_U], bt_s[layout.block_expert_U]
         if isinstance(layout, Dense):
             out = jax.nn.scaled_matmul(a_q[None], bt_q[None], a_s[None], bt_s[None])[0]
         else:

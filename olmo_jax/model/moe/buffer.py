@@ -7,7 +7,7 @@ rows back to the tokens.
     y_SD = d.combine(y_RD)                         # float32, router weights applied
 
 Group layouts (sizes: olmo_jax/model/moe/sizing.py):
-  Runs   dropless: group g's sizes_G[g] rows form one run, runs in group order, each
+  Runs   dropless: group g's sizes_E[g] rows form one run, runs in group order, each
          padded with zero rows to a multiple of `multiple` rows (1: back to back);
          rows after the last run are zeros.
   Slots  capacity: group g owns rows [g * capacity, (g + 1) * capacity).
@@ -25,7 +25,7 @@ import jax
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Runs:
-    sizes_G: jax.Array  # int32 rows per group, before padding
+    sizes_E: jax.Array  # int32 rows per group, before padding
     multiple: int = dataclasses.field(metadata={"static": True})
 
 

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from olmo_jax import shapes
 from olmo_jax.model import mxfp8
 from olmo_jax.model.config import MoEConfig
 from olmo_jax.model.moe import dispatch, experts, mxfp8_experts, tiled
@@ -30,9 +31,9 @@ class ExpertFFNs(NamedTuple):
     """The expert feed-forward per layout, with experts.ffn_* signatures."""
 
     ragged: object  # (x_RD, group_sizes_E, w_gate, w_up, w_down) -> y_RD
-    batched: object  # (x_GCD, w_gate_GDF, w_up_GDF, w_down_GFD) -> y_GCD
-    blocked: object  # (x_PD, block_expert_B, w_gate, w_up, w_down) -> y_PD
-    tiled: object  # (x_PD, group_sizes_E, w_gate, w_up, w_down) -> y_PD, padded layout
+    batched: object  # (x_ECD, w_gate_EDF, w_up_EDF, w_down_EFD) -> y_ECD
+    blocked: object  # (x_RD, block_expert_U, w_gate, w_up, w_down) -> y_RD
+    tiled: object  # (x_RD, group_sizes_E, w_gate, w_up, w_down) -> y_RD, padded layout
 
 
 def expert_ffns(cfg: MoEConfig, impl: str) -> ExpertFFNs:
@@ -53,16 +54,16 @@ def expert_ffns(cfg: MoEConfig, impl: str) -> ExpertFFNs:
         layout = grouped(group_sizes_E.astype(jnp.int32))
         return mxfp8_experts.swiglu(x_RD, w_gate, w_up, w_down, layout, rounding, qw)
 
-    def batched_mx(x_GCD, w_gate, w_up, w_down):
-        return mxfp8_experts.swiglu(x_GCD, w_gate, w_up, w_down, mxfp8.Batched(), rounding, qw)
+    def batched_mx(x_ECD, w_gate, w_up, w_down):
+        return mxfp8_experts.swiglu(x_ECD, w_gate, w_up, w_down, mxfp8.Batched(), rounding, qw)
 
-    def blocked_mx(x_PD, block_expert_B, w_gate, w_up, w_down):
-        P, D = x_PD.shape
-        nb = block_expert_B.shape[0]
-        x_BbD = x_PD.reshape(nb, P // nb, D)
-        y = mxfp8_experts.swiglu(x_BbD, w_gate, w_up, w_down, mxfp8.Blocked(block_expert_B),
+    def blocked_mx(x_RD, block_expert_U, w_gate, w_up, w_down):
+        R, D = x_RD.shape
+        nb = block_expert_U.shape[0]
+        x_UbD = x_RD.reshape(nb, R // nb, D)
+        y = mxfp8_experts.swiglu(x_UbD, w_gate, w_up, w_down, mxfp8.Blocked(block_expert_U),
                                  rounding, qw)
-        return y.reshape(P, D)
+        return y.reshape(R, D)
 
     def tiled_mx(*args):
         raise ValueError("model.moe.gmm_impl=tiled has no MXFP8 version: use gmm_impl=auto or einsum")
@@ -70,6 +71,7 @@ def expert_ffns(cfg: MoEConfig, impl: str) -> ExpertFFNs:
     return ExpertFFNs(ragged_mx, batched_mx, blocked_mx, tiled_mx)
 
 
+@shapes.check("-> R D")
 def expert_ffn(x_RD: jax.Array, layout: GroupLayout, weights, cfg: MoEConfig,
                impl: str) -> jax.Array:
     """y_RD: every group's SwiGLU over its rows; `weights` (w_gate, w_up, w_down) hold
@@ -83,10 +85,10 @@ def expert_ffn(x_RD: jax.Array, layout: GroupLayout, weights, cfg: MoEConfig,
     if not isinstance(layout, Runs):
         raise TypeError(f"expert_ffn: unknown group layout {type(layout).__name__}")
     if impl == "einsum":
-        owner_B = dispatch.block_owners(layout.sizes_G, x_RD.shape[0], layout.multiple)
-        return ffn.blocked(x_RD, owner_B, *weights)
+        owner_U = dispatch.block_owners(layout.sizes_E, x_RD.shape[0], layout.multiple)
+        return ffn.blocked(x_RD, owner_U, *weights)
     if impl == "tiled":  # runs only the rows of the runs, however large the buffer
-        return ffn.tiled(x_RD, layout.sizes_G, *weights)
+        return ffn.tiled(x_RD, layout.sizes_E, *weights)
     if impl in GROUPED_GEMMS:
-        return ffn.ragged(x_RD, layout.sizes_G, *weights)
+        return ffn.ragged(x_RD, layout.sizes_E, *weights)
     raise ValueError(f"unknown gmm_impl {impl!r}")

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from olmo_jax import shapes
 from olmo_jax.model.config import MoEConfig, TransformerConfig
 from olmo_jax.model.mlp import MLP
 from olmo_jax.model.moe import dispatch, sizing
@@ -30,6 +31,7 @@ from olmo_jax.model.moe.router import Router, Routing
 Dispatcher = Callable[..., Dispatched]
 
 
+@shapes.check("routing.*", "-> *")
 def local_dispatch(x_SD, routing: Routing, cfg: MoEConfig, impl: str) -> Dispatched:
     """All experts on this device (or GSPMD-sharded arrays): capacity buffers when
     cfg.capacity_factor > 0, else the dropless runs the FFN `impl` wants."""
@@ -46,9 +48,10 @@ def local_dispatch(x_SD, routing: Routing, cfg: MoEConfig, impl: str) -> Dispatc
         layout = Runs(plan.group_sizes_E, multiple)
         dropped = jnp.zeros((), jnp.float32)
     return Dispatched(dispatch.gather_rows(x_SD, plan), layout,
-                      lambda y_PD: dispatch.combine_rows(y_PD, plan, routing.weights_Sk), dropped)
+                      lambda y_RD: dispatch.combine_rows(y_RD, plan, routing.weights_Sk), dropped)
 
 
+@shapes.check("routing.*", "-> S D, _")
 def routed_experts(x_SD, routing: Routing, experts, cfg: MoEConfig, dtype,
                    dispatcher: Dispatcher | None = None) -> tuple[jax.Array, jax.Array]:
     """(y_SD float32, dropped): dispatch x_SD (in `dtype`), the expert FFN over the
@@ -75,6 +78,7 @@ class MoELayer(nnx.Module):
         )
         self.dispatcher = dispatcher
 
+    @shapes.check("-> B T D, _")
     def __call__(self, x_BTD: jax.Array, rng: jax.Array | None = None
                  ) -> tuple[jax.Array, RouterStats]:
         """`rng`: a key in training (router jitter, random routing), None otherwise."""

@@ -32,7 +32,7 @@ from olmo_jax.model import mxfp8
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def swiglu(x, w_gate, w_up, w_down, layout: mxfp8.Layout, rounding: str, quantize_wgrad: bool):
     """MXFP8 SwiGLU over one expert layout (a typed value of olmo_jax.model.mxfp8:
-    Batched(), Blocked(block_expert_B), Ragged(group_sizes_G), Pallas(group_sizes_G))."""
+    Batched(), Blocked(block_expert_U), Ragged(group_sizes_G), Pallas(group_sizes_G))."""
     return _fwd(x, w_gate, w_up, w_down, layout, rounding, quantize_wgrad)[0]
 
 

@@ -9,14 +9,15 @@ C slots per (sender, local expert), so the row of an assignment is
 order (`dispatch.rank_within_expert`: every token's first choice, in token order, before
 any second choice). Assignments with rank >= C are dropped and counted. The sender
 scatters its tokens into a [El, ep, C, D] send buffer in exactly that order, so a single
-`all_to_all` over `expert` delivers each rank a buffer already grouped by local expert;
-the experts run on it as one batched matmul, with no permutation on the receiver. The
-combine is the mirror image (all_to_all back, then the sender gathers each assignment's
+`all_to_all` over `expert` delivers each rank a buffer already grouped by local expert
+(`buffer.Slots(El, ep * C)`); the MoE layer runs the experts on it (one batched matmul),
+with no permutation on the receiver. The combine is the mirror image (all_to_all back, then the sender gathers each assignment's
 row and applies the router weight in float32). With `model.moe.precision = "mxfp8"` the
-dispatch payload travels as packed MXFP8 rows (`olmo_jax.model.moe.payload`) and the
-experts run their MXFP8 GEMMs; the combine travels in the compute dtype.
+dispatch payload travels as packed MXFP8 rows (`olmo_jax.model.moe.payload`); the
+combine travels in the compute dtype.
 
-Capacity: C = ceil(capacity_factor * S * k / E) slots per (sender, expert), i.e. a rank
+Capacity: C = sizing.capacity(S, k, E, capacity_factor) = ceil(capacity_factor * S * k /
+E) slots per (sender, expert), i.e. a rank
 accepts El * C = ceil(capacity_factor * S * k / ep) rows from each sender (exactly when
 E divides capacity_factor * S * k); S is the sender's token count. capacity_factor >=
 E / k can never drop (an expert gets at most one assignment per token).
@@ -27,6 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from olmo_jax import shapes
 from olmo_jax.model.moe import dispatch, payload, sizing
 from olmo_jax.model.moe.buffer import Dispatched, Slots
 
@@ -51,6 +53,7 @@ def rowwise_plan(idx_Sk: jax.Array, num_experts: int, ep: int, capacity: int):
     return dispatch.capacity_plan(relabelled_Sk, num_experts, capacity)
 
 
+@shapes.check("routing.*", "-> *")
 def rowwise_dispatch(x_SD, routing, cfg, impl: str, *, capacity_factor: float,
                      axis: str) -> Dispatched:
     """Receive buffer [El * ep * C, D], grouped by local expert: Slots(El, ep * C)."""
@@ -62,8 +65,8 @@ def rowwise_dispatch(x_SD, routing, cfg, impl: str, *, capacity_factor: float,
     plan = rowwise_plan(routing.idx_Sk, E, ep, C)
     send_RD = dispatch.gather_rows(x_SD, plan)  # rows [El, ep, C]
 
-    def exchange(a_RX):  # [El, dest rank, C, X] -> [El, sender, C, X], any payload width X
-        return jax.lax.all_to_all(a_RX.reshape(El, ep, C, -1), axis, 1, 1).reshape(El * ep * C, -1)
+    def exchange(a_YJ):  # [El, dest rank, C, X] -> [El, sender, C, X], any payload width X
+        return jax.lax.all_to_all(a_YJ.reshape(El, ep, C, -1), axis, 1, 1).reshape(El * ep * C, -1)
 
     # The payload travels in model.moe.precision (MXFP8: 33/64 of bf16's bytes).
     recv_RD = payload.transfer(send_RD, exchange, cfg.precision)
