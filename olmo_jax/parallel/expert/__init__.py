@@ -33,6 +33,9 @@ from olmo_jax.parallel.expert.ragged import ragged_dispatch
 from olmo_jax.parallel.expert.rowwise import rowwise_dispatch
 
 EXPERT_AXIS = "expert"
+# Compatibility name for branches written before model/moe/sizing.py (schema, gpuplan):
+# remove once they are merged and call sizing.capacity.
+slots_per_expert = sizing.capacity
 BACKENDS = ("rowwise", "ragged", "allgather")
 
 
@@ -103,5 +106,5 @@ def buffer_rows(kind: str, n_tokens: int, cfg, impl: str, ep: int = 1,
 
 __all__ = [
     "BACKENDS", "EXPERT_AXIS", "allgather_dispatch", "buffer_rows", "make_dispatcher",
-    "ragged_dispatch", "rowwise_dispatch",
+    "ragged_dispatch", "rowwise_dispatch", "slots_per_expert",
 ]

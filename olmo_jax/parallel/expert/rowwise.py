@@ -11,10 +11,10 @@ any second choice). Assignments with rank >= C are dropped and counted. The send
 scatters its tokens into a [El, ep, C, D] send buffer in exactly that order, so a single
 `all_to_all` over `expert` delivers each rank a buffer already grouped by local expert
 (`buffer.Slots(El, ep * C)`); the MoE layer runs the experts on it (one batched matmul),
-with no permutation on the receiver. The combine is the mirror image (all_to_all back, then the sender gathers each assignment's
-row and applies the router weight in float32). With `model.moe.precision = "mxfp8"` the
-dispatch payload travels as packed MXFP8 rows (`olmo_jax.model.moe.payload`); the
-combine travels in the compute dtype.
+with no permutation on the receiver. The combine is the mirror image (all_to_all back,
+then the sender gathers each assignment's row and applies the router weight in float32).
+With `model.moe.precision = "mxfp8"` the dispatch payload travels as packed MXFP8 rows
+(`olmo_jax.model.moe.payload`); the combine travels in the compute dtype.
 
 Capacity: C = sizing.capacity(S, k, E, capacity_factor) = ceil(capacity_factor * S * k /
 E) slots per (sender, expert), i.e. a rank
