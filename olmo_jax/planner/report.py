@@ -15,10 +15,9 @@ import dataclasses
 from olmo_jax import metrics
 from olmo_jax.kernels import platform, resolve_gmm_impl
 from olmo_jax.model.attention import query_chunks
-from olmo_jax.model.moe.dispatch import blocked_rows
-from olmo_jax.model.moe.layer import block_size, expert_capacity
+from olmo_jax.model.moe import sizing
 from olmo_jax.parallel import comms
-from olmo_jax.parallel.expert import slots_per_expert
+from olmo_jax.parallel.expert import buffer_rows
 from olmo_jax.parallel.mesh import batch_shards
 from olmo_jax.planner import hardware, hlo_cost, memory, pipeline, roofline
 from olmo_jax.planner import optimizer as optimizer_lib
@@ -114,31 +113,27 @@ def expert_buffer_factor(step: CompiledStep) -> tuple[float | None, str]:
     dispatcher's own sizing functions, and what sets it."""
     m, plan, t = step.model_cfg.moe, step.plan, step.cfg.trainer
     S = t.global_batch_size // (t.grad_accum * plan.microbatches) // batch_shards(plan.mesh) * t.seq_len
-    E, k, N = m.num_experts, m.top_k, S * m.top_k
+    E, N = m.num_experts, S * m.top_k
     ep = plan.mesh.shape["expert"]
     with platform.targeting(plan.target):
         impl = resolve_gmm_impl(m.gmm_impl, step.model_cfg.compute_dtype, m.precision,
                                 (step.model_cfg.d_model, m.expert_hidden))
     if not step.model_cfg.n_moe_layers:
         return None, "no MoE layers"
+    cf = step.cfg.parallel.capacity_factor
+    rows = buffer_rows(plan.dispatch, S, m, impl, ep, cf)  # the dispatcher's own sizing
     if plan.dispatch == "rowwise":
-        cf = step.cfg.parallel.capacity_factor
-        return (E * slots_per_expert(S, k, E, cf) / N,
-                f"rowwise receive slots (parallel.capacity_factor={cf})")
+        return rows / N, f"rowwise receive slots (parallel.capacity_factor={cf})"
     if plan.dispatch in ("ragged", "allgather"):
-        groups = E // ep + (plan.dispatch == "allgather")
         if impl != "einsum":
             return None, f"{plan.dispatch} buffers sized for the worst case ({impl})"
-        rows = blocked_rows(ep * N, groups, block_size(ep * N, groups))
         return rows / N, (f"{plan.dispatch} receive buffer sized for the worst case (every "
                           f"assignment of the {ep} senders to one rank)")
     if m.capacity_factor > 0:
-        return (E * expert_capacity(S, k, E, m.capacity_factor) / N,
-                f"capacity buffers (model.moe.capacity_factor={m.capacity_factor})")
+        return rows / N, f"capacity buffers (model.moe.capacity_factor={m.capacity_factor})"
     if impl == "einsum":
-        b = block_size(N, E)
-        return (blocked_rows(N, E, b) / N,
-                f"blocked dropless layout, blocks of {b} rows, sized for the worst padding")
+        return (rows / N, f"blocked dropless layout, blocks of {sizing.block_size(N, E)} rows, "
+                          "sized for the worst padding")
     if impl == "tiled":
         return None, ("gmm_impl=tiled: per-expert GEMM loops whose trip counts are the routing's "
                       "(at most 7 padding rows per expert); the HLO counts each loop body once")

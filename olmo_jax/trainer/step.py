@@ -119,7 +119,7 @@ def routing_parts(stats: RouterStats | None, cfg: TransformerConfig, row_shards:
         lb = load_balancing_loss(global_stats, m.top_k, m.lb_loss_type)
         lb_L = load_balancing_per_layer(global_stats, m.top_k)
     z_L = z_loss_per_layer(global_stats)
-    counts_GLSE = parallel.allgather(shard_sums(stats.counts_BE, row_shards))
+    counts_GLSE = parallel.allgather(shard_sums(stats.counts_LBE, row_shards))
     G, L, S, E = counts_GLSE.shape
     return dict(
         lb_loss=lb,

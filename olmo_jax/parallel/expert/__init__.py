@@ -1,12 +1,14 @@
-"""Expert-parallel dispatchers: experts stay resident on their `expert`-axis rank, tokens
-travel to them. Each runs per device inside `shard_map` (the trainer's step runs the
-whole model that way) and has the MoE layer's dispatcher signature
+"""Expert-parallel dispatch backends: experts stay resident on their `expert`-axis rank,
+tokens travel to them. Each runs per device inside `shard_map` (the trainer's step runs
+the whole model that way) and is a MoE layer dispatch backend (olmo_jax/model/moe/layer.py):
 
-    dispatcher(x_SD, routing, experts, moe_cfg, dtype) -> (y_SD float32, dropped)
+    backend(x_SD, routing, moe_cfg, impl) -> buffer.Dispatched(x_RD, layout, combine, dropped)
 
-with x_SD / routing the device's own tokens, `experts` holding its E/ep local experts
-(expert e lives on rank e // (E/ep) as local expert e % (E/ep)) and `dropped` the number
-of this device's (token, choice) assignments dropped at capacity. Backends:
+with x_SD / routing the device's own tokens; the buffer's groups are the rank's E/ep
+local experts (expert e lives on rank e // (E/ep) as local expert e % (E/ep)), whose FFN
+the MoE layer runs; `dropped` counts this device's (token, choice) assignments dropped
+at capacity. Backends move tokens only; each has a `buffer_rows` (its static sizing, the
+planner's too, from olmo_jax/model/moe/sizing.py):
 
   rowwise    (rowwise.py) fixed receive slots, one dense all_to_all each way; overflow
              dropped by the choice-major rule of olmo_jax.model.moe.dispatch.
@@ -23,20 +25,35 @@ import functools
 import jax
 
 from olmo_jax.model.config import ConfigError
+from olmo_jax.model.moe import sizing
+from olmo_jax.model.moe.buffer import Dispatched
+from olmo_jax.parallel.expert import allgather, ragged, rowwise
 from olmo_jax.parallel.expert.allgather import allgather_dispatch
 from olmo_jax.parallel.expert.ragged import ragged_dispatch
-from olmo_jax.parallel.expert.rowwise import rowwise_dispatch, slots_per_expert
+from olmo_jax.parallel.expert.rowwise import rowwise_dispatch
 
 EXPERT_AXIS = "expert"
+# Compatibility name for branches written before model/moe/sizing.py (schema, gpuplan):
+# remove once they are merged and call sizing.capacity.
+slots_per_expert = sizing.capacity
 BACKENDS = ("rowwise", "ragged", "allgather")
 
 
+def _in_scope(scope: str, fn):
+    @functools.wraps(fn)
+    def scoped(*args):
+        with jax.named_scope(scope):
+            return fn(*args)
+
+    return scoped
+
+
 def _scoped(kind: str, fn, axis: str):
-    """Runs fn under the named scope moe_<kind> (how comms.py attributes its collectives),
-    after checking that it runs where mesh axis `axis` is bound."""
+    """Runs fn and its combine under the named scope moe_<kind> (how comms.py attributes
+    its collectives), after checking that it runs where mesh axis `axis` is bound."""
 
     @functools.wraps(fn)
-    def dispatcher(*args, **kwargs):
+    def dispatcher(*args, **kwargs) -> Dispatched:
         try:
             jax.lax.axis_size(axis)
         except NameError as e:
@@ -47,7 +64,8 @@ def _scoped(kind: str, fn, axis: str):
                 f"a dispatcher"
             ) from e
         with jax.named_scope(f"moe_{kind}"):
-            return fn(*args, **kwargs)
+            d = fn(*args, **kwargs)
+        return d._replace(combine=_in_scope(f"moe_{kind}", d.combine))
 
     return dispatcher
 
@@ -71,7 +89,22 @@ def make_dispatcher(kind: str, capacity_factor: float = 1.25, axis: str = EXPERT
     return _scoped(kind, fn, axis)
 
 
+def buffer_rows(kind: str, n_tokens: int, cfg, impl: str, ep: int = 1,
+                capacity_factor: float = 1.25) -> int:
+    """Rows of the buffer the experts run on, per device, for `parallel.dispatch` = kind
+    ("local": the MoE layer's own dispatch), n_tokens tokens per device."""
+    if kind == "rowwise":
+        return rowwise.buffer_rows(n_tokens, cfg, impl, ep, capacity_factor)
+    if kind == "ragged":
+        return ragged.buffer_rows(n_tokens, cfg, impl, ep)
+    if kind == "allgather":
+        return allgather.buffer_rows(n_tokens, cfg, impl, ep)
+    if kind == "local":
+        return sizing.local_rows(n_tokens, cfg, impl)
+    raise ConfigError(f"parallel.dispatch={kind!r}: choose one of {', '.join(BACKENDS)}")
+
+
 __all__ = [
-    "BACKENDS", "EXPERT_AXIS", "allgather_dispatch", "make_dispatcher", "ragged_dispatch",
-    "rowwise_dispatch", "slots_per_expert",
+    "BACKENDS", "EXPERT_AXIS", "allgather_dispatch", "buffer_rows", "make_dispatcher",
+    "ragged_dispatch", "rowwise_dispatch", "slots_per_expert",
 ]
