@@ -220,10 +220,10 @@ def section_mxfp8(model_cfg, t_cfg, sz: Sizes, dry: bool) -> dict:
     # per element of its block's scale; over a block of normal values ~3% in the norm.
     qd = jax.jit(lambda x: mx.quantize_dequantize(x.astype(jnp.float32), axis=-1))(x)
     checks.append(check("mxfp8 quantize-dequantize vs input", qd, x.astype(jnp.float32), tol=0.05))
-    from olmo_jax.model.mxfp8 import mx_nt
+    from olmo_jax.model.mxfp8 import DENSE, mx_nt
 
     w = jax.random.normal(jax.random.key(6), (K // 4, K), jnp.float32).astype(jnp.bfloat16)
-    gemm = jax.jit(lambda x, w: mx_nt("dense", *mx.quantize(x, -1), *mx.quantize(w, -1), None, jnp.bfloat16))
+    gemm = jax.jit(lambda x, w: mx_nt(DENSE, *mx.quantize(x, -1), *mx.quantize(w, -1), jnp.bfloat16))
     ref = x.astype(jnp.float32) @ w.astype(jnp.float32).T
     # Two operands each within ~3% per block: the product within ~5% in the norm.
     checks.append(check("mxfp8 GEMM (x [M,K] @ w [N,K]^T) vs float32", gemm(x, w), ref, tol=0.08))
