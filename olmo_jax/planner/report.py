@@ -18,7 +18,7 @@ from olmo_jax.model.attention import query_chunks
 from olmo_jax.model.moe.dispatch import blocked_rows
 from olmo_jax.model.moe.layer import block_size, expert_capacity
 from olmo_jax.parallel import comms
-from olmo_jax.parallel.expert import slots_per_expert
+from olmo_jax.parallel.expert import rowwise_capacity_factor, slots_per_expert
 from olmo_jax.parallel.mesh import batch_shards
 from olmo_jax.planner import hardware, hlo_cost, memory, pipeline, roofline
 from olmo_jax.planner import optimizer as optimizer_lib
@@ -122,9 +122,8 @@ def expert_buffer_factor(step: CompiledStep) -> tuple[float | None, str]:
     if not step.model_cfg.n_moe_layers:
         return None, "no MoE layers"
     if plan.dispatch == "rowwise":
-        cf = step.cfg.parallel.capacity_factor
-        return (E * slots_per_expert(S, k, E, cf) / N,
-                f"rowwise receive slots (parallel.capacity_factor={cf})")
+        cf = rowwise_capacity_factor(m.capacity_factor)
+        return (E * slots_per_expert(S, k, E, cf) / N, f"rowwise receive slots (capacity factor {cf})")
     if plan.dispatch in ("ragged", "allgather"):
         groups = E // ep + (plan.dispatch == "allgather")
         if impl != "einsum":

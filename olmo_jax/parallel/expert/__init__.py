@@ -28,7 +28,17 @@ from olmo_jax.parallel.expert.ragged import ragged_dispatch
 from olmo_jax.parallel.expert.rowwise import rowwise_dispatch, slots_per_expert
 
 EXPERT_AXIS = "expert"
-BACKENDS = ("rowwise", "ragged", "allgather")
+BACKENDS = ("rowwise", "ragged", "allgather")  # parallel.dispatch
+DROPLESS = ("ragged", "allgather")  # the backends without a capacity
+# Rowwise receive slots when model.moe.capacity_factor is 0 (dropless elsewhere): rowwise
+# has fixed buffers, and OLMo-core's capacity factor is 1.25.
+ROWWISE_CAPACITY_FACTOR = 1.25
+
+
+def rowwise_capacity_factor(capacity_factor: float) -> float:
+    """The capacity factor rowwise dispatch sizes its receive slots with, for
+    model.moe.capacity_factor = `capacity_factor` (0 = ROWWISE_CAPACITY_FACTOR)."""
+    return capacity_factor or ROWWISE_CAPACITY_FACTOR
 
 
 def _scoped(kind: str, fn, axis: str):
@@ -52,16 +62,17 @@ def _scoped(kind: str, fn, axis: str):
     return dispatcher
 
 
-def make_dispatcher(kind: str, capacity_factor: float = 1.25, axis: str = EXPERT_AXIS,
+def make_dispatcher(kind: str, capacity_factor: float = 0.0, axis: str = EXPERT_AXIS,
                     emulate_ragged: bool | None = None):
-    """The dispatcher for `parallel.dispatch` (kind), communicating over mesh axis `axis`."""
+    """The dispatcher for `parallel.dispatch` (kind), communicating over mesh axis `axis`;
+    `capacity_factor` is model.moe.capacity_factor: rowwise's receive slots (0 =
+    ROWWISE_CAPACITY_FACTOR); the dropless backends have none."""
+    if capacity_factor < 0:
+        raise ConfigError(
+            f"model.moe.capacity_factor must be >= 0 (0 = dropless), got {capacity_factor}")
     if kind == "rowwise":
-        if capacity_factor <= 0:
-            raise ConfigError(
-                f"parallel.capacity_factor={capacity_factor} must be > 0 for rowwise dispatch "
-                f"(or choose the dropless parallel.dispatch=ragged or allgather)"
-            )
-        fn = functools.partial(rowwise_dispatch, capacity_factor=capacity_factor, axis=axis)
+        fn = functools.partial(rowwise_dispatch, capacity_factor=rowwise_capacity_factor(capacity_factor),
+                               axis=axis)
     elif kind == "ragged":
         fn = functools.partial(ragged_dispatch, axis=axis, emulate=emulate_ragged)
     elif kind == "allgather":
@@ -72,6 +83,6 @@ def make_dispatcher(kind: str, capacity_factor: float = 1.25, axis: str = EXPERT
 
 
 __all__ = [
-    "BACKENDS", "EXPERT_AXIS", "allgather_dispatch", "make_dispatcher", "ragged_dispatch",
-    "rowwise_dispatch", "slots_per_expert",
+    "BACKENDS", "DROPLESS", "EXPERT_AXIS", "ROWWISE_CAPACITY_FACTOR", "allgather_dispatch",
+    "make_dispatcher", "ragged_dispatch", "rowwise_capacity_factor", "rowwise_dispatch", "slots_per_expert",
 ]
