@@ -16,7 +16,8 @@ ml_collections, so `--config.x=y` overrides are type-checked); files in configs/
 from it. `parse(cfg)` turns it into the typed sections, `validate(cfg)` checks every
 section and the cross-section rules, `model_config(cfg, vocab)` is the typed model of a
 run. Each error names the field and the fix. `get_path` / `set_path` walk a dotted field
-name ("model.moe.top_k") through a ConfigDict or dict.
+name ("model.moe.top_k") through a ConfigDict or dict; `upgrade` reads an older run's
+saved config into this schema.
 """
 
 from __future__ import annotations
@@ -127,6 +128,23 @@ def unknown_key_error(cfg: ml_collections.ConfigDict, dotted: str) -> ConfigErro
     return ConfigError(f"config field '{dotted}' is not overridable")
 
 
+def upgrade(saved: dict) -> dict:
+    """A resolved config as an older olmo_jax wrote it (a run folder's config.json), in
+    this schema: parallel.capacity_factor (rowwise receive slots, default 1.25) becomes
+    model.moe.capacity_factor where it sized rowwise dispatch, and is dropped elsewhere."""
+    from olmo_jax.parallel.expert import ROWWISE_CAPACITY_FACTOR
+
+    d = {k: dict(v) if isinstance(v, dict) else v for k, v in saved.items()}
+    p = d.get("parallel", {})
+    if "capacity_factor" in p:
+        cf = p.pop("capacity_factor")
+        rowwise = p.get("strategy") == "ddp" and p.get("expert") != 1 and p.get("dispatch") == "rowwise"
+        moe = dict(d.get("model", {}).get("moe", {}))
+        if rowwise and not moe.get("capacity_factor") and cf != ROWWISE_CAPACITY_FACTOR:
+            d["model"] = {**d["model"], "moe": {**moe, "capacity_factor": cf}}
+    return d
+
+
 def _typed(schema, values: dict, prefix: str):
     """A section's dataclass from its ConfigDict values; a field the schema lacks is a
     ConfigError naming it (a config file may add fields to its unlocked ConfigDict)."""
@@ -185,4 +203,4 @@ def validate(cfg: ml_collections.ConfigDict) -> RunConfig:
 
 
 __all__ = ["MOVED", "SECTIONS", "ConfigError", "MoEConfig", "RunConfig", "default_config", "get_path",
-           "has_path", "model_config", "parse", "set_path", "unknown_key_error", "validate"]
+           "has_path", "model_config", "parse", "set_path", "unknown_key_error", "upgrade", "validate"]

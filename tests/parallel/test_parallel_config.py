@@ -2,7 +2,7 @@
 
 import pytest
 
-from olmo_jax.config import default_config, model_config, unknown_key_error, validate
+from olmo_jax.config import default_config, model_config, unknown_key_error, upgrade, validate
 from olmo_jax.model.config import ConfigError, MoEConfig
 from olmo_jax.parallel.expert import ROWWISE_CAPACITY_FACTOR
 from olmo_jax.parallel.mesh import mesh_shape
@@ -72,6 +72,13 @@ def test_one_capacity_factor_sizes_rowwise_and_local_buffers():
         validate(old)
     with pytest.raises(ConfigError, match="model.moe.capacity_factor now"):
         raise unknown_key_error(default_config(), "parallel.capacity_factor")
+    # An older run folder's config.json: the value moves where it sized rowwise dispatch.
+    saved = make_cfg(data=2, expert=4).to_dict()
+    saved["model"]["moe"]["capacity_factor"], saved["parallel"]["capacity_factor"] = 0.0, 2.0
+    assert upgrade(saved)["model"]["moe"]["capacity_factor"] == 2.0
+    saved["parallel"]["dispatch"] = "ragged"
+    assert upgrade(saved)["model"]["moe"]["capacity_factor"] == 0.0
+    assert "capacity_factor" not in upgrade(saved)["parallel"] and "capacity_factor" in saved["parallel"]
 
 
 def test_dispatcher_choice():
