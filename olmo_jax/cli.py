@@ -16,7 +16,7 @@ import runpy
 import sys
 from typing import NoReturn
 
-from absl import flags
+from absl import app, flags
 from ml_collections import config_flags
 
 EXIT_BAD_INPUT = 2
@@ -33,6 +33,17 @@ def define_config_flag(flag_values: flags.FlagValues = flags.FLAGS, help: str = 
 
 
 CONFIG = define_config_flag()
+
+
+def required_config(argv: list[str], flag=None):
+    """The --config ConfigDict of a command taking no positional arguments; absl's usage
+    error (with the help text) when either is wrong."""
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    cfg = (flag or CONFIG).value
+    if cfg is None:
+        raise app.UsageError("--config=configs/<name>.py is required")
+    return cfg
 
 
 def config_filename(flag_values: flags.FlagValues = flags.FLAGS) -> str:

@@ -38,11 +38,7 @@ def default_devices(parallel) -> int:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    cfg = cli.CONFIG.value
-    if cfg is None:
-        raise app.UsageError("--config=configs/<name>.py is required")
+    cfg = cli.required_config(argv)
     logging.set_verbosity(logging.WARNING)
     n = _DEVICES.value or default_devices(cfg.parallel)
     if n < 1:

@@ -62,11 +62,7 @@ def run_training(cfg) -> int:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    cfg = cli.CONFIG.value
-    if cfg is None:
-        raise app.UsageError("--config=configs/<name>.py is required")
+    cfg = cli.required_config(argv)
     logging.set_verbosity(logging.WARNING)  # jax's backend-probing INFO lines
     try:
         launch = distributed.detect({"coordinator": _COORDINATOR.value,
