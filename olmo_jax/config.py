@@ -30,7 +30,7 @@ import ml_collections
 
 from olmo_jax.data.config import DataConfig
 from olmo_jax.errors import ConfigError
-from olmo_jax.model.config import RUN_DEFAULT, MoEConfig, TransformerConfig
+from olmo_jax.model.config import RUN_DEFAULT, TransformerConfig
 from olmo_jax.optim.config import OptimConfig
 from olmo_jax.parallel.config import ParallelConfig
 from olmo_jax.trainer.config import TrainerConfig
@@ -151,12 +151,7 @@ def _typed(schema, values: dict, prefix: str):
     fields = {f.name: f for f in dataclasses.fields(schema)}
     for name in values:
         if name not in fields:
-            dotted = f"{prefix}.{name}"
-            if dotted in MOVED:
-                raise _moved_error(dotted)
-            near = difflib.get_close_matches(name, list(fields), n=3)
-            hint = f"; did you mean {', '.join(f'{prefix}.{n}' for n in near)}?" if near else ""
-            raise ConfigError(f"unknown config field '{dotted}': {prefix} has no field '{name}'{hint}")
+            raise unknown_key_error(default_config(), f"{prefix}.{name}")
     kw = {}
     for name, value in values.items():
         sub = fields[name].default_factory
@@ -202,5 +197,5 @@ def validate(cfg: ml_collections.ConfigDict) -> RunConfig:
     return run
 
 
-__all__ = ["MOVED", "SECTIONS", "ConfigError", "MoEConfig", "RunConfig", "default_config", "get_path",
+__all__ = ["MOVED", "SECTIONS", "ConfigError", "RunConfig", "default_config", "get_path",
            "has_path", "model_config", "parse", "set_path", "unknown_key_error", "upgrade", "validate"]
