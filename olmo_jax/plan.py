@@ -17,9 +17,8 @@ import math
 import sys
 
 from absl import app, flags, logging
-from ml_collections import config_flags
 
-from olmo_jax import train as train_cli
+from olmo_jax import cli
 from olmo_jax.data.errors import DataError
 from olmo_jax.model.config import ConfigError
 
@@ -39,25 +38,21 @@ def default_devices(parallel) -> int:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    cfg = train_cli._CONFIG.value
-    if cfg is None:
-        raise app.UsageError("--config=configs/<name>.py is required")
+    cfg = cli.required_config(argv)
     logging.set_verbosity(logging.WARNING)
     n = _DEVICES.value or default_devices(cfg.parallel)
     if n < 1:
-        train_cli._fail(f"--devices={n} must be >= 1")
+        cli.fail(f"--devices={n} must be >= 1")
     from olmo_jax.planner import hardware
     from olmo_jax.planner.cli import run  # jax's backend starts inside run, with n devices
 
     if _KIND.value not in hardware.KINDS:
-        train_cli._fail(f"--device-kind={_KIND.value}: choose one of {', '.join(hardware.KINDS)}")
-    path = config_flags.get_config_filename(flags.FLAGS["config"])
+        cli.fail(f"--device-kind={_KIND.value}: choose one of {', '.join(hardware.KINDS)}")
+    path = cli.config_filename()
     try:
         out = run(cfg, n, _KIND.value, _COMPARE.value, path)
     except (ConfigError, DataError) as e:
-        train_cli._fail(str(e))
+        cli.fail(str(e))
     print(out["text"])
     if _JSON.value:
         with open(_JSON.value, "w") as f:
@@ -66,4 +61,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=train_cli._parse_flags)
+    app.run(main, flags_parser=cli.parse_flags)

@@ -40,6 +40,8 @@ from olmo_jax.kernels import mxfp8 as mx
 from olmo_jax.kernels import platform, vma
 from olmo_jax.kernels.vma import cotangent_like
 
+# GEMM precisions: model.attention_precision, model.moe.precision and the dispatch payload
+# (model/moe/payload.py); bf16 = the compute dtype, mxfp8 = the block-scaled GEMMs here.
 PRECISIONS = ("bf16", "mxfp8")
 
 

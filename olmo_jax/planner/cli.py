@@ -12,7 +12,9 @@ import dataclasses
 import jax
 import ml_collections
 
+from olmo_jax.config import get_path, set_path
 from olmo_jax.model.config import ConfigError
+from olmo_jax.parallel.expert import rowwise_capacity_factor
 from olmo_jax.planner import hardware, report
 from olmo_jax.planner.compile import compile_train_step
 
@@ -36,7 +38,7 @@ def comparison_variants(cfg) -> list[tuple[str, dict]]:
     with parallel.pipe > 1 its variants fold the pipe axis into data on the same devices
     and the pipeline's microbatches into gradient accumulation (same microbatch size)."""
     p = cfg.parallel
-    cf = p.capacity_factor
+    cf = rowwise_capacity_factor(cfg.model.moe.capacity_factor)  # the rowwise variant's
     fsdp = {"parallel.strategy": "fsdp"}
     label = "fsdp"
     if p.pipe > 1:
@@ -50,24 +52,13 @@ def comparison_variants(cfg) -> list[tuple[str, dict]]:
 
 
 def _same(cfg, changes: dict) -> bool:
-    return all(_get(cfg, k) == v for k, v in changes.items())
-
-
-def _get(cfg, dotted: str):
-    node = cfg
-    for part in dotted.split("."):
-        node = node[part]
-    return node
+    return all(get_path(cfg, k) == v for k, v in changes.items())
 
 
 def _variant(cfg, devices, changes: dict):
     variant = copy.deepcopy(cfg)
     for dotted, value in changes.items():
-        *path, last = dotted.split(".")
-        node = variant
-        for part in path:
-            node = node[part]
-        node[last] = value
+        set_path(variant, dotted, value)
     return compile_train_step(variant, devices)
 
 

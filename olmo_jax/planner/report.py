@@ -17,7 +17,7 @@ from olmo_jax.kernels import platform, resolve_gmm_impl
 from olmo_jax.model.attention import query_chunks
 from olmo_jax.model.moe import sizing
 from olmo_jax.parallel import comms
-from olmo_jax.parallel.expert import buffer_rows
+from olmo_jax.parallel.expert import buffer_rows, rowwise_capacity_factor
 from olmo_jax.parallel.mesh import batch_shards
 from olmo_jax.planner import hardware, hlo_cost, memory, pipeline, roofline
 from olmo_jax.planner import optimizer as optimizer_lib
@@ -120,10 +120,10 @@ def expert_buffer_factor(step: CompiledStep) -> tuple[float | None, str]:
                                 (step.model_cfg.d_model, m.expert_hidden))
     if not step.model_cfg.n_moe_layers:
         return None, "no MoE layers"
-    cf = step.cfg.parallel.capacity_factor
-    rows = buffer_rows(plan.dispatch, S, m, impl, ep, cf)  # the dispatcher's own sizing
+    rows = buffer_rows(plan.dispatch, S, m, impl, ep)  # the dispatcher's own sizing
     if plan.dispatch == "rowwise":
-        return rows / N, f"rowwise receive slots (parallel.capacity_factor={cf})"
+        cf = rowwise_capacity_factor(m.capacity_factor)
+        return rows / N, f"rowwise receive slots (capacity factor {cf})"
     if plan.dispatch in ("ragged", "allgather"):
         if impl != "einsum":
             return None, f"{plan.dispatch} buffers sized for the worst case ({impl})"

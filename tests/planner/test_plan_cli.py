@@ -12,6 +12,7 @@ from pathlib import Path
 
 from olmo_jax import metrics
 from olmo_jax.config import default_config, model_config
+from olmo_jax.parallel.expert import ROWWISE_CAPACITY_FACTOR
 from olmo_jax.planner.cli import comparison_variants
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,7 +77,7 @@ def test_fsdp_variants_of_a_pipelined_config_fold_the_pipeline():
     assert ddp == {"parallel.strategy": "ddp"} and label == "fsdp, pipe into data"
     assert fsdp["parallel.pipe"] == 1 and fsdp["parallel.data"] == 8  # same 64 devices
     assert fsdp["parallel.microbatches"] == 1 and fsdp["trainer.grad_accum"] == 16
-    assert capacity == fsdp | {"model.moe.capacity_factor": cfg.parallel.capacity_factor}
+    assert capacity == fsdp | {"model.moe.capacity_factor": ROWWISE_CAPACITY_FACTOR}  # rowwise's
     cfg.parallel.data = -1
     assert comparison_variants(cfg)[1][1]["parallel.data"] == -1
     cfg.parallel.pipe = 1

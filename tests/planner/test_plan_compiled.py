@@ -12,6 +12,7 @@ import pytest
 
 from olmo_jax.config import default_config
 from olmo_jax.model.moe import sizing
+from olmo_jax.parallel.expert import rowwise_capacity_factor
 from olmo_jax.planner import hardware, hlo_cost, report
 from olmo_jax.planner.compile import compile_train_step
 
@@ -50,7 +51,8 @@ def test_compiled_matmul_flops_match_the_formula(plan):
     assert full * (1 - 1e-9) <= ratio <= full * 7 / 6 * (1 + 1e-9)
     # Rowwise buffers: E x slots per expert rows for the tokens x k routed rows.
     tokens = BATCH // GA // 8 * SEQ
-    pad = 8 * sizing.capacity(tokens, 2, 8, plan.step.cfg.parallel.capacity_factor) / (tokens * 2)
+    cf = rowwise_capacity_factor(plan.step.model_cfg.moe.capacity_factor)
+    pad = 8 * sizing.capacity(tokens, 2, 8, cf) / (tokens * 2)
     assert plan.buffer_factor == pytest.approx(pad)
     assert h["routed_experts"] / f["routed_experts"] == pytest.approx(pad, rel=0.01)
     assert abs(plan.matmul_ratio - 1) < 0.05

@@ -80,6 +80,13 @@ def load_balancing_per_layer(stats: RouterStats, top_k: int, shards: int = 1) ->
     return E * jnp.mean(jnp.sum(f_LPE * p_LPE, axis=-1), axis=-1)
 
 
+# model.moe.lb_loss_type: per_layer (OLMo-core) | pooled (Hugging Face), see load_balancing_loss.
+LB_LOSS_TYPES = ("per_layer", "pooled")
+# model.moe.lb_granularity: the counts the LB loss sees, global (every device's tokens) | local
+# (each data-parallel shard's own, the losses averaged: load_balancing_loss's `shards`).
+LB_GRANULARITIES = ("global", "local")
+
+
 def load_balancing_loss(stats: RouterStats, top_k: int, kind: str = "per_layer",
                         shards: int = 1) -> jax.Array:
     """stats fields have a leading layer axis [L, ...]; `shards` > 1 = local granularity."""

@@ -41,6 +41,9 @@ from olmo_jax import shapes
 from olmo_jax.model.config import MoEConfig
 from olmo_jax.model.params import normal_param
 
+GATINGS = ("softmax", "sigmoid", "topk_softmax")  # model.moe.gating (gate_scores)
+ROUTING_MODES = ("learned", "random", "uniform")  # model.moe.routing_mode (route)
+
 
 class Routing(NamedTuple):
     logits_SE: jax.Array  # float32 router logits

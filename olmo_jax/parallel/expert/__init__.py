@@ -33,10 +33,17 @@ from olmo_jax.parallel.expert.ragged import ragged_dispatch
 from olmo_jax.parallel.expert.rowwise import rowwise_dispatch
 
 EXPERT_AXIS = "expert"
-# Compatibility name for branches written before model/moe/sizing.py (schema, gpuplan):
-# remove once they are merged and call sizing.capacity.
-slots_per_expert = sizing.capacity
-BACKENDS = ("rowwise", "ragged", "allgather")
+BACKENDS = ("rowwise", "ragged", "allgather")  # parallel.dispatch
+DROPLESS = ("ragged", "allgather")  # the backends without a capacity
+# Rowwise receive slots when model.moe.capacity_factor is 0 (dropless elsewhere): rowwise
+# has fixed buffers, and OLMo-core's capacity factor is 1.25.
+ROWWISE_CAPACITY_FACTOR = 1.25
+
+
+def rowwise_capacity_factor(capacity_factor: float) -> float:
+    """The capacity factor rowwise dispatch sizes its receive slots with, for
+    model.moe.capacity_factor = `capacity_factor` (0 = ROWWISE_CAPACITY_FACTOR)."""
+    return capacity_factor or ROWWISE_CAPACITY_FACTOR
 
 
 def _in_scope(scope: str, fn):
@@ -70,16 +77,17 @@ def _scoped(kind: str, fn, axis: str):
     return dispatcher
 
 
-def make_dispatcher(kind: str, capacity_factor: float = 1.25, axis: str = EXPERT_AXIS,
+def make_dispatcher(kind: str, capacity_factor: float = 0.0, axis: str = EXPERT_AXIS,
                     emulate_ragged: bool | None = None):
-    """The dispatcher for `parallel.dispatch` (kind), communicating over mesh axis `axis`."""
+    """The dispatcher for `parallel.dispatch` (kind), communicating over mesh axis `axis`;
+    `capacity_factor` is model.moe.capacity_factor: rowwise's receive slots (0 =
+    ROWWISE_CAPACITY_FACTOR); the dropless backends have none."""
+    if capacity_factor < 0:
+        raise ConfigError(
+            f"model.moe.capacity_factor must be >= 0 (0 = dropless), got {capacity_factor}")
     if kind == "rowwise":
-        if capacity_factor <= 0:
-            raise ConfigError(
-                f"parallel.capacity_factor={capacity_factor} must be > 0 for rowwise dispatch "
-                f"(or choose the dropless parallel.dispatch=ragged or allgather)"
-            )
-        fn = functools.partial(rowwise_dispatch, capacity_factor=capacity_factor, axis=axis)
+        fn = functools.partial(rowwise_dispatch, capacity_factor=rowwise_capacity_factor(capacity_factor),
+                               axis=axis)
     elif kind == "ragged":
         fn = functools.partial(ragged_dispatch, axis=axis, emulate=emulate_ragged)
     elif kind == "allgather":
@@ -89,12 +97,13 @@ def make_dispatcher(kind: str, capacity_factor: float = 1.25, axis: str = EXPERT
     return _scoped(kind, fn, axis)
 
 
-def buffer_rows(kind: str, n_tokens: int, cfg, impl: str, ep: int = 1,
-                capacity_factor: float = 1.25) -> int:
+def buffer_rows(kind: str, n_tokens: int, cfg, impl: str, ep: int = 1) -> int:
     """Rows of the buffer the experts run on, per device, for `parallel.dispatch` = kind
-    ("local": the MoE layer's own dispatch), n_tokens tokens per device."""
+    ("local": the MoE layer's own dispatch), n_tokens tokens per device; `cfg` the MoE
+    config (rowwise sizes its slots with rowwise_capacity_factor(cfg.capacity_factor))."""
     if kind == "rowwise":
-        return rowwise.buffer_rows(n_tokens, cfg, impl, ep, capacity_factor)
+        return rowwise.buffer_rows(n_tokens, cfg, impl, ep,
+                                   rowwise_capacity_factor(cfg.capacity_factor))
     if kind == "ragged":
         return ragged.buffer_rows(n_tokens, cfg, impl, ep)
     if kind == "allgather":
@@ -105,6 +114,7 @@ def buffer_rows(kind: str, n_tokens: int, cfg, impl: str, ep: int = 1,
 
 
 __all__ = [
-    "BACKENDS", "EXPERT_AXIS", "allgather_dispatch", "buffer_rows", "make_dispatcher",
-    "ragged_dispatch", "rowwise_dispatch", "slots_per_expert",
+    "BACKENDS", "DROPLESS", "EXPERT_AXIS", "ROWWISE_CAPACITY_FACTOR", "allgather_dispatch",
+    "buffer_rows", "make_dispatcher", "ragged_dispatch", "rowwise_capacity_factor",
+    "rowwise_dispatch",
 ]
