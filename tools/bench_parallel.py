@@ -28,11 +28,12 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from olmo_jax.config import default_config, model_config  # noqa: E402
+from olmo_jax.model.abstract import abstract_model  # noqa: E402
 from olmo_jax.optim import build_optimizer  # noqa: E402
-from olmo_jax.planner import comms  # noqa: E402
 from olmo_jax.parallel.expert.ragged_a2a import native_ragged_all_to_all_available  # noqa: E402
 from olmo_jax.parallel.strategy import build_plan  # noqa: E402
-from olmo_jax.trainer.state import abstract_model, init_state  # noqa: E402
+from olmo_jax.planner import comms  # noqa: E402
+from olmo_jax.trainer.state import init_state  # noqa: E402
 from olmo_jax.trainer.step import make_train_step  # noqa: E402
 
 KINDS = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce")

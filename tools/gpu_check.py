@@ -266,8 +266,9 @@ def train_config(dry: bool):
 def _train_once(cfg, steps: int, dry: bool) -> dict:
     from olmo_jax import config as config_lib
     from olmo_jax import metrics
+    from olmo_jax.model.abstract import abstract_model
     from olmo_jax.optim import build_optimizer
-    from olmo_jax.trainer.state import abstract_model, init_state
+    from olmo_jax.trainer.state import init_state
     from olmo_jax.trainer.step import make_train_step
 
     model_cfg = config_lib.model_config(cfg)

@@ -28,6 +28,7 @@ from olmo_jax import metrics as metrics_lib
 from olmo_jax.checkpoint.errors import CheckpointError
 from olmo_jax.checkpoint.run import RunCheckpoints, truncate_metrics
 from olmo_jax.data import build_data
+from olmo_jax.model.abstract import abstract_model
 from olmo_jax.model.config import ConfigError
 from olmo_jax.optim import build_optimizer
 from olmo_jax.parallel.strategy import build_plan
@@ -39,7 +40,7 @@ from olmo_jax.trainer.preemption import Preemption
 from olmo_jax.trainer.profiler import StepProfiler
 from olmo_jax.trainer.sample import generate
 from olmo_jax.trainer.sinks import build_sinks
-from olmo_jax.trainer.state import abstract_model, abstract_train_state, init_state
+from olmo_jax.trainer.state import abstract_train_state, init_state
 from olmo_jax.trainer.step import make_eval_step, make_train_step
 
 

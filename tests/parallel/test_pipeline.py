@@ -20,9 +20,10 @@ import jax
 import numpy as np
 import pytest
 
+from olmo_jax.model.abstract import abstract_model
 from olmo_jax.optim import build_optimizer
 from olmo_jax.parallel.strategy import build_plan
-from olmo_jax.trainer.state import abstract_model, abstract_train_state
+from olmo_jax.trainer.state import abstract_train_state
 from olmo_jax.trainer.step import make_eval_step, make_grads_fn
 from tests.parallel.harness import (
     FAST_COMPILE,
