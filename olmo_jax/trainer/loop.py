@@ -26,7 +26,6 @@ from olmo_jax import config as config_lib
 from olmo_jax import distributed
 from olmo_jax import metrics as metrics_lib
 from olmo_jax.checkpoint.errors import CheckpointError
-from olmo_jax.checkpoint.run import RunCheckpoints, truncate_metrics
 from olmo_jax.data import build_data
 from olmo_jax.model.abstract import abstract_model
 from olmo_jax.model.config import ConfigError
@@ -35,6 +34,7 @@ from olmo_jax.parallel.strategy import build_plan
 from olmo_jax.trainer import guard as guard_lib
 from olmo_jax.trainer import preflight
 from olmo_jax.trainer import run_dir as run_dir_lib
+from olmo_jax.trainer.checkpoints import RunCheckpoints, truncate_metrics
 from olmo_jax.trainer.logger import ProgressBar
 from olmo_jax.trainer.preemption import Preemption
 from olmo_jax.trainer.profiler import StepProfiler
