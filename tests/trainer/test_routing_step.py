@@ -14,7 +14,7 @@ from olmo_jax.config import default_config
 from olmo_jax.model import MoEConfig, TransformerConfig
 from olmo_jax.model.moe.bias_balancing import bias_update
 from olmo_jax.model.moe.router import RouterBias, route
-from olmo_jax.objective import Plan, forward_losses
+from olmo_jax.objective import SINGLE_DEVICE, Plan, forward_losses
 from olmo_jax.parallel.strategy import build_plan
 from olmo_jax.trainer.state import init_state
 from olmo_jax.trainer.step import make_train_step
@@ -111,7 +111,7 @@ def test_counts_are_summed_over_micro_batches_and_shards():
     graphdef, state = init_state(cfg, tx, seed=0)
     # Two data-parallel shards of each of two micro-batches: per-shard (local) counts.
     plan = _data_parallel_plan(cfg, data=2, grad_accum=2, global_batch=8)
-    assert isinstance(plan, Plan)
+    assert isinstance(plan, Plan) and plan.pipeline is None and isinstance(SINGLE_DEVICE, Plan)
     shardings = plan.state_shardings(state, tx)
     micro = plan.jit_train_step(make_train_step(graphdef, cfg, tx, optax.constant_schedule(0.0),
                                                 grad_accum=2, parallel=plan, expert_ranks=2),
