@@ -71,6 +71,13 @@ def test_function_level_and_relative_imports_count(tmp_path):
     assert ig.ROW["train"] == ig.ROW["plan"]  # peers: an import between them is upward too
 
 
+def test_a_unit_of_several_modules(monkeypatch):
+    monkeypatch.setitem(ig.UNITS, "trainer", ("trainer", "report.page"))
+    assert ig.unit_of("olmo_jax.report.page") == "trainer"
+    assert ig.unit_of("olmo_jax.report.view") == "report"
+    assert ig.unit_of("olmo_jax.trainer.step") == "trainer"
+
+
 def test_docs_table_is_the_layer_table():
     text = (REPO / "docs" / "ARCHITECTURE.md").read_text()
     rows = {}

@@ -7,9 +7,9 @@
 
 Every import statement of every module counts, at any depth (function-level imports
 too), read with `ast` without importing anything. A module belongs to the unit with the
-longest matching name in LAYERS (`report.__main__` before `report`); a unit may import
-its own modules and units of lower rows only. Units that share a row are peers and may
-not import each other.
+longest matching name in LAYERS (`report.__main__` before `report`; UNITS names the
+modules of a unit made of several); a unit may import its own modules and units of lower
+rows only. Units that share a row are peers and may not import each other.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("optim",),
     ("parallel",),
     ("data", "distributed", "metrics"),
-    ("config", "trainer.config"),
+    ("config",),
     ("checkpoint",),
     ("trainer",),
     ("planner",),
@@ -41,6 +41,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli",),
     ("train", "plan", "convert", "report.__main__"),
 )
+# A unit made of several modules or packages (names relative to olmo_jax); any other
+# unit is the module or package of its name. Imports inside one unit are free.
+UNITS: dict[str, tuple[str, ...]] = {}
 ROW = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 
 
@@ -109,11 +112,11 @@ def unit_of(module: str) -> str | None:
     """The unit of LAYERS a module belongs to (None: not in the table)."""
     if module == ROOT:
         return ROOT
-    name = module.removeprefix(ROOT + ".")
-    parts = name.split(".")
+    prefixes = {p: u for u in ROW if u != ROOT for p in UNITS.get(u, (u,))}
+    parts = module.removeprefix(ROOT + ".").split(".")
     for n in range(len(parts), 0, -1):
-        unit = ".".join(parts[:n])
-        if unit in ROW and unit != ROOT:
+        unit = prefixes.get(".".join(parts[:n]))
+        if unit is not None:
             return unit
     return None
 
