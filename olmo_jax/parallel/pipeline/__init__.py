@@ -11,9 +11,9 @@ slots, bubble fraction), layout.py (which layers each stage runs, parameter stor
 the per-step gather / gradient reduction over `pipe`), run.py (the executor), stash.py
 (a jax.vjp's residuals kept across ticks). `ParallelPlan` (strategy.py) holds a
 `Pipeline` when P > 1 (an `objective.PipelineRunner`); the trainer's step then takes its
-gradients from `Pipeline.grad_fn` (M microbatches = M-step gradient accumulation on one device, the
-losses and router statistics summed exactly as there) and its evaluation from
-`Pipeline.eval_fn`.
+gradients from `Pipeline.grad_fn` (M microbatches = M-step gradient accumulation on one
+device, the losses and router statistics summed exactly as there) and its evaluation
+from `Pipeline.eval_fn`.
 """
 
 from __future__ import annotations
