@@ -61,8 +61,7 @@ from olmo_jax.model.moe.layer import MoELayer, routed_experts  # noqa: E402
 from olmo_jax.model.moe.router import Routing  # noqa: E402
 from olmo_jax.model.moe.tiled import TILE_MULTIPLE  # noqa: E402
 from olmo_jax.optim import build_optimizer  # noqa: E402
-from olmo_jax.parallel import comms  # noqa: E402
-from olmo_jax.planner import hlo_cost  # noqa: E402
+from olmo_jax.planner import comms, hlo_cost  # noqa: E402
 from olmo_jax.trainer.state import init_state  # noqa: E402
 from olmo_jax.trainer.step import make_train_step  # noqa: E402
 

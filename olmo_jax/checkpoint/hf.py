@@ -41,8 +41,8 @@ from olmo_jax.checkpoint.errors import CheckpointError
 from olmo_jax.checkpoint.hf_config import from_hf_config, to_hf_config
 from olmo_jax.checkpoint.tree import check_fits, flatten_named, nest, unflatten_named
 from olmo_jax.model import Transformer, TransformerConfig
+from olmo_jax.model.abstract import abstract_model
 from olmo_jax.model.config import DTYPES
-from olmo_jax.trainer.state import abstract_model
 
 _LAYER = "model.layers.{l}."
 _EXPERT = _LAYER + "mlp.experts.{e}."

@@ -34,6 +34,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from olmo_jax.kernels import platform, resolve_gmm_impl
+from olmo_jax.model.abstract import abstract_model
 from olmo_jax.model.attention import resolve_attention_impl
 from olmo_jax.model.config import ConfigError, TransformerConfig
 from olmo_jax.model.params import path_name
@@ -325,8 +326,6 @@ def build_plan(cfg, model_cfg: TransformerConfig, abstract_params=None,
         expert_lib.make_dispatcher(p.dispatch)  # validates the field
         dispatcher, dispatch = None, "local"
     if abstract_params is None:
-        from olmo_jax.trainer.state import abstract_model
-
         abstract_params = abstract_model(model_cfg)[1]
     compute = rules.param_specs(abstract_params, rules.RULES[p.strategy])
     shard = p.zero1 or p.strategy == "fsdp"

@@ -35,9 +35,8 @@ from olmo_jax import config as config_lib
 from olmo_jax.data import load_tokenizer
 from olmo_jax.model import TransformerConfig
 from olmo_jax.optim import build_optimizer
-from olmo_jax.parallel import comms
 from olmo_jax.parallel.strategy import ParallelPlan, build_plan
-from olmo_jax.planner import memory, pipeline
+from olmo_jax.planner import comms, memory, pipeline
 from olmo_jax.trainer import guard as guard_lib
 from olmo_jax.trainer.state import TrainState, abstract_train_state
 from olmo_jax.trainer.step import make_train_step

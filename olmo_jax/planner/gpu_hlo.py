@@ -30,7 +30,7 @@ import collections
 import dataclasses
 import re
 
-from olmo_jax.parallel import comms
+from olmo_jax.planner import comms
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
                "collective-permute", "collective-broadcast")

@@ -1,5 +1,5 @@
 """FLOPs and memory traffic of one run of a compiled program, from its HLO, loop bodies
-multiplied by their trip counts (the walk of `olmo_jax.parallel.comms.parse_module`), split
+multiplied by their trip counts (the walk of `olmo_jax.planner.comms.parse_module`), split
 by the model's named scopes into the terms of OLMo-core's FLOPs formula.
 
 Counting follows XLA's HloCostAnalysis:
@@ -27,7 +27,7 @@ import dataclasses
 import math
 import re
 
-from olmo_jax.parallel.comms import DTYPE_BYTES, KINDS, HloModule, Instruction
+from olmo_jax.planner.comms import DTYPE_BYTES, KINDS, HloModule, Instruction
 
 # The model's named scopes (model/transformer.py, model/attention.py, model/moe/layer.py;
 # the optimizer's update: trainer/step.py),

@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding
 
 from olmo_jax.model.params import path_name
 from olmo_jax.parallel import zero
-from olmo_jax.parallel.comms import HloModule
+from olmo_jax.planner.comms import HloModule
 from olmo_jax.planner.hlo_cost import OTHER, Walker, dims, scope_of, type_bytes
 
 _PEAK_HEADER = re.compile(r"^\s*Live ranges at \d+ \(peak\):")

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from olmo_jax.parallel import comms, zero
-from olmo_jax.planner import hardware, roofline
+from olmo_jax.parallel import zero
+from olmo_jax.planner import comms, hardware, roofline
 from olmo_jax.planner.hlo_cost import ProgramCost
 
 SCOPE = "optimizer"  # trainer/step.py

@@ -31,9 +31,8 @@ from fractions import Fraction
 
 import numpy as np
 
-from olmo_jax.parallel import comms
 from olmo_jax.parallel.pipeline import schedule as sched_lib
-from olmo_jax.planner import hlo_cost, roofline
+from olmo_jax.planner import comms, hlo_cost, roofline
 from olmo_jax.planner.hardware import DeviceSpec
 
 FWD, BWD = "pipe_fwd", "pipe_bwd"

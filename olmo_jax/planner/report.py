@@ -16,10 +16,9 @@ from olmo_jax import metrics
 from olmo_jax.kernels import platform, resolve_gmm_impl
 from olmo_jax.model.attention import query_chunks
 from olmo_jax.model.moe import sizing
-from olmo_jax.parallel import comms
 from olmo_jax.parallel.expert import buffer_rows, rowwise_capacity_factor
 from olmo_jax.parallel.mesh import batch_shards
-from olmo_jax.planner import hardware, hlo_cost, memory, pipeline, roofline
+from olmo_jax.planner import comms, hardware, hlo_cost, memory, pipeline, roofline
 from olmo_jax.planner import optimizer as optimizer_lib
 from olmo_jax.planner.compile import CompiledStep
 

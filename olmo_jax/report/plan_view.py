@@ -21,7 +21,7 @@ from olmo_jax.planner.compile import compile_train_step
 
 PEAK_PARTS = 8  # the planner's JSON lists the largest groups live at the peak
 
-# What each collective purpose moves (the scopes olmo_jax/parallel/comms.py documents).
+# What each collective purpose moves (the scopes olmo_jax/planner/comms.py documents).
 PURPOSE = {
     "zero_gather": "ZeRO-1: updated parameter shards all-gathered over the data axes",
     "zero_reduce": "ZeRO-1: gradients reduce-scattered over the data axes",

@@ -28,8 +28,8 @@ from typing import Protocol
 import jax
 import numpy as np
 
-from olmo_jax.checkpoint.run import RunCheckpoints
 from olmo_jax.trainer import guard as guard_lib
+from olmo_jax.trainer.checkpoints import RunCheckpoints
 from olmo_jax.trainer.evaluation import Evaluation
 from olmo_jax.trainer.logger import ProgressBar
 from olmo_jax.trainer.preemption import Preemption

@@ -30,15 +30,16 @@ from olmo_jax import config as config_lib
 from olmo_jax import distributed
 from olmo_jax import metrics as metrics_lib
 from olmo_jax.checkpoint.errors import CheckpointError
-from olmo_jax.checkpoint.run import RunCheckpoints, truncate_metrics
 from olmo_jax.data import build_data
 from olmo_jax.data.build import Data
+from olmo_jax.model.abstract import abstract_model
 from olmo_jax.model.config import ConfigError, TransformerConfig
 from olmo_jax.optim import build_optimizer
 from olmo_jax.parallel.strategy import build_plan
 from olmo_jax.trainer import guard as guard_lib
 from olmo_jax.trainer import preflight
 from olmo_jax.trainer import run_dir as run_dir_lib
+from olmo_jax.trainer.checkpoints import RunCheckpoints, truncate_metrics
 from olmo_jax.trainer.evaluation import Evaluation
 from olmo_jax.trainer.hooks import Checkpointing, ExpertCounts, HaltCheck, Hook, MetricsLine, Throughput
 from olmo_jax.trainer.logger import ProgressBar
@@ -46,7 +47,7 @@ from olmo_jax.trainer.preemption import Preemption
 from olmo_jax.trainer.profiler import StepProfiler
 from olmo_jax.trainer.sample import generate
 from olmo_jax.trainer.sinks import build_sinks
-from olmo_jax.trainer.state import abstract_model, abstract_train_state, init_state
+from olmo_jax.trainer.state import abstract_train_state, init_state
 from olmo_jax.trainer.step import make_eval_step, make_train_step
 
 

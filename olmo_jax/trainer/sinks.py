@@ -14,7 +14,7 @@ Every sink takes the same calls: `scalars(step, record)` at each logged step,
 after each logged step (so a watcher sees each log_every interval as it completes), and
 `close()`. Only process 0 of a multi-process run builds any sink (`build_sinks(main=False)`
 returns none). On resume from the checkpoint of step S, what the lost process logged
-after S is dropped: metrics.jsonl is truncated (checkpoint/run.py), TensorBoard gets a
+after S is dropped: metrics.jsonl is truncated (trainer/checkpoints.py), TensorBoard gets a
 SessionLog START at step S + 1 (its readers purge the older events from there on), and the
 W&B run is continued by id (its id is kept in {run_dir}/wandb/run_id).
 """

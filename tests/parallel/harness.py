@@ -22,9 +22,10 @@ import numpy as np
 import optax
 
 from olmo_jax.config import default_config, model_config
+from olmo_jax.model.abstract import abstract_model
 from olmo_jax.optim import build_optimizer
 from olmo_jax.parallel.strategy import build_plan
-from olmo_jax.trainer.state import abstract_model, init_state
+from olmo_jax.trainer.state import init_state
 from olmo_jax.trainer.step import make_train_step
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}

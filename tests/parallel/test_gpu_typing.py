@@ -22,9 +22,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from olmo_jax.kernels import mxfp8 as mx
 from olmo_jax.kernels import platform, vma
 from olmo_jax.kernels.grouped_matmul import gmm, tgmm
+from olmo_jax.model.abstract import abstract_model
 from olmo_jax.parallel.expert.ragged_a2a import ragged_all_to_all
 from olmo_jax.parallel.strategy import build_plan
-from olmo_jax.trainer.state import abstract_model
 from olmo_jax.trainer.step import make_train_step
 from tests.parallel.harness import batches, host_state, make_cfg, with_capacity
 

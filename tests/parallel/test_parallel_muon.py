@@ -8,8 +8,8 @@ import pytest
 
 from olmo_jax.model.config import ConfigError
 from olmo_jax.model.params import path_name
-from olmo_jax.parallel import comms
 from olmo_jax.parallel.strategy import build_plan
+from olmo_jax.planner import comms
 from tests.parallel.harness import (
     Pipe,
     host_state,

@@ -8,8 +8,9 @@ import math
 import jax
 import pytest
 
-from olmo_jax.parallel import comms, zero
+from olmo_jax.parallel import zero
 from olmo_jax.parallel.strategy import build_plan
+from olmo_jax.planner import comms
 from tests.parallel.harness import host_state, make_cfg, plan_run, with_capacity
 
 

@@ -25,7 +25,7 @@ GPipe all M.
 
 Router statistics travel with the activations: a RouterStats buffer with a row per MoE
 block that every chunk fills in; the last chunk computes the losses from the whole buffer
-exactly as the single-device step does (`trainer.step.loss_parts`), and the cotangents
+exactly as the single-device step does (`objective.loss_parts`), and the cotangents
 of every block's statistics travel back with the activation cotangent, so load-balancing
 and z-loss gradients reach each router on the stage that owns it.
 
@@ -54,12 +54,12 @@ from olmo_jax.model.config import TransformerConfig
 from olmo_jax.model.moe.losses import RouterStats
 from olmo_jax.model.rope import rope_tables
 from olmo_jax.model.transformer import run_blocks
+from olmo_jax.objective import LossParts, Plan, loss_parts, total_loss
 from olmo_jax.parallel.mesh import AXES
 from olmo_jax.parallel.pipeline import schedule as sched_lib
 from olmo_jax.parallel.pipeline.layout import PIPE, STAGE_KEY, Chunking
 from olmo_jax.parallel.pipeline.schedule import COL
 from olmo_jax.parallel.pipeline.stash import SavedVJP
-from olmo_jax.trainer.step import LossParts, loss_parts, total_loss
 
 PROLOGUE_KEYS = ("embedding", "dense_blocks")  # weights stage 0 uses before chunk 0
 # model.remat = none: what a stashed VJP recomputes instead of keeping (cheap, and the
@@ -165,8 +165,8 @@ class StageProgram:
     from the step's (compute-layout) params and model state."""
 
     def __init__(self, graphdef, cfg: TransformerConfig, chunks: Chunking, params, model_state,
-                 row_shards: int, ops):
-        self.cfg, self.chunks, self.ops, self.row_shards = cfg, chunks, ops, row_shards
+                 ops: Plan):
+        self.cfg, self.chunks, self.ops = cfg, chunks, ops
         self.graphdef = graphdef
         P, c = chunks.stages, chunks.slots
         self.P, self.c, self.K = P, c, chunks.chunks
@@ -222,7 +222,7 @@ class StageProgram:
         logits_BTV = self._model(head_params).head(x_BTD)
         L = self.chunks.n_layers
         stats = jax.tree.map(lambda a: a[:L], stats)
-        parts = loss_parts(logits_BTV, targets_BT, stats, self.cfg, self.row_shards, self.ops)
+        parts = loss_parts(logits_BTV, targets_BT, stats, self.cfg, self.ops)
         return total_loss(parts, self.cfg) / microbatches, parts
 
     def layer_keys(self, key_m, v):
@@ -522,14 +522,14 @@ class _EvalTicks(_Ticks):
 
 
 def make_grad_fn(schedule: sched_lib.Schedule, chunks: Chunking, graphdef, cfg: TransformerConfig,
-                 row_shards: int, ops):
+                 ops: Plan):
     """grad_fn(params, model_state, batch_BT1, rng) -> ((loss, LossParts), grads): the mean
     over the schedule's M microbatches (rows of batch_BT1 split in M, in order), like
     M-step gradient accumulation on one device; params / grads in the compute layout."""
     table = np.asarray(schedule.table)
 
     def grad_fn(params, model_state, batch_BT1, rng):
-        prog = StageProgram(graphdef, cfg, chunks, params, model_state, row_shards, ops)
+        prog = StageProgram(graphdef, cfg, chunks, params, model_state, ops)
         ticks = _TrainTicks(prog, schedule, batch_BT1, rng)
         return ticks.result(ticks.run(ticks.init_carry(), table), params)
 
@@ -537,7 +537,7 @@ def make_grad_fn(schedule: sched_lib.Schedule, chunks: Chunking, graphdef, cfg: 
 
 
 def make_eval_fn(stages: int, virtual: int, microbatches: int, chunks: Chunking, graphdef,
-                 cfg: TransformerConfig, ops):
+                 cfg: TransformerConfig, ops: Plan):
     """eval_fn(params, model_state, batch_BT1) -> (ce_sum, n_tokens): forwards only, the
     local rows split into `microbatches` when they divide (else one)."""
 
@@ -545,7 +545,7 @@ def make_eval_fn(stages: int, virtual: int, microbatches: int, chunks: Chunking,
         rows = batch_BT1.shape[0]
         M = microbatches if rows % microbatches == 0 else 1
         schedule = sched_lib.forward_only(stages, virtual, M)
-        prog = StageProgram(graphdef, cfg, chunks, params, model_state, 1, ops)
+        prog = StageProgram(graphdef, cfg, chunks, params, model_state, ops)
         ticks = _EvalTicks(prog, schedule, batch_BT1)
         return jax.lax.psum(ticks.run(ticks.init_carry(), schedule.table).sums, PIPE)
 
