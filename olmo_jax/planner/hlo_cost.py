@@ -55,8 +55,11 @@ ELEMENTWISE = TRANSCENDENTAL | {
     "shift-right-logical", "shift-right-arithmetic", "is-finite", "reduce-precision",
     "real", "imag", "popcnt", "count-leading-zeros", "stochastic-convert",
 }
-# Operations that move no data of their own (loop and tuple plumbing, aliasing views).
+# Operations that move no data of their own (loop and tuple plumbing, aliasing views; an
+# async-start's wrapped computation runs on its own and its operations count themselves:
+# XLA:GPU runs a layer scan's dynamic-(update-)slice fusions so).
 NO_BYTES = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call",
+            "async-start",
             "conditional", "after-all", "add-dependency", "partition-id", "replica-id",
             "opt-barrier", "all-gather-done", "all-reduce-done", "collective-permute-done",
             "async-done", "async-update", "copy-done", "send-done", "recv-done", "domain"}
