@@ -40,7 +40,7 @@ class Accounting:
     backend_copies: bool = True  # count the converts / copies the compiler inserted
 
     @classmethod
-    def for_program(cls, gpu_program: bool, fused_attention: bool) -> "Accounting":
+    def for_program(cls, gpu_program: bool, fused_attention: bool) -> Accounting:
         """XLA:GPU's program as it is; XLA:CPU's without its own converts and, where the
         GPU runs fused attention, without the score matrices."""
         if gpu_program:
