@@ -1,10 +1,15 @@
 """Entry point: what a run costs, from its compiled program, before renting the devices.
 
     python -m olmo_jax.plan --config=configs/olmoe3_47b.py [--config.parallel.expert=8 ...]
-        [--devices 8] [--device-kind b300|h200|h100|cpu] [--compare-strategies] [--json out.json]
+        [--devices 8] [--device-kind b300|b200|h200|h100|cpu] [--compiler auto|xla_gpu|xla_cpu]
+        [--compare-strategies] [--json out.json]
 
-Sets up `--devices` fake CPU devices (default: the config's fixed mesh sizes multiplied),
-AOT-compiles the trainer's real train step on abstract inputs and prints parameters,
+For a GPU `--device-kind` (h100 | h200 | b200 | b300) the step is compiled by XLA:GPU for
+`--devices` abstract GPUs of that kind, in the GPU compile venv (.venv-gpu) when this
+interpreter has no CUDA plugin; without one, and with `--compiler=xla_cpu`, by XLA:CPU
+for fake CPU devices, labelled as the fallback (olmo_jax/planner/xla_gpu.py). `--devices`
+defaults to the config's fixed mesh sizes multiplied. The planner AOT-compiles the
+trainer's real train step on abstract inputs and prints parameters,
 FLOPs per token (formula and compiled HLO), memory per device, collectives per step and the
 projected step time on the device kind (olmo_jax/planner). `--compare-strategies` also
 plans ddp + expert parallelism and fsdp side by side.
@@ -23,13 +28,17 @@ from olmo_jax.data.errors import DataError
 from olmo_jax.model.config import ConfigError
 
 _DEVICES = flags.DEFINE_integer(
-    "devices", None, "fake CPU devices of the mesh (default: the config's fixed parallel.* "
-    "sizes multiplied)")
-_KIND = flags.DEFINE_string("device-kind", "b300", "b300 | h200 | h100 | cpu: the roofline's "
-                            "device")
+    "devices", None, "devices of the mesh: abstract GPUs of --device-kind, or fake CPU devices "
+    "(default: the config's fixed parallel.* sizes multiplied)")
+_KIND = flags.DEFINE_string("device-kind", "b300", "b300 | b200 | h200 | h100 | cpu: the "
+                            "roofline's device (a GPU: compiled by XLA:GPU, see --compiler)")
 _COMPARE = flags.DEFINE_bool("compare-strategies", False, "also plan ddp + EP and fsdp side "
                              "by side")
 _JSON = flags.DEFINE_string("json", None, "write the plan's numbers to this JSON file")
+_COMPILER = flags.DEFINE_enum("compiler", "auto", ["auto", "xla_gpu", "xla_cpu"],
+                              "auto: XLA:GPU for a GPU --device-kind where a GPU compile venv "
+                              "exists, else the XLA:CPU fallback (labelled); xla_gpu: refuse "
+                              "the fallback; xla_cpu: the XLA:CPU program")
 
 
 def default_devices(parallel) -> int:
@@ -50,8 +59,8 @@ def main(argv: list[str]) -> None:
         cli.fail(f"--device-kind={_KIND.value}: choose one of {', '.join(hardware.KINDS)}")
     path = cli.config_filename()
     try:
-        out = run(cfg, n, _KIND.value, _COMPARE.value, path)
-    except (ConfigError, DataError) as e:
+        out = run(cfg, n, _KIND.value, _COMPARE.value, path, compiler=_COMPILER.value)
+    except (ConfigError, DataError, RuntimeError) as e:  # RuntimeError: the XLA:GPU worker's
         cli.fail(str(e))
     print(out["text"])
     if _JSON.value:

@@ -214,6 +214,14 @@ def peak_groups(live_range_text: str, module: HloModule,
     return total, sorted(out, key=lambda g: -g.bytes)
 
 
+def gpu_module_file(dump_dir: Path) -> Path | None:
+    """XLA:GPU's optimized train-step module as the buffer assignment saw it (the names the
+    live-range report uses; `Compiled.as_text()` renames some)."""
+    files = sorted(Path(dump_dir).glob("*train_step*gpu_after_optimizations.txt"),
+                   key=lambda p: p.stat().st_mtime)
+    return files[-1] if files else None
+
+
 def live_range_file(dump_dir: Path) -> Path | None:
     """The live-range report XLA wrote for the train step (newest when several)."""
     files = sorted(Path(dump_dir).glob("*train_step*live-range.txt"),

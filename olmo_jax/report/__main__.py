@@ -2,7 +2,7 @@
 
     python -m olmo_jax.report RUN_DIR [--out=PATH] [--devices=N]
     python -m olmo_jax.report --config=configs/X.py [--config.parallel.expert=4 ...] [--out=PATH] [--devices=N]
-        [--device-kind=b300|h200|h100|cpu]
+        [--device-kind=b300|b200|h200|h100|cpu]
 
 A run folder gives its mesh and placement, one token's dispatch route, the pipeline
 schedule, the loss / tokens/s / MFU curves and the expert-load heatmap with the imbalance
@@ -32,8 +32,10 @@ _CONFIG = cli.define_config_flag(
     FLAGS, "Plan mode: a config file (configs/*.py), with --config.a.b=c overrides.")
 _OUT = flags.DEFINE_string("out", "", "Output HTML path.", flag_values=FLAGS)
 _DEVICES = flags.DEFINE_integer("devices", 0, "Devices of the mesh (0 = see above).", flag_values=FLAGS)
-_KIND = flags.DEFINE_string("device-kind", "b300", "Plan mode: the device (b300 | h200 | h100 | cpu) "
-                            "whose HBM the peak memory is compared to.", flag_values=FLAGS)
+_KIND = flags.DEFINE_string("device-kind", "b300", "Plan mode: the device (b300 | b200 | h200 | h100 | "
+                            "cpu) the step is compiled for (a GPU: by XLA:GPU where the planner "
+                            "can, olmo_jax/planner/xla_gpu.py) and whose HBM the peak memory is "
+                            "compared to.", flag_values=FLAGS)
 
 
 def _use_devices(n: int) -> None:

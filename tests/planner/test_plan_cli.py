@@ -1,4 +1,5 @@
-"""`python -m olmo_jax.plan` end to end on a small config and 4 fake devices, with
+"""`python -m olmo_jax.plan --compiler=xla_cpu` (the XLA:CPU program; XLA:GPU's:
+test_plan_xla_gpu.py) end to end on a small config and 4 fake devices, with
 --compare-strategies: every section printed, the JSON's numbers consistent with the
 model (parameter counts, formula FLOPs, matmul part within 5%) and the strategies
 (fsdp moves parameters, ddp + EP tokens); bad flags are refused with the fix named; a
@@ -31,13 +32,14 @@ def _plan(*args, timeout=600):
 def test_plan_cli_end_to_end(tmp_path):
     out = tmp_path / "plan.json"
     proc = _plan("--config=configs/tiny.py", *OVERRIDES, "--devices=4", "--device-kind=h200",
-                 "--compare-strategies", f"--json={out}")
+                 "--compiler=xla_cpu", "--compare-strategies", f"--json={out}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = proc.stdout
     print(text)
     for heading in ("olmo_jax plan: configs/tiny.py", "FLOPs per token", "Memory per device",
                     "Collectives per step", "Projected step on H200", "Strategies side by side",
-                    "compiled by XLA:CPU for 4 fake CPU devices"):
+                    "compiled by XLA:CPU for 4 fake CPU devices",
+                    "XLA:CPU program (--compiler=xla_cpu), priced for the H200"):
         assert heading in text, heading
     result = json.loads(out.read_text())
     plan = result["plan"]
