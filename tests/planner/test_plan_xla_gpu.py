@@ -13,7 +13,7 @@ import pytest
 
 from olmo_jax.config import default_config
 from olmo_jax.model.config import ConfigError
-from olmo_jax.parallel.expert import slots_per_expert
+from olmo_jax.model.moe import sizing
 from olmo_jax.planner import cli, hardware, xla_gpu
 
 BATCH, SEQ = 8, 64
@@ -78,7 +78,7 @@ def test_all_to_all_bytes_match_the_dispatch_formula_at_bf16(out):
     rows = [r for r in plan["collectives"] if r["kind"] == "all-to-all"]
     assert {r["purpose"] for r in rows} == {"moe_rowwise"}
     tokens = BATCH // 4 * SEQ
-    send = EXPERTS * slots_per_expert(tokens, 2, EXPERTS, 1.25) * D * 2  # bf16
+    send = EXPERTS * sizing.capacity(tokens, 2, EXPERTS, 1.25) * D * 2  # bf16
     assert sum(r["jax_bytes_per_device"] for r in rows) == 4 * 1 * send  # 1 MoE layer
     assert all(r["bytes_per_device"] == r["jax_bytes_per_device"] for r in rows)
     assert plan["link_s"]["network"] == 0 and plan["link_s"]["nvlink"] > 0
