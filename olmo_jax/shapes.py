@@ -109,7 +109,7 @@ def _parse_expr(tok: str):
     try:
         tree = ast.parse(tok, mode="eval").body
     except SyntaxError:
-        raise ValueError(f"shape axis {tok!r}: not a letter, integer, '*', '...' or expression")
+        raise ValueError(f"shape axis {tok!r}: not a letter, integer, '*', '...' or expression") from None
     for node in ast.walk(tree):
         ok = isinstance(node, (ast.BinOp, ast.UnaryOp, ast.USub, ast.Name, ast.Load,
                                *_OPS)) or (isinstance(node, ast.Constant)
@@ -306,7 +306,7 @@ def _check_result(spec: _Spec, b: _Binding, out):
         values = list(out)
     else:
         values = [out]
-    for i, (elem, value) in enumerate(zip(elems, values)):
+    for i, (elem, value) in enumerate(zip(elems, values, strict=True)):
         label = "the result" if how == "whole" else f"result {i}"
         if elem is None:
             continue

@@ -112,12 +112,12 @@ def prune(cfg: TransformerConfig, params: dict, state: dict, keep: int,
     if not k <= keep < E:
         raise CheckpointError(f"--prune {keep}: keep between model.moe.top_k={k} and "
                               f"model.moe.num_experts - 1 = {E - 1} experts")
-    ids_LK = kept_experts(counts_LE, keep)
-    layers = np.arange(ids_LK.shape[0])[:, None]
+    ids_LE = kept_experts(counts_LE, keep)
+    layers = np.arange(ids_LE.shape[0])[:, None]
     out, new_state = _map_experts(
-        params, state, lambda x: x[layers, ids_LK],
-        lambda r: np.take_along_axis(r, ids_LK[:, None, :], axis=2),
-        lambda b: b[layers, ids_LK])
+        params, state, lambda x: x[layers, ids_LE],
+        lambda r: np.take_along_axis(r, ids_LE[:, None, :], axis=2),
+        lambda b: b[layers, ids_LE])
     moe = dataclasses.replace(cfg.moe, num_experts=keep)
     return cfg.replace(moe=moe).validate(), out, new_state
 

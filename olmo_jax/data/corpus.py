@@ -57,10 +57,10 @@ def stdlib_corpus(cache_dir: str | Path) -> Path:
     path = Path(cache_dir) / f"stdlib-py{platform.python_version()}-{fingerprint}.uint16.npy"
     if path.is_file():
         return path
-    eos_N = np.array([ByteTokenizer.eos_id], dtype=CORPUS_DTYPE)
+    eos = np.array([ByteTokenizer.eos_id], dtype=CORPUS_DTYPE)
     pieces: list[np.ndarray] = []
     for source in sources:
         pieces.append(np.frombuffer(source.read_bytes(), dtype=np.uint8))
-        pieces.append(eos_N)
+        pieces.append(eos)
     write_token_file(path, np.concatenate(pieces, dtype=CORPUS_DTYPE), CORPUS_DTYPE)
     return path

@@ -39,7 +39,7 @@ def _read_rows(loader, rows: np.ndarray, step: int) -> np.ndarray:
 
 
 class BatchStream:
-    """Yields (step, batch_RL) from `loader.step` on: rows `rows` (global row ids, into
+    """Yields (step, batch_BX) from `loader.step` on: rows `rows` (global row ids, into
     the flattened batch) of each step's global batch, in `rows` order. `loader.step` is
     set to step + 1 as each batch is yielded (what checkpoints record)."""
 
@@ -57,9 +57,9 @@ class BatchStream:
 
     def __next__(self) -> tuple[int, np.ndarray]:
         step = self.step
-        batch_RL = next(self._iter)
+        batch_BX = next(self._iter)
         self.loader.step = step + 1
-        return step, batch_RL
+        return step, batch_BX
 
     @property
     def step(self) -> int:

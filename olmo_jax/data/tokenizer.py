@@ -49,8 +49,8 @@ class ByteTokenizer:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
 
     def decode(self, ids: np.ndarray | list[int]) -> str:
-        ids_N = np.asarray(ids)
-        byte_ids = ids_N[(ids_N >= 0) & (ids_N < 256)]
+        ids_S = np.asarray(ids)
+        byte_ids = ids_S[(ids_S >= 0) & (ids_S < 256)]
         return byte_ids.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
     def __repr__(self) -> str:
@@ -106,8 +106,8 @@ class HFTokenizer:
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
 
     def decode(self, ids: np.ndarray | list[int]) -> str:
-        ids_N = np.asarray(ids)
-        in_vocab = ids_N[(ids_N >= 0) & (ids_N < self.vocab_size)]
+        ids_S = np.asarray(ids)
+        in_vocab = ids_S[(ids_S >= 0) & (ids_S < self.vocab_size)]
         return self._tok.decode(in_vocab.tolist(), skip_special_tokens=True)
 
     def __repr__(self) -> str:

@@ -141,12 +141,12 @@ def local_rows(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> np.nd
     return np.unique(np.concatenate(held))
 
 
-def rows_reader(row_ids: np.ndarray, rows_RL: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
-    """`read_rows` for `place_batch` from rows already read: rows_RL[i] is global row
+def rows_reader(row_ids: np.ndarray, rows_BX: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+    """`read_rows` for `place_batch` from rows already read: rows_BX[i] is global row
     row_ids[i] (sorted, e.g. from `local_rows`)."""
     def read_rows(ids: np.ndarray) -> np.ndarray:
         at = np.searchsorted(row_ids, ids)
         if not np.array_equal(row_ids[np.minimum(at, len(row_ids) - 1)], ids):
             raise ValueError(f"rows {ids} are not all among the rows read ({row_ids})")
-        return rows_RL[at]
+        return rows_BX[at]
     return read_rows

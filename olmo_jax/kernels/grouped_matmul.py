@@ -49,11 +49,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from olmo_jax import shapes
 from olmo_jax.kernels import platform, vma
 
 # ----------------------------------------------------------------------------- reference
 
 
+@shapes.check("w_GKN: G * *", "-> M *")  # w [G, N, K] with transpose_rhs
 def gmm_reference(x_MK, w_GKN, group_sizes_G, transpose_rhs: bool = False):
     """y[rows of g] = x[rows of g] @ w[g] (w[g].T when transpose_rhs), float32
     accumulation, a loop over groups with row masks; rows past sum(group_sizes) are 0."""
@@ -66,6 +68,7 @@ def gmm_reference(x_MK, w_GKN, group_sizes_G, transpose_rhs: bool = False):
     return y_MN.astype(x_MK.dtype)
 
 
+@shapes.check("-> G K N")
 def tgmm_reference(x_MK, dy_MN, group_sizes_G):
     """dw[g] = x[rows of g].T @ dy[rows of g], float32 accumulation."""
     mask_GM = group_masks(group_sizes_G, x_MK.shape[0])
@@ -74,6 +77,7 @@ def tgmm_reference(x_MK, dy_MN, group_sizes_G):
     return dw.astype(x_MK.dtype)
 
 
+@shapes.check("-> G *")
 def group_masks(group_sizes_G, n_rows: int):
     """mask_GM[g, m]: row m belongs to group g (rows past the total belong to none)."""
     ends_G = jnp.cumsum(group_sizes_G.astype(jnp.int32))
@@ -103,6 +107,7 @@ def num_row_tiles(n_rows: int, num_groups: int, block_m: int) -> int:
     return -(-n_rows // block_m) + num_groups
 
 
+@shapes.check("-> *")
 def tile_schedule(group_sizes_G, n_rows: int, block_m: int) -> TileSchedule:
     G = group_sizes_G.shape[0]
     sizes = group_sizes_G.astype(jnp.int32)
@@ -285,6 +290,7 @@ def _gmm_kernel(M, Mp, K, N, G, transpose_rhs, cfg, dtype, num_programs, interpr
     )
 
 
+@shapes.check("w: G * *", "-> M *")  # w [G, K, N], or [G, N, K] with transpose_rhs
 def gmm(x_MK, w, group_sizes_G, *, transpose_rhs: bool = False, config: TileConfig | None = None):
     """Grouped matmul (see module doc). w is [G, K, N], or [G, N, K] with transpose_rhs."""
     _check(x_MK, w, "gmm")
@@ -383,6 +389,7 @@ def _tgmm_kernel(K, N, G, cfg, dtype, num_programs, interpret):
     )
 
 
+@shapes.check("-> G K N")
 def tgmm(x_MK, dy_MN, group_sizes_G, *, config: TileConfig | None = None):
     """dw[g] = x[rows of g].T @ dy[rows of g]: [G, K, N] (see module doc)."""
     _check(x_MK, dy_MN, "tgmm")
@@ -440,6 +447,7 @@ def _integer_cotangent(a):
 _grouped_matmul.defvjp(_gm_fwd, _gm_bwd)
 
 
+@shapes.check("-> M N")
 def grouped_matmul(x_MK, w_GKN, group_sizes_G, config: TileConfig | None = None):
     """Differentiable grouped matmul on the Pallas kernels: forward gmm, input gradient
     gmm against w transposed, weight gradient tgmm. Same contract as

@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from olmo_jax import compat
+from olmo_jax import compat, shapes
 from olmo_jax.kernels import platform, vma
 
 BLOCK = 32
@@ -111,6 +111,7 @@ def quantize_dequantize(x, axis: int = -1, rounding: str = "rceil", dtype=None):
 # ----------------------------------------------------------------------------- payload
 
 
+@shapes.check("-> R D+D/32")
 def pack_rows(x_RD, rounding: str = "rceil"):
     """One uint8 array [R, D + D/32] holding the e4m3 values then the e8m0 scales of each
     row, quantized along D: the bytes that travel (0.516x of bfloat16)."""
@@ -120,20 +121,25 @@ def pack_rows(x_RD, rounding: str = "rceil"):
     )
 
 
-def unpack_rows(packed_RB, dtype=jnp.bfloat16):
-    """Inverse of pack_rows: [R, D + D/32] uint8 -> [R, D] dequantized."""
-    width = packed_RB.shape[-1]
+@shapes.check("-> R J*32/33")
+def unpack_rows(packed_RJ, dtype=jnp.bfloat16):
+    """Inverse of pack_rows: [R, J = D + D/32] uint8 -> [R, D] dequantized."""
+    width = packed_RJ.shape[-1]
     D = width * BLOCK // (BLOCK + 1)
     if D + D // BLOCK != width or D % BLOCK:
         raise ValueError(f"not an MXFP8 row payload: last dim {width} is not D + D/32")
-    q = lax.bitcast_convert_type(packed_RB[..., :D], VALUE_DTYPE)
-    s = lax.bitcast_convert_type(packed_RB[..., D:], SCALE_DTYPE)
+    q = lax.bitcast_convert_type(packed_RJ[..., :D], VALUE_DTYPE)
+    s = lax.bitcast_convert_type(packed_RJ[..., D:], SCALE_DTYPE)
     return dequantize(q, s, -1, dtype)
 
 
 # ----------------------------------------------------------------------------- row + col
 
 
+_ROWCOL = "-> M K, M K/32, M K, M/32 K"  # (q_row, s_row, q_col, s_col)
+
+
+@shapes.check(_ROWCOL)
 def quantize_rowcol_reference(x_MK, rounding: str = "rceil"):
     """(q_row, s_row [M, K/32]) quantized along K and (q_col, s_col [M/32, K]) along M."""
     q_row, s_row = quantize(x_MK, 1, rounding)
@@ -147,6 +153,7 @@ def rowcol_kernel_fits(shape) -> bool:
     return len(shape) == 2 and shape[0] % 64 == 0 and shape[1] % 128 == 0
 
 
+@shapes.check(_ROWCOL)
 def quantize_rowcol_pallas(x_MK, rounding: str = "rceil", block_m: int = 64, block_k: int = 0):
     """The fused Pallas kernel: reads each [block_m, block_k] tile of x once (TMA into
     SMEM), writes both quantized copies and both scale arrays. One program per row block,
@@ -245,6 +252,7 @@ def quantize_rowcol_pallas(x_MK, rounding: str = "rceil", block_m: int = 64, blo
     return tuple(vma.like(o, x_MK) for o in outs)  # typed like x inside shard_map
 
 
+@shapes.check(_ROWCOL)
 def quantize_rowcol(x_MK, rounding: str = "rceil"):
     """Both quantized copies: the fused kernel on a GPU (Hopper and newer) when the shape
     fits, else the jnp reference (identical bits)."""

@@ -35,8 +35,8 @@ Dimension legend (the one table for the whole package). A name's suffix after it
   V      vocabulary
   W      steps: a window or record of training steps (the guard's ring buffers, logged
          steps)
-  X      a data window: seq_len + 1 tokens (batch_BX; inputs [:, :-1] and targets
-         [:, 1:] are _BT)
+  X      a data row: seq_len + 1 ints (a token window, or seq_len tokens + a label
+         sentinel; batch_BX; inputs [:, :-1] and targets [:, 1:] are _BT)
   Y      rows a rank sends or gathers across the expert axis (the allgathered tokens,
          the ragged send/return buffers)
   Z      expert groups of group-limited routing

@@ -5,11 +5,11 @@ target platform: the mesh's devices while a step is traced):
   xla    a hand-written VJP (flash-attention's math without tiling) in the head-major
          layout ([B, heads, T, H]: one 4-D transpose per tensor, fused with RoPE; no 5-D
          transposes): the backward pass recomputes the probabilities from q, k and the
-         saved log-sum-exp instead of keeping [T, S] matrices alive between the passes;
+         saved log-sum-exp instead of keeping [T, A] matrices alive between the passes;
          causal query chunks skip the upper triangle; the softmax scale is applied to the
          queries, not the scores. XLA still materializes each chunk's float32 scores.
   cudnn  cuDNN's fused flash attention (`jax.nn.dot_product_attention(...,
-         implementation="cudnn")`, causal, grouped-query heads): no [T, S] buffer.
+         implementation="cudnn")`, causal, grouped-query heads): no [T, A] buffer.
   auto   cudnn on an NVIDIA GPU in bfloat16/float16, xla elsewhere.
 QK-norm, clipping and RoPE are applied before either core.
 
@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from olmo_jax import shapes
 from olmo_jax.kernels import platform
 from olmo_jax.kernels.vma import cotangent_like
 from olmo_jax.model import mxfp8
@@ -55,23 +56,26 @@ def resolve_attention_impl(impl: str, dtype) -> str:
     return impl
 
 
-def cudnn_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array) -> jax.Array:
+@shapes.check("-> B T N H")
+def cudnn_attention(q_BTNH: jax.Array, k_BAKH: jax.Array, v_BAKH: jax.Array) -> jax.Array:
     """causal_attention on cuDNN's fused kernels (forward and backward), [B, T, N, H]."""
-    return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True,
+    return jax.nn.dot_product_attention(q_BTNH, k_BAKH, v_BAKH, is_causal=True,
                                         implementation="cudnn")
 
 
-def causal_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array) -> jax.Array:
+@shapes.check("-> B T N H")
+def causal_attention(q_BTNH: jax.Array, k_BAKH: jax.Array, v_BAKH: jax.Array) -> jax.Array:
     """Softmax(q k^T / sqrt(H)) v with a causal mask; N query heads share K kv heads.
     [B, T, N, H] in and out: `causal_attention_heads` between two 4-D transposes."""
     B, T, N, H = q_BTNH.shape
-    o_BNTH = causal_attention_heads(q_BTNH.transpose(0, 2, 1, 3), k_BSKH.transpose(0, 2, 1, 3),
-                                    v_BSKH.transpose(0, 2, 1, 3))
+    o_BNTH = causal_attention_heads(q_BTNH.transpose(0, 2, 1, 3), k_BAKH.transpose(0, 2, 1, 3),
+                                    v_BAKH.transpose(0, 2, 1, 3))
     return o_BNTH.transpose(0, 2, 1, 3)
 
 
-def causal_attention_heads(q_BNTH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Array) -> jax.Array:
-    """causal_attention in the head-major layout: q [B, N, T, H], k and v [B, K, S, H],
+@shapes.check("-> B N T H")
+def causal_attention_heads(q_BNTH: jax.Array, k_BKAH: jax.Array, v_BKAH: jax.Array) -> jax.Array:
+    """causal_attention in the head-major layout: q [B, N, T, H], k and v [B, K, A, H],
     out [B, N, T, H]. Scores and softmax in float32; out in q's dtype.
 
     Query head n = kv * G + g (G = N / K) is a free view [B, K, G, T, H] of q, so the G
@@ -80,7 +84,7 @@ def causal_attention_heads(q_BNTH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Arr
     [0, (i + 1) * Tc), skipping the upper triangle (2 chunks: 3/4 of the score work, 4
     chunks: 5/8)."""
     B, N, T, H = q_BNTH.shape
-    K = k_BKSH.shape[1]
+    K = k_BKAH.shape[1]
     G = N // K
     n_chunks = query_chunks(T)
     Tc = T // n_chunks
@@ -89,7 +93,7 @@ def causal_attention_heads(q_BNTH: jax.Array, k_BKSH: jax.Array, v_BKSH: jax.Arr
     for i in range(n_chunks):
         q_BKMH = q_BKGTH[:, :, :, i * Tc:(i + 1) * Tc].reshape(B, K, G * Tc, H)
         end = (i + 1) * Tc
-        o_BKMH = _attention_core(q_BKMH, k_BKSH[:, :, :end], v_BKSH[:, :, :end], Tc, i * Tc)
+        o_BKMH = _attention_core(q_BKMH, k_BKAH[:, :, :end], v_BKAH[:, :, :end], Tc, i * Tc)
         outs.append(o_BKMH.reshape(B, K, G, Tc, H))
     o_BKGTH = outs[0] if n_chunks == 1 else jnp.concatenate(outs, axis=3)
     return o_BKGTH.reshape(B, N, T, H)
@@ -103,56 +107,56 @@ def query_chunks(T: int) -> int:
     return 1
 
 
-def _masked_scores(qs_BKMH, k_BKSH, T, offset):
+def _masked_scores(qs_BKMH, k_BKAH, T, offset):
     """Float32 scores of the pre-scaled queries with future positions set to -inf-ish;
     row m is the query at position offset + m % T."""
-    s_BKMS = jnp.einsum("bkmh,bksh->bkms", qs_BKMH, k_BKSH, preferred_element_type=jnp.float32)
-    M, S = s_BKMS.shape[-2:]
-    causal_MS = (jnp.arange(M) % T + offset)[:, None] >= jnp.arange(S)[None, :]
-    return jnp.where(causal_MS, s_BKMS, _MASKED)
+    s_BKMA = jnp.einsum("bkmh,bkah->bkma", qs_BKMH, k_BKAH, preferred_element_type=jnp.float32)
+    M, A = s_BKMA.shape[-2:]
+    causal_MA = (jnp.arange(M) % T + offset)[:, None] >= jnp.arange(A)[None, :]
+    return jnp.where(causal_MA, s_BKMA, _MASKED)
 
 
 _MASKED = -1e30
 
 
 def _scaled(q_BKMH):
-    """q / sqrt(H): the softmax scale applied to the [M, H] queries, not the [M, S] scores."""
+    """q / sqrt(H): the softmax scale applied to the [M, H] queries, not the [M, A] scores."""
     return q_BKMH * jnp.asarray(q_BKMH.shape[-1] ** -0.5, q_BKMH.dtype)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _attention_core(q_BKMH, k_BKSH, v_BKSH, T, offset):
-    return _attention_fwd(q_BKMH, k_BKSH, v_BKSH, T, offset)[0]
+def _attention_core(q_BKMH, k_BKAH, v_BKAH, T, offset):
+    return _attention_fwd(q_BKMH, k_BKAH, v_BKAH, T, offset)[0]
 
 
-def _attention_fwd(q_BKMH, k_BKSH, v_BKSH, T, offset):
-    s_BKMS = _masked_scores(_scaled(q_BKMH), k_BKSH, T, offset)
-    m_BKM1 = jnp.max(s_BKMS, axis=-1, keepdims=True)
-    p_BKMS = jnp.exp(s_BKMS - m_BKM1)
-    l_BKM1 = jnp.sum(p_BKMS, axis=-1, keepdims=True)
-    o_BKMH = jnp.einsum("bkms,bksh->bkmh", p_BKMS.astype(v_BKSH.dtype), v_BKSH,
+def _attention_fwd(q_BKMH, k_BKAH, v_BKAH, T, offset):
+    s_BKMA = _masked_scores(_scaled(q_BKMH), k_BKAH, T, offset)
+    m_BKM1 = jnp.max(s_BKMA, axis=-1, keepdims=True)
+    p_BKMA = jnp.exp(s_BKMA - m_BKM1)
+    l_BKM1 = jnp.sum(p_BKMA, axis=-1, keepdims=True)
+    o_BKMH = jnp.einsum("bkma,bkah->bkmh", p_BKMA.astype(v_BKAH.dtype), v_BKAH,
                         preferred_element_type=jnp.float32) / l_BKM1
     o_BKMH = o_BKMH.astype(q_BKMH.dtype)
-    # Saved for the backward pass: inputs, output and the log-sum-exp (not the [M, S]
+    # Saved for the backward pass: inputs, output and the log-sum-exp (not the [M, A]
     # probabilities, which are recomputed from one matmul).
-    return o_BKMH, (q_BKMH, k_BKSH, v_BKSH, o_BKMH, m_BKM1 + jnp.log(l_BKM1))
+    return o_BKMH, (q_BKMH, k_BKAH, v_BKAH, o_BKMH, m_BKM1 + jnp.log(l_BKM1))
 
 
 def _attention_bwd(T, offset, res, do_BKMH):
-    q_BKMH, k_BKSH, v_BKSH, o_BKMH, lse_BKM1 = res
+    q_BKMH, k_BKAH, v_BKAH, o_BKMH, lse_BKM1 = res
     qs_BKMH = _scaled(q_BKMH)
     # Masked scores are -1e30: exp(s - lse) is exactly 0 there, no second mask needed.
-    p_BKMS = jnp.exp(_masked_scores(qs_BKMH, k_BKSH, T, offset) - lse_BKM1)
-    dv_BKSH = jnp.einsum("bkms,bkmh->bksh", p_BKMS.astype(do_BKMH.dtype), do_BKMH)
-    dp_BKMS = jnp.einsum("bkmh,bksh->bkms", do_BKMH, v_BKSH, preferred_element_type=jnp.float32)
+    p_BKMA = jnp.exp(_masked_scores(qs_BKMH, k_BKAH, T, offset) - lse_BKM1)
+    dv_BKAH = jnp.einsum("bkma,bkmh->bkah", p_BKMA.astype(do_BKMH.dtype), do_BKMH)
+    dp_BKMA = jnp.einsum("bkmh,bkah->bkma", do_BKMH, v_BKAH, preferred_element_type=jnp.float32)
     delta_BKM1 = jnp.sum(
         do_BKMH.astype(jnp.float32) * o_BKMH.astype(jnp.float32), axis=-1, keepdims=True
     )
-    ds_BKMS = (p_BKMS * (dp_BKMS - delta_BKM1)).astype(q_BKMH.dtype)  # d scores of qs k^T
-    dq_BKMH = _scaled(jnp.einsum("bkms,bksh->bkmh", ds_BKMS, k_BKSH))
-    dk_BKSH = jnp.einsum("bkms,bkmh->bksh", ds_BKMS, qs_BKMH)
-    return (cotangent_like(dq_BKMH, q_BKMH), cotangent_like(dk_BKSH, k_BKSH),
-            cotangent_like(dv_BKSH, v_BKSH))
+    ds_BKMA = (p_BKMA * (dp_BKMA - delta_BKM1)).astype(q_BKMH.dtype)  # d scores of qs k^T
+    dq_BKMH = _scaled(jnp.einsum("bkma,bkah->bkmh", ds_BKMA, k_BKAH))
+    dk_BKAH = jnp.einsum("bkma,bkmh->bkah", ds_BKMA, qs_BKMH)
+    return (cotangent_like(dq_BKMH, q_BKMH), cotangent_like(dk_BKAH, k_BKAH),
+            cotangent_like(dv_BKAH, v_BKAH))
 
 
 _attention_core.defvjp(_attention_fwd, _attention_bwd)
@@ -179,6 +183,7 @@ class Attention(nnx.Module):
     def _proj(self, spec: str, x, w):
         return mxfp8.einsum(spec, x, w) if self.mxfp8_proj else jnp.einsum(spec, x, w)
 
+    @shapes.check("-> B T D")
     def __call__(self, x_BTD: jax.Array, cos_TH: jax.Array, sin_TH: jax.Array) -> jax.Array:
         dt = self.dtype
         B, T, D = x_BTD.shape
@@ -190,10 +195,10 @@ class Attention(nnx.Module):
             [self.q_proj[...].reshape(D, N * H), self.k_proj[...].reshape(D, K * H),
              self.v_proj[...].reshape(D, K * H)], axis=1,
         ).astype(dt)
-        qkv_RJ = self._proj("rd,dj->rj", x_BTD.astype(dt).reshape(B * T, D), w_qkv_DJ)
-        q_BTNH = qkv_RJ[:, : N * H].reshape(B, T, N, H)
-        k_BTKH = qkv_RJ[:, N * H : (N + K) * H].reshape(B, T, K, H)
-        v_BTKH = qkv_RJ[:, (N + K) * H :].reshape(B, T, K, H)
+        qkv_SJ = self._proj("rd,dj->rj", x_BTD.astype(dt).reshape(B * T, D), w_qkv_DJ)
+        q_BTNH = qkv_SJ[:, : N * H].reshape(B, T, N, H)
+        k_BTKH = qkv_SJ[:, N * H : (N + K) * H].reshape(B, T, K, H)
+        v_BTKH = qkv_SJ[:, (N + K) * H :].reshape(B, T, K, H)
         if self.q_norm is not None:
             q_BTNH = self.q_norm(q_BTNH)
             k_BTKH = self.k_norm(k_BTKH)
@@ -209,9 +214,9 @@ class Attention(nnx.Module):
             # Head-major for the core: one 4-D transpose each (XLA fuses it into the
             # norm / RoPE element-wise work that produces q and k), none per chunk.
             with jax.named_scope("attention_scores"):  # named for olmo_jax/planner
-                q_BNTH, k_BKTH, v_BKTH = (a.transpose(0, 2, 1, 3) for a in (q_BTNH, k_BTKH, v_BTKH))
-                o_BNTH = causal_attention_heads(q_BNTH, k_BKTH, v_BKTH)
+                q_BNTH, k_BKAH, v_BKAH = (a.transpose(0, 2, 1, 3) for a in (q_BTNH, k_BTKH, v_BTKH))
+                o_BNTH = causal_attention_heads(q_BNTH, k_BKAH, v_BKAH)
                 o_BTNH = o_BNTH.transpose(0, 2, 1, 3)  # fused with the chunks' concatenation
-        o_RJ = o_BTNH.reshape(B * T, N * H)
-        y_RD = self._proj("rj,jd->rd", o_RJ, self.o_proj[...].reshape(N * H, D).astype(dt))
-        return y_RD.reshape(B, T, D)
+        o_SJ = o_BTNH.reshape(B * T, N * H)
+        y_SD = self._proj("rj,jd->rd", o_SJ, self.o_proj[...].reshape(N * H, D).astype(dt))
+        return y_SD.reshape(B, T, D)

@@ -6,12 +6,15 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
+from olmo_jax import shapes
 from olmo_jax.model.params import normal_param
 
 
-def swiglu(x_SD: jax.Array, w_gate_DF: jax.Array, w_up_DF: jax.Array, w_down_FD: jax.Array):
-    h_SF = jax.nn.silu(x_SD @ w_gate_DF) * (x_SD @ w_up_DF)
-    return h_SF @ w_down_FD
+@shapes.check("x: ... D", "-> ... D")
+def swiglu(x: jax.Array, w_gate_DF: jax.Array, w_up_DF: jax.Array, w_down_FD: jax.Array):
+    """x [..., D] (tokens x_SD, or x_BTD in dense blocks) -> [..., D]."""
+    h = jax.nn.silu(x @ w_gate_DF) * (x @ w_up_DF)  # [..., F]
+    return h @ w_down_FD
 
 
 class MLP(nnx.Module):
@@ -22,10 +25,12 @@ class MLP(nnx.Module):
         self.w_down = normal_param(rngs.params(), (F, D), ("mlp", "embed"), init_std)
         self.dtype = dtype
 
-    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+    @shapes.check("x: ... D", "-> ... D")
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x_BTD in dense blocks, x_SD as the MoE layer's shared experts."""
         dt = self.dtype
         return swiglu(
-            x_BTD.astype(dt),
+            x.astype(dt),
             self.w_gate[...].astype(dt),
             self.w_up[...].astype(dt),
             self.w_down[...].astype(dt),

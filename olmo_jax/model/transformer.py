@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from olmo_jax import shapes
 from olmo_jax.model.attention import Attention
 from olmo_jax.model.config import TransformerConfig
 from olmo_jax.model.mlp import MLP
@@ -39,6 +40,7 @@ class Block(nnx.Module):
         self.is_moe = moe
         self.remat_attention = cfg.remat == "attention"
 
+    @shapes.check("-> B T D, _")
     def __call__(self, x_BTD, cos_TH, sin_TH, rng=None):
         attn = self.attn
         if self.remat_attention:
@@ -67,6 +69,7 @@ def _stacked_blocks(cfg: TransformerConfig, n: int, moe: bool, rngs: nnx.Rngs, d
 REMATS = ("none", "block", "attention")
 
 
+@shapes.check("-> B T D, _")
 def run_blocks(blocks: Block, x_BTD, cos_TH, sin_TH, remat: str = "none", rng=None, unroll: int = 1,
                *, keys=None, keep_L=None):
     """Scan x through stacked blocks; returns (x, per-layer stats stacked on axis 0).
@@ -111,9 +114,11 @@ class Transformer(nnx.Module):
             else normal_param(rngs.params(), (D, V), ("embed", "vocab"), cfg.init_std)
         )
 
+    @shapes.check("-> B T D")
     def embed(self, tokens_BT: jax.Array) -> jax.Array:
         return jnp.take(self.embedding[...], tokens_BT, axis=0).astype(self.cfg.compute_dtype)
 
+    @shapes.check("-> B T D, _")
     def blocks(self, x_BTD: jax.Array, positions_T: jax.Array | None = None, rng=None):
         """`rng`: a key in training (router jitter, random routing); None = deterministic."""
         cfg = self.cfg
@@ -127,6 +132,7 @@ class Transformer(nnx.Module):
             x_BTD, stats = run_blocks(self.moe_blocks, x_BTD, cos_TH, sin_TH, cfg.remat, rng, cfg.scan_unroll)
         return x_BTD, stats
 
+    @shapes.check("-> B T V")
     def head(self, x_BTD: jax.Array) -> jax.Array:
         dt = self.cfg.compute_dtype
         h_BTD = self.final_norm(x_BTD).astype(dt)
@@ -135,6 +141,7 @@ class Transformer(nnx.Module):
             return jnp.einsum("btd,dv->btv", h_BTD, w_DV.astype(dt),
                               preferred_element_type=jnp.float32)
 
+    @shapes.check("-> *")
     def __call__(self, tokens_BT: jax.Array, rng: jax.Array | None = None) -> Output:
         """`rng` is given in training only (router jitter, random routing); evaluation and
         sampling call without it."""

@@ -71,25 +71,25 @@ def matrix_dims(name: str, ndim: int) -> MatrixDims | None:
 
 
 def to_units(x, dims: MatrixDims):
-    """[batch..., red..., out...] -> x_UMN: U matrices of M x N (fan in x fan out)."""
+    """[batch..., red..., out...] -> x_GMN: G matrices of M x N (fan in x fan out)."""
     order = dims.batch + dims.reduction + dims.output
     m, n = dims.matrix(x.shape)
     return jnp.transpose(x, order).reshape(dims.units(x.shape), m, n)
 
 
-def from_units(x_UMN, dims: MatrixDims, shape):
+def from_units(x_GMN, dims: MatrixDims, shape):
     """Inverse of `to_units` for a leaf of `shape`."""
     order = dims.batch + dims.reduction + dims.output
-    y = x_UMN.reshape(tuple(shape[a] for a in order))
+    y = x_GMN.reshape(tuple(shape[a] for a in order))
     return jnp.transpose(y, tuple(order.index(a) for a in range(len(shape))))
 
 
-def newton_schulz(x_UMN, steps: int = 5, coeffs=NS_COEFFS, eps: float = 1e-8):
+def newton_schulz(x_GMN, steps: int = 5, coeffs=NS_COEFFS, eps: float = 1e-8):
     """Orthogonalizes each of the U matrices: X / (||X||_F + eps), then `steps` quintic
     iterations X <- a X + (b A + c A A) X with A = X X^T, on the wide orientation (the
     math of optax.contrib.orthogonalize_via_newton_schulz, batched over U)."""
     a, b, c = coeffs
-    x = x_UMN.astype(jnp.float32)
+    x = x_GMN.astype(jnp.float32)
     tall = x.shape[1] > x.shape[2]
     if tall:
         x = jnp.swapaxes(x, 1, 2)
@@ -131,8 +131,8 @@ def scale_by_muon(beta: float = 0.95, ns_steps: int = 5, coeffs=NS_COEFFS,
     leaves that `matrix_dims` names (apply it under optax.partition). Extra argument
     `orthogonalize` (default `orthogonalize_local`): how the matrices are orthogonalized."""
 
-    def ns(x_UMN):
-        return newton_schulz(x_UMN, ns_steps, coeffs, eps)
+    def ns(x_GMN):
+        return newton_schulz(x_GMN, ns_steps, coeffs, eps)
 
     def init_fn(params):
         return MuonState(jnp.zeros((), jnp.int32), optax.tree.zeros_like(params))

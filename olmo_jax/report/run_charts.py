@@ -52,9 +52,9 @@ def balance_section(records: list[dict], counts: list[dict], counts_every: int) 
         stride = max(1, math.ceil(len(counts) * len(counts[0]["counts"]) * len(counts[0]["counts"][0])
                                   / MAX_HEATMAP_CELLS))
         kept = counts[::stride]
-        counts_NLE = np.asarray([r["counts"] for r in kept], np.int64)
+        counts_WLE = np.asarray([r["counts"] for r in kept], np.int64)
         heatmap = {"steps": [int(r["step"]) for r in kept], "blocks": kept[0]["blocks"],
                    "stride": stride,
-                   "counts": counts_NLE.transpose(1, 0, 2).tolist(),  # [L][N][E] routed assignments
-                   "mean": counts_NLE.mean(axis=-1).T.tolist()}  # [L][N]: load = counts / mean
+                   "counts": counts_WLE.transpose(1, 0, 2).tolist(),  # [L][W][E] routed assignments
+                   "mean": counts_WLE.mean(axis=-1).T.tolist()}  # [L][W]: load = counts / mean
     return {"metrics": metrics, "heatmap": heatmap, "counts_every": counts_every}

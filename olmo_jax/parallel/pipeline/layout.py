@@ -174,13 +174,13 @@ def param_layouts(abstract_params, compute_specs, mesh: Mesh, shard: bool):
 
 
 # ---- per step, inside the shard_map ------------------------------------------------------
-def _take_stage_rows(x, rows_PN, pipe_dim):
+def _take_stage_rows(x, rows_PL, pipe_dim):
     """Stored stage weight -> this stage's [V * c] chunk rows (compute layout over pipe)."""
-    P, N = rows_PN.shape
+    P, N = rows_PL.shape
     if pipe_dim is None:  # whole on every stage: pick the own rows locally
-        mine = jnp.asarray(rows_PN)[jax.lax.axis_index(PIPE)]
+        mine = jnp.asarray(rows_PL)[jax.lax.axis_index(PIPE)]
         return jnp.take(_varying(x, PIPE), mine, axis=0)
-    send = jnp.take(x, jnp.asarray(rows_PN.reshape(-1)), axis=0)  # [P * N, ...]: rows per destination
+    send = jnp.take(x, jnp.asarray(rows_PL.reshape(-1)), axis=0)  # [P * N, ...]: rows per destination
     recv = jax.lax.all_to_all(send, PIPE, 0, 0, tiled=True)  # [P * N, ...]: pieces per source
     recv = recv.reshape((P, N) + recv.shape[1:])
     # Sources hold consecutive pieces of pipe_dim (pipe innermost): put them side by side.
@@ -190,13 +190,13 @@ def _take_stage_rows(x, rows_PN, pipe_dim):
     return recv.reshape(shape)
 
 
-def _put_stage_rows(g, rows_PN, keep_PN, pipe_dim, n_layers):
+def _put_stage_rows(g, rows_PL, keep_PL, pipe_dim, n_layers):
     """The transpose of _take_stage_rows: this stage's chunk-row gradients -> the stored
     weight's natural rows (summed over the stages that hold them)."""
-    P, N = rows_PN.shape
+    P, N = rows_PL.shape
     if pipe_dim is None:
         me = jax.lax.axis_index(PIPE)
-        mine, keep = jnp.asarray(rows_PN)[me], jnp.asarray(keep_PN)[me]
+        mine, keep = jnp.asarray(rows_PL)[me], jnp.asarray(keep_PL)[me]
         g = g * keep.reshape((N,) + (1,) * (g.ndim - 1)).astype(g.dtype)
         out = jnp.zeros((n_layers,) + g.shape[1:], g.dtype).at[mine].add(g)
         return jax.lax.psum(out, PIPE)
@@ -205,10 +205,10 @@ def _put_stage_rows(g, rows_PN, keep_PN, pipe_dim, n_layers):
     g = jnp.moveaxis(g.reshape(shape), pipe_dim, 0)  # [P(dest), N, ..., piece, ...]
     g = g.reshape((P * N,) + g.shape[2:])
     back = jax.lax.all_to_all(g, PIPE, 0, 0, tiled=True)  # [P * N]: this device's piece per stage row
-    keep = jnp.asarray(keep_PN.reshape(-1)).reshape((P * N,) + (1,) * (back.ndim - 1))
+    keep = jnp.asarray(keep_PL.reshape(-1)).reshape((P * N,) + (1,) * (back.ndim - 1))
     back = back * keep.astype(back.dtype)
     return jnp.zeros((n_layers,) + back.shape[1:], back.dtype).at[
-        jnp.asarray(rows_PN.reshape(-1))].add(back)
+        jnp.asarray(rows_PL.reshape(-1))].add(back)
 
 
 def _varying(x, axis: str):
@@ -216,17 +216,17 @@ def _varying(x, axis: str):
     return x if axis in varying_axes(x) else jax.lax.pcast(x, axis, to="varying")
 
 
-def _gather_over_pipe(x, lay: StageLayout, rows_PN):
+def _gather_over_pipe(x, lay: StageLayout, rows_PL):
     if lay.stage:
-        return _take_stage_rows(x, rows_PN, lay.pipe_dim)
+        return _take_stage_rows(x, rows_PL, lay.pipe_dim)
     if lay.pipe_dim is None:
         return _varying(x, PIPE)
     return jax.lax.all_gather(x, PIPE, axis=lay.pipe_dim, tiled=True)
 
 
-def _reduce_over_pipe(g, lay: StageLayout, rows_PN, keep_PN, n_layers):
+def _reduce_over_pipe(g, lay: StageLayout, rows_PL, keep_PL, n_layers):
     if lay.stage:
-        return _put_stage_rows(g, rows_PN, keep_PN, lay.pipe_dim, n_layers)
+        return _put_stage_rows(g, rows_PL, keep_PL, lay.pipe_dim, n_layers)
     if lay.pipe_dim is None:
         return jax.lax.psum(g, PIPE)
     return jax.lax.psum_scatter(g, PIPE, scatter_dimension=lay.pipe_dim, tiled=True)
