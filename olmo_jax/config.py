@@ -14,6 +14,8 @@ import importlib.util
 
 import ml_collections
 
+from olmo_jax.data.loader import INSTANCES
+
 from olmo_jax.model.config import ConfigError, MoEConfig, TransformerConfig
 
 
@@ -98,7 +100,12 @@ def default_config() -> ml_collections.ConfigDict:
     d.tokenizer = "bytes"  # bytes | path to a tokenizer.json
     d.vocab_size = 0  # vocab of the token files (0 = the tokenizer's padded vocab)
     d.dtype = ""  # "" = from the vocab size; uint16 | uint32
-    d.eval_fraction = 0.01  # the default eval split: this share of the windows held out of training
+    d.eval_fraction = 0.0  # > 0: this share of the windows held out of training as the eval split
+    d.instances = "olmo_core"  # olmo_core (seq_len tokens, last label ignored) | plus_one
+    d.repetition_filter = False  # OLMo-core's instance filter: drop repetitive instances' loss
+    d.repetition_max_period = 13
+    d.repetition_min_period = 1
+    d.repetition_max_count = 32
     # Named eval sets {name: token files (a list or comma-separated)}, held out by the user;
     # each logged as eval/<name>/loss and eval/<name>/perplexity (olmo_jax/data/loader.py).
     d.eval_sets = ml_collections.ConfigDict()
@@ -238,6 +245,15 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     profile_window(t.profile_steps)
     if cfg.data.prefetch < 0:
         raise ConfigError(f"data.prefetch must be >= 0 (0 = no read-ahead), got {cfg.data.prefetch}")
+    if cfg.data.instances not in INSTANCES:
+        raise ConfigError(
+            f"data.instances={cfg.data.instances!r}: choose olmo_core (OLMo-core's instances of "
+            "seq_len tokens, the last without a label) or plus_one (seq_len + 1 tokens, every "
+            "position labelled)")
+    if cfg.data.repetition_filter and cfg.data.instances != "olmo_core":
+        raise ConfigError(
+            "data.repetition_filter needs data.instances='olmo_core' (a filtered instance is "
+            "marked in its unlabelled last position); set it, or data.repetition_filter=False")
     if o.lr <= 0:
         raise ConfigError(f"optim.lr must be > 0, got {o.lr}")
     if not 0 <= o.min_lr_ratio <= 1:

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from olmo_jax.data.labels import FILTERED
 from olmo_jax.model import TransformerConfig
 from olmo_jax.model.moe.bias_balancing import update_router_bias
 from olmo_jax.model.moe.losses import (
@@ -70,11 +71,21 @@ class SingleDevice:
         return params
 
 
+def labelled(targets_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(loss_BT, counted_BT) masks of a batch's targets (data/labels.py): a target is counted
+    in the loss's denominator when it is a token id, and adds to the loss unless its row
+    ends in FILTERED (an instance the repetition filter dropped, counted as OLMo-core does)."""
+    counted_BT = targets_BT >= 0
+    return counted_BT & (targets_BT[:, -1:] != FILTERED), counted_BT
+
+
 def cross_entropy_sum(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
     logits_BTV = logits_BTV.astype(jnp.float32)
+    loss_BT, _ = labelled(targets_BT)
     lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
-    target_logit_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
-    return jnp.sum(lse_BT - target_logit_BT)
+    target_logit_BT = jnp.take_along_axis(
+        logits_BTV, jnp.maximum(targets_BT, 0)[..., None], axis=-1)[..., 0]
+    return jnp.sum(jnp.where(loss_BT, lse_BT - target_logit_BT, 0.0))
 
 
 def forward_losses(graphdef, params, model_state, batch_BT1, cfg: TransformerConfig,
@@ -94,7 +105,7 @@ def loss_parts(logits_BTV, targets_BT, stats: RouterStats | None, cfg: Transform
     """LossParts of one (micro)batch from the model's logits and stacked RouterStats
     (the pipeline's last stage calls this with the statistics of every stage)."""
     ce_sum = parallel.allsum(cross_entropy_sum(logits_BTV, targets_BT))
-    n = parallel.allsum(jnp.asarray(targets_BT.size, jnp.float32))
+    n = parallel.allsum(jnp.sum(labelled(targets_BT)[1], dtype=jnp.float32))
     return LossParts(ce_sum, n, **routing_parts(stats, cfg, row_shards, parallel))
 
 
