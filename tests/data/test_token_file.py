@@ -63,7 +63,7 @@ def test_write_accepts_chunks_and_leaves_no_temp_files(tmp_path: Path):
 
 def test_write_rejects_ids_that_do_not_fit(tmp_path: Path):
     path = tmp_path / "x.npy"
-    with pytest.raises(DataError, match="use uint32"):
+    with pytest.raises(DataError, match="use a wider token dtype"):
         write_token_file(path, np.array([1, 70_000]), "uint16")
     assert list(tmp_path.iterdir()) == []  # neither the file nor a temp file
 
