@@ -37,6 +37,7 @@ def default_config() -> ml_collections.ConfigDict:
     m.clip_qkv = 0.0
     m.tie_embeddings = False
     m.init_std = 0.02
+    m.lm_z_loss_coef = 0.0  # LM-head z-loss (OLMo-core's z_loss_multiplier; 0 = off)
     m.dtype = "float32"  # compute dtype: float32 | bfloat16 (params stay float32)
     m.remat = "none"  # none | block | attention
     m.scan_unroll = 1  # blocks per layer-scan iteration; = n_layers unrolls fully

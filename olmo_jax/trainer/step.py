@@ -42,13 +42,14 @@ from olmo_jax.trainer.state import TrainState
 
 class LossParts(NamedTuple):
     ce_sum: jax.Array  # summed token cross-entropy
-    n_tokens: jax.Array
+    n_tokens: jax.Array  # labels counted in the denominator (data/labels.py)
     lb_loss: jax.Array
     z_loss: jax.Array
     lb_L: jax.Array  # per MoE layer: OLMo-core LB loss (at the configured granularity)
     z_L: jax.Array  # per MoE layer: z-loss
     counts_LGE: jax.Array  # routed assignments per MoE layer, batch shard and expert
     dropped_L: jax.Array  # per MoE layer: assignments dropped at capacity
+    lm_z_sum: jax.Array  # summed logsumexp(logits)^2 over the labelled tokens (LM z-loss)
 
     @property
     def counts_LE(self) -> jax.Array:
@@ -79,13 +80,20 @@ def labelled(targets_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
     return counted_BT & (targets_BT[:, -1:] != FILTERED), counted_BT
 
 
-def cross_entropy_sum(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
+def cross_entropy_sums(logits_BTV: jax.Array, targets_BT: jax.Array
+                       ) -> tuple[jax.Array, jax.Array]:
+    """(summed cross-entropy, summed logsumexp^2) over the labelled targets."""
     logits_BTV = logits_BTV.astype(jnp.float32)
     loss_BT, _ = labelled(targets_BT)
     lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
     target_logit_BT = jnp.take_along_axis(
         logits_BTV, jnp.maximum(targets_BT, 0)[..., None], axis=-1)[..., 0]
-    return jnp.sum(jnp.where(loss_BT, lse_BT - target_logit_BT, 0.0))
+    return (jnp.sum(jnp.where(loss_BT, lse_BT - target_logit_BT, 0.0)),
+            jnp.sum(jnp.where(loss_BT, jnp.square(lse_BT), 0.0)))
+
+
+def cross_entropy_sum(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
+    return cross_entropy_sums(logits_BTV, targets_BT)[0]
 
 
 def forward_losses(graphdef, params, model_state, batch_BT1, cfg: TransformerConfig,
@@ -104,9 +112,9 @@ def loss_parts(logits_BTV, targets_BT, stats: RouterStats | None, cfg: Transform
                row_shards: int = 1, parallel=SingleDevice) -> LossParts:
     """LossParts of one (micro)batch from the model's logits and stacked RouterStats
     (the pipeline's last stage calls this with the statistics of every stage)."""
-    ce_sum = parallel.allsum(cross_entropy_sum(logits_BTV, targets_BT))
+    ce_sum, lm_z_sum = parallel.allsum(cross_entropy_sums(logits_BTV, targets_BT))
     n = parallel.allsum(jnp.sum(labelled(targets_BT)[1], dtype=jnp.float32))
-    return LossParts(ce_sum, n, **routing_parts(stats, cfg, row_shards, parallel))
+    return LossParts(ce_sum, n, lm_z_sum=lm_z_sum, **routing_parts(stats, cfg, row_shards, parallel))
 
 
 def routing_parts(stats: RouterStats | None, cfg: TransformerConfig, row_shards: int = 1,
@@ -145,6 +153,7 @@ def routing_parts(stats: RouterStats | None, cfg: TransformerConfig, row_shards:
 def total_loss(parts: LossParts, cfg: TransformerConfig) -> jax.Array:
     return (
         parts.ce_sum / parts.n_tokens
+        + cfg.lm_z_loss_coef * parts.lm_z_sum / parts.n_tokens
         + cfg.moe.lb_loss_coef * parts.lb_loss
         + cfg.moe.z_loss_coef * parts.z_loss
     )

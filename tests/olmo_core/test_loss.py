@@ -1,0 +1,44 @@
+"""The LM loss against OLMo-core's (`cross_entropy_loss` with its z-loss, labels from
+`get_labels`, the DDP train module's denominator), by subprocess in .venv-oracle."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from olmo_jax.data.labels import FILTERED, NO_LABEL
+from olmo_jax.model import TransformerConfig
+from olmo_jax.trainer.step import loss_parts, total_loss
+
+ROOT = Path(__file__).resolve().parents[2]
+ORACLE_PY = ROOT / ".venv-oracle" / "bin" / "python"
+pytestmark = pytest.mark.skipif(not ORACLE_PY.exists(), reason="no .venv-oracle (make oracle)")
+
+
+def test_cross_entropy_z_loss_and_denominator_match_olmo_core(tmp_path):
+    rng = np.random.default_rng(0)
+    B, S, V, coef = 4, 16, 50, 1e-4
+    logits_BSV = (3 * rng.normal(size=(B, S, V))).astype(np.float32)
+    input_ids_BS = rng.integers(0, V, (B, S)).astype(np.int32)
+    kept_B = np.array([True, False, True, True])  # instance 1 failed the repetition filter
+    np.savez(tmp_path / "in.npz", logits=logits_BSV, input_ids=input_ids_BS,
+             instance_mask=kept_B, z_loss_multiplier=coef)
+    subprocess.run([str(ORACLE_PY), str(Path(__file__).with_name("loss_oracle.py")),
+                    str(tmp_path / "in.npz"), str(tmp_path / "out.npz")], check=True, timeout=300)
+    want = np.load(tmp_path / "out.npz")
+
+    # olmo_jax's batch row: the instance's tokens, then its sentinel (data/labels.py).
+    rows_BL = np.concatenate([input_ids_BS, np.where(kept_B, NO_LABEL, FILTERED)[:, None]], 1)
+    cfg = TransformerConfig(vocab_size=V, d_model=8, n_layers=1, n_heads=1, lm_z_loss_coef=coef,
+                            n_dense_layers=1)
+    parts = loss_parts(jnp.asarray(logits_BSV), jnp.asarray(rows_BL[:, 1:]), None, cfg)
+    assert float(parts.n_tokens) == int(want["denominator"]) == B * (S - 1)
+    ce = float(parts.ce_sum / parts.n_tokens)
+    z = coef * float(parts.lm_z_sum / parts.n_tokens)
+    np.testing.assert_allclose(ce, float(want["ce"]), rtol=1e-6)
+    np.testing.assert_allclose(z, float(want["z"]), rtol=1e-6)
+    np.testing.assert_allclose(float(total_loss(parts, cfg)), ce + z, rtol=1e-6)
