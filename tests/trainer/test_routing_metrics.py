@@ -21,7 +21,8 @@ def _metrics(logits_SE, shards=1):
     r = route(jnp.asarray(logits_SE, jnp.float32), top_k=K)
     stats = router_stats(r.probs_SE, r.logits_SE, r.idx_Sk, E, rows=4)
     stacked = type(stats)(*(jnp.stack([f]) for f in stats))  # one MoE block
-    parts = LossParts(jnp.zeros(()), jnp.ones(()), **routing_parts(stacked, CFG, shards))
+    parts = LossParts(jnp.zeros(()), jnp.ones(()), lm_z_sum=jnp.zeros(()),
+                      **routing_parts(stacked, CFG, shards))
     return routing_metrics(parts, expert_ranks=RANKS, first_block=1), r
 
 
