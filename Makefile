@@ -22,7 +22,7 @@ GPU_PYTEST_ARGS ?= tests/gpu
 TEST_WORKERS ?= 2
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
-.PHONY: train test venv oracle jax011 gpu-venv chromium lint clean
+.PHONY: train test venv oracle jax011 gpu-venv gpu-wheels chromium lint clean
 
 venv: $(VENV)/.installed
 
@@ -72,6 +72,15 @@ $(J11)/.installed: tools/jax011-requirements.txt pyproject.toml
 	$(J11_PY) -m pip install -q -r tools/jax011-requirements.txt
 	$(J11_PY) -m pip install -q --no-deps -e .
 	@touch $@
+
+# The wheels tools/gpu_check.sh carries to the lent H200 image (Python 3.12, x86-64) in the
+# git-ignored .whl/: pinned in tools/gpu_wheels.txt and tools/gpu_wheels_torch.txt, no deps.
+gpu-wheels: venv
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
+	  -d .whl -r tools/gpu_wheels.txt -r tools/gpu_wheels_torch.txt
+	@du -cb .whl/*.whl | tail -1 | awk '{printf "carried wheels in .whl/: %.1f MB\n", $$1 / 1e6}'
 
 train: venv
 	XLA_FLAGS= $(PY) -m olmo_jax.train --config=$(CONFIG) $(ARGS)

@@ -23,10 +23,13 @@ import argparse
 import sys
 import time
 
+from olmo_jax import cli
 from olmo_jax.checkpoint.errors import CheckpointError
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from olmo_jax.model.moe.router import GATINGS
+
     parser = argparse.ArgumentParser(
         prog="python -m olmo_jax.convert",
         description=__doc__,
@@ -42,8 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--dtype",
         default=None,
-        choices=("float32", "bfloat16", "float16"),
-        help="tensor dtype (default: the source model's, else float32)",
+        help="tensor dtype: float32 | bfloat16 | float16, olmo_jax.model.config.DTYPES "
+        "(default: the source model's, else float32)",
     )
     u = sub.add_parser("upcycle", help="dense olmo_jax checkpoint -> MoE (copies of the MLPs)")
     u.add_argument("--ckpt", required=True, help="run folder, checkpoints folder or step folder")
@@ -57,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the MLP also becomes a shared expert (shared and routed get half each)")
     u.add_argument("--noise", type=float, default=0.0,
                    help="relative Gaussian noise per routed copy (0 = exact upcycling)")
-    u.add_argument("--gating", default="topk_softmax", choices=("topk_softmax", "softmax", "sigmoid"))
+    u.add_argument("--gating", default="topk_softmax", choices=GATINGS)
     u.add_argument("--norm-topk-prob", action="store_true", help="softmax: renormalize over the k")
     u.add_argument("--router-weight-scale", type=float, default=1.0)
     u.add_argument("--seed", type=int, default=0, help="router init and noise")
@@ -143,8 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"wrote {args.out} (config.json + safetensors) in {time.perf_counter() - t0:.1f}s"
             )
     except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return cli.error(str(e))
     return 0
 
 

@@ -14,22 +14,16 @@ memory), 75 a lost process in a multi-process run (relaunch to resume).
 
 from __future__ import annotations
 
-import runpy
 import sys
 import traceback
 
 import jax
 from absl import app, flags, logging
-from ml_collections import config_flags
 
-from olmo_jax import distributed
-from olmo_jax.config import unknown_key_error
+from olmo_jax import cli, distributed
 from olmo_jax.data.errors import DataError
 from olmo_jax.model.config import ConfigError
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Path to a config file (configs/*.py).", lock_config=True
-)
 # A multi-process launch (olmo_jax/distributed/launch.py): flags, else OLMO_JAX_* / SLURM.
 _COORDINATOR = flags.DEFINE_string(
     "coordinator", None, "HOST:PORT of process 0 (multi-process runs; env OLMO_JAX_COORDINATOR)."
@@ -42,50 +36,6 @@ _PROCESS_ID = flags.DEFINE_integer(
 )
 
 
-def _fail(msg: str) -> None:
-    print(f"error: {msg}", file=sys.stderr)
-    sys.exit(2)
-
-
-def _config_path(argv: list[str]) -> str | None:
-    for i, a in enumerate(argv):
-        if a.startswith("--config="):
-            return a.split("=", 1)[1]
-        if a == "--config" and i + 1 < len(argv):
-            return argv[i + 1]
-    return None
-
-
-def _explain_parse_error(argv: list[str], err: Exception) -> str:
-    """Name the override that does not exist in the config file, if that is the cause."""
-    path = _config_path(argv)
-    if path is None:
-        return f"{err}; pass --config=configs/<name>.py"
-    try:
-        cfg = runpy.run_path(path.split(":", 1)[0])["get_config"]()
-    except Exception as load_err:  # the config file itself is broken
-        return f"cannot load config file {path}: {load_err}"
-    for a in argv:
-        if a.startswith("--config.") and "=" in a:
-            dotted = a[len("--config."):].split("=", 1)[0]
-            node = cfg
-            try:
-                for part in dotted.split("."):
-                    node = node[part]
-            except (KeyError, AttributeError, TypeError):
-                return f"{unknown_key_error(cfg, dotted)} (from {a})"
-    return f"invalid command line: {err}"
-
-
-def _parse_flags(argv: list[str]) -> list[str]:
-    try:
-        return flags.FLAGS(argv)
-    except flags.Error as e:
-        _fail(str(e) if not isinstance(e, flags.UnrecognizedFlagError) else _explain_parse_error(argv, e))
-    except (KeyError, AttributeError, TypeError, ValueError) as e:
-        _fail(_explain_parse_error(argv, e))
-
-
 def run_training(cfg) -> int:
     """Trains `cfg` as the command line does; returns the exit code. A user's error (bad
     config, data, checkpoint, run_dir, memory) or a halted run prints one `error:` line,
@@ -96,7 +46,7 @@ def run_training(cfg) -> int:
     try:
         train(cfg)
     except (ConfigError, DataError) as e:
-        return distributed.report_error(str(e), 2)
+        return distributed.report_error(str(e), cli.EXIT_BAD_INPUT)
     except TrainingHalted as e:
         return distributed.report_error(str(e), 1)
     except BaseException as e:
@@ -112,23 +62,20 @@ def run_training(cfg) -> int:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    if _CONFIG.value is None:
-        raise app.UsageError("--config=configs/<name>.py is required")
+    cfg = cli.required_config(argv)
     logging.set_verbosity(logging.WARNING)  # jax's backend-probing INFO lines
     try:
         launch = distributed.detect({"coordinator": _COORDINATOR.value,
                                      "num_processes": _NUM_PROCESSES.value,
                                      "process_id": _PROCESS_ID.value})
-        distributed.initialize(launch, _CONFIG.value.trainer.peer_timeout_s)
+        distributed.initialize(launch, cfg.trainer.peer_timeout_s)
     except ConfigError as e:
-        _fail(str(e))
-    sys.exit(run_training(_CONFIG.value))
+        cli.fail(str(e))
+    sys.exit(run_training(cfg))
 
 
 def run() -> None:
-    app.run(main, flags_parser=_parse_flags)
+    app.run(main, flags_parser=cli.parse_flags)
 
 
 if __name__ == "__main__":

@@ -4,11 +4,15 @@
 `compile_cache`: JAX's persistent compilation cache, on only while a module that asks for
 it runs (compile-time tests elsewhere must not hit it), in one folder for the whole
 session: train runs of one program in several modules, and the child processes they
-start (`compile_cache_env`), compile it once."""
+start (`compile_cache_env`), compile it once.
+
+Shape annotations (`olmo_jax.shapes.check`) are checked at trace time in every test, and
+in the child processes tests start (they inherit OLMO_JAX_SHAPE_CHECKS)."""
 
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("OLMO_JAX_SHAPE_CHECKS", "1")  # read when olmo_jax.shapes is imported
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

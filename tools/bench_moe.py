@@ -11,7 +11,7 @@ issue 17 printed next to them:
    experts, and the optimizer's share of the step (AdamW over 16x the parameters at 128
    experts, timed on its own in the same rounds).
 3. Expert-matmul efficiency at 8 and 128 experts: the routed SwiGLU FFN (dispatch, expert
-   matmuls, combine; forward + backward, `local_dispatch`) per implementation, its
+   matmuls, combine; forward + backward, `routed_experts`) per implementation, its
    achieved FLOP/s (useful FLOPs: 3 x 6 x tokens x k x d x h) as a fraction of one dense
    matmul of exactly those FLOPs ([tokens x k, d] x [d, 9h]; also shown: a dense SwiGLU,
    forward + backward, of the same rows through one expert's weights), and the compiled
@@ -57,12 +57,11 @@ from olmo_jax.config import default_config, model_config  # noqa: E402
 from olmo_jax.model import MoEConfig  # noqa: E402
 from olmo_jax.model.config import TransformerConfig  # noqa: E402
 from olmo_jax.model.mlp import swiglu  # noqa: E402
-from olmo_jax.model.moe.layer import MoELayer, local_dispatch  # noqa: E402
+from olmo_jax.model.moe.layer import MoELayer, routed_experts  # noqa: E402
 from olmo_jax.model.moe.router import Routing  # noqa: E402
 from olmo_jax.model.moe.tiled import TILE_MULTIPLE  # noqa: E402
 from olmo_jax.optim import build_optimizer  # noqa: E402
-from olmo_jax.parallel import comms  # noqa: E402
-from olmo_jax.planner import hlo_cost  # noqa: E402
+from olmo_jax.planner import comms, hlo_cost  # noqa: E402
 from olmo_jax.trainer.state import init_state  # noqa: E402
 from olmo_jax.trainer.step import make_train_step  # noqa: E402
 
@@ -181,7 +180,7 @@ def moe_block(args) -> list[dict]:
 # ---- 3. expert-matmul efficiency -------------------------------------------------------
 
 class _Weights:
-    """The `experts` argument of a dispatcher: weights(dtype) -> (gate, up, down)."""
+    """The `experts` argument of routed_experts: weights(dtype) -> (gate, up, down)."""
 
     def __init__(self, w):
         self.w = w
@@ -221,7 +220,7 @@ def efficiency_at(args, E: int) -> list[dict]:
 
     def moe_loss(cfg):
         def loss(x, w, routing, ct):
-            y, _ = local_dispatch(x, routing, _Weights(w), cfg, jnp.float32)
+            y, _ = routed_experts(x, routing, _Weights(w), cfg, jnp.float32)
             return jnp.sum(y * ct)
         return loss
 

@@ -5,7 +5,7 @@ run (timings are interleaved round by round, so machine noise hits all alike).
 
     .venv/bin/python tools/bench_parallel.py [--steps 5 --rounds 3 --d-model 128 ...]
 
-Bytes come from each compiled step's HLO (olmo_jax.parallel.comms: loop bodies x trip
+Bytes come from each compiled step's HLO (olmo_jax.planner.comms: loop bodies x trip
 counts), per device per step, and do not depend on timing. CPU tokens/s say little
 about GPUs (no real interconnect; the fake devices share the same cores), which is why
 the table reports ratios next to the bytes.
@@ -28,11 +28,13 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from olmo_jax.config import default_config, model_config  # noqa: E402
+from olmo_jax.model.abstract import abstract_model  # noqa: E402
 from olmo_jax.optim import build_optimizer  # noqa: E402
-from olmo_jax.parallel import comms  # noqa: E402
+from olmo_jax.parallel.expert import rowwise_capacity_factor  # noqa: E402
 from olmo_jax.parallel.expert.ragged_a2a import native_ragged_all_to_all_available  # noqa: E402
 from olmo_jax.parallel.strategy import build_plan  # noqa: E402
-from olmo_jax.trainer.state import abstract_model, init_state  # noqa: E402
+from olmo_jax.planner import comms  # noqa: E402
+from olmo_jax.trainer.state import init_state  # noqa: E402
 from olmo_jax.trainer.step import make_train_step  # noqa: E402
 
 KINDS = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce")
@@ -50,7 +52,7 @@ def bench_config(args):
 
 
 def variants():
-    """(name, strategy, dispatch, model.moe.capacity_factor of the local dispatch)."""
+    """(name, strategy, dispatch, model.moe.capacity_factor: 0 = dropless, rowwise 1.25)."""
     ragged = "ddp+ragged" + ("" if native_ragged_all_to_all_available() else " (cpu emulation)")
     return [("ddp+rowwise", "ddp", "rowwise", 0.0), ("ddp+allgather", "ddp", "allgather", 0.0),
             (ragged, "ddp", "ragged", 0.0), ("fsdp", "fsdp", "rowwise", 0.0),
@@ -133,7 +135,7 @@ def main():
     print(f"\n{model_config(cfg).n_moe_layers} MoE layers, d_model {args.d_model}, {args.experts} "
           f"experts top-2, {tokens} tokens/step, float32, mesh data={args.data} x expert="
           f"{args.expert} (8 fake CPU devices), {args.grad_accum} microbatch(es)/step; rowwise "
-          f"capacity_factor {cfg.parallel.capacity_factor}; median of {args.rounds} rounds x "
+          f"capacity_factor {rowwise_capacity_factor(cfg.model.moe.capacity_factor)}; median of {args.rounds} rounds x "
           f"{args.steps} steps")
     head = (f"{'variant':<30} {'tokens/s':>9} {'x rowwise':>9} {'MB/dev/step':>11} "
             f"{'x rowwise':>9}" + "".join(f" {k:>14}" for k in KINDS) + f" {'dropped':>8}")

@@ -1,98 +1,65 @@
 #!/usr/bin/env bash
-# olmo_jax GPU check: one prepared script for an H200 (also B200/B300) that in under
-# 8 minutes prints the device; measures the bf16 matmul ceiling and copy bandwidth;
-# checks every GPU kernel against its reference on random data; times the grouped
-# matmul (Pallas vs ragged_dot vs dense of equal FLOPs) at 8 and 128 experts and the
-# MXFP8 quantize kernel against copy bandwidth; trains 20 steps of a ~1B-active MoE and
-# prints tokens/s and MFU; writes OUT_DIR/gpu_check.json and prints a table last.
-# The work is in tools/gpu_check.py (sections, sizes, tolerances: see its docstring).
+# olmo_jax GPU check for the lent H200 as it is (Python 3.12, jax 0.11.2 + jax-cuda13,
+# flax, optax, orbax, chex, absl, torch 2.11, transformers 5.17; no registry): in under
+# 8 minutes, each section in its own process with its own time budget
+# (tools/gpu_check/driver.py): ceilings, grouped-matmul kernels, attention (cuDNN vs
+# XLA), MXFP8 numerics, configs/gpu_check_1b.py trained 30 steps through the trainer's
+# plan with gmm_impl pallas / ragged_dot / einsum, then the same shape in torch with
+# transformers' OlmoeForCausalLM and OLMo-core 3's MoE model. One table is printed last;
+# OUT_DIR gets gpu_check.json (every section's result) and gpu_check.log.
 #
-#   tools/gpu_check.sh [OUT_DIR] [extra gpu_check.py flags]
-#   e.g. through the device tool:   tools/gpu_check.sh "$OUT"      (carry: [".whl"])
-#        on a CPU, to try it:       GPU_CHECK_PYTHON=.venv/bin/python tools/gpu_check.sh /tmp/gc --dry-run
+#   tools/gpu_check.sh [OUT_DIR] [driver flags, e.g. --sections ceilings,gmm]
+#   on the device, through the `run` tool:  tools/gpu_check.sh "$OUT"    carry: [".whl"]
+#   on a CPU (make test):  GPU_CHECK_PYTHON=.venv/bin/python GPU_CHECK_TORCH_PYTHON=.venv-oracle/bin/python \
+#                          tools/gpu_check.sh /tmp/gc --dry-run
 #
-# Python: the machine's python3 (override with GPU_CHECK_PYTHON), which needs jax
-# 0.11.2 .. 0.12.x with its CUDA plugin, flax >= 0.12.10, optax, chex, orbax-checkpoint,
-# ml_collections, grain. The lent H200 image has all but the wheels listed in
-# tools/gpu_wheels.txt (ml_collections, grain and grain's array_record, cloudpickle,
-# portpicker: 4.6 MB, of which array_record 3.8 MB; their other dependencies are on the
-# image; tests/trainer/test_image_packages.py checks that list). Carry them in .whl/: they
-# are installed without an index and without deps into /tmp/olmo_jax_site, ahead of the
-# image's packages. Prepare them once, in the repository root, on a machine that reaches
-# a package index (.whl/ is git-ignored):
-#
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
-#     -d .whl -r tools/gpu_wheels.txt
-#
-# Nothing else is needed there: olmo_jax runs on jax 0.11.2 (olmo_jax/compat.py). On a
-# bare machine with no jax, .whl/ may also hold jax/jaxlib/flax and the CUDA plugin+pjrt
-# wheels, but those are ~220 MB, beyond the device tool's 64 MiB carry.
-# With no .whl/ the machine's packages are used as they are.
+# Wheels: the image lacks ml_collections (and grain for `python -m olmo_jax.train`) and
+# OLMo-core with the pure-Python part of its import closure. `make gpu-wheels` downloads
+# the pinned tools/gpu_wheels*.txt into the git-ignored .whl/ here; this script installs
+# them there with `pip install --no-index --no-deps --target` ahead of the image's
+# packages, and puts the repository on PYTHONPATH. It prints the bytes that travelled.
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 PY="${GPU_CHECK_PYTHON:-python3}"
-OUT_DIR="${1:-}"
+export GPU_CHECK_TORCH_PYTHON="${GPU_CHECK_TORCH_PYTHON:-$PY}"
+OUT_DIR="${1:-/tmp/olmo_jax_gpu_check}"
 [ $# -gt 0 ] && shift
-LIMIT_S="${GPU_CHECK_TIMEOUT_S:-470}"
+mkdir -p "$OUT_DIR"
+LIMIT_S="${GPU_CHECK_TIMEOUT_S:-475}"
 
+# What travels with a `run` call: the working tree (tracked + untracked files, .git aside)
+# with the carried .whl/; the device tool's limit is 64 MiB.
+tree_bytes=$(du -sb --exclude=.git --exclude=.venv\* --exclude=runs . 2>/dev/null | cut -f1)
+whl_bytes=0
 WHEELS="${GPU_CHECK_WHEELS:-$REPO/.whl}"  # overridable for the CPU test
 if compgen -G "$WHEELS/*.whl" > /dev/null; then
+  whl_bytes=$(cat "$WHEELS"/*.whl | wc -c)
   SITE="${GPU_CHECK_SITE:-/tmp/olmo_jax_site}"
   echo "[gpu_check.sh] installing carried wheels into $SITE:" $(cd "$WHEELS" && ls *.whl)
-  if "$PY" -m pip --version > /dev/null 2>&1; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target "$SITE" "$WHEELS"/*.whl || { echo "[gpu_check.sh] wheel install failed"; exit 2; }
-  else  # no pip on the machine: a wheel (no scripts, no .data) is a zip of its site-packages files
-    "$PY" - "$SITE" "$WHEELS"/*.whl <<'EOF' || exit 2
-import sys, zipfile
-for wheel in sys.argv[2:]:
-    zipfile.ZipFile(wheel).extractall(sys.argv[1])
-EOF
-  fi
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$SITE" "$WHEELS"/*.whl || { echo "[gpu_check.sh] wheel install failed"; exit 2; }
   export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
+echo "[gpu_check.sh] traffic: working tree $tree_bytes bytes, of which carried wheels $whl_bytes bytes" \
+  "($(( tree_bytes * 100 / (64 * 1048576) ))% of the 64 MiB limit)"
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-# The ~1B-active training step needs most of the card; leave a little for the driver.
+# The ~1B-active training step needs most of the card; each section is its own process.
 export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}"
 
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total \
   --format=csv,noheader || echo "[gpu_check.sh] no nvidia-smi"
-
-if ! "$PY" - <<'EOF'
-import importlib, sys
-missing = []
-for name in ("jax", "flax", "optax", "chex", "orbax.checkpoint", "ml_collections", "absl", "grain"):
-    try:
-        importlib.import_module(name)
-    except Exception as e:
-        missing.append(f"{name} ({type(e).__name__}: {e})")
-if missing:
-    print("[gpu_check.sh] missing Python packages: " + "; ".join(missing))
-    print("[gpu_check.sh] carry them as wheels in .whl/ (see the top of tools/gpu_check.sh)")
-    sys.exit(1)
-import jax
-version = tuple(int(p) for p in jax.__version__.split(".")[:3])
-print(f"[gpu_check.sh] python {sys.version.split()[0]}, jax {jax.__version__}, devices {jax.devices()}")
-if not (0, 11, 2) <= version < (0, 13):
-    print(f"[gpu_check.sh] jax {jax.__version__}: olmo_jax needs jax >= 0.11.2, < 0.13 (pyproject.toml)")
-    sys.exit(1)
-EOF
-then
+"$PY" -c "import sys, jax; print('[gpu_check.sh] python', sys.version.split()[0], 'jax', jax.__version__, jax.devices())" \
+  || { echo "[gpu_check.sh] $PY cannot import jax"; exit 2; }
+if [[ " $* " != *" --dry-run "* ]] && ! "$PY" -c "import jax, sys; sys.exit(jax.devices()[0].platform != 'gpu')"; then
+  echo "[gpu_check.sh] no GPU: jax sees $("$PY" -c 'import jax; print(jax.devices()[0].platform)'); use --dry-run on a CPU"
   exit 2
 fi
 
-LOG=/dev/null
-if [ -n "$OUT_DIR" ]; then
-  mkdir -p "$OUT_DIR"
-  LOG="$OUT_DIR/gpu_check.log"
-fi
-timeout "$LIMIT_S" "$PY" tools/gpu_check.py ${OUT_DIR:+"$OUT_DIR"} "$@" 2>&1 | tee "$LOG"
+timeout -k 5 "$LIMIT_S" "$PY" tools/gpu_check/driver.py "$OUT_DIR" --deadline-s $(( LIMIT_S - 10 )) "$@" 2>&1 \
+  | tee "$OUT_DIR/gpu_check.log"
 status=${PIPESTATUS[0]}
-if [ "$status" = 124 ]; then
-  echo "[gpu_check.sh] stopped after ${LIMIT_S}s; the JSON holds the sections that finished"
-fi
+[ "$status" = 124 ] && echo "[gpu_check.sh] stopped after ${LIMIT_S}s; $OUT_DIR/gpu_check.json holds the sections that finished"
 exit "$status"

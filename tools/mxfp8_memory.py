@@ -27,8 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from olmo_jax import config as config_lib  # noqa: E402
+from olmo_jax.model.abstract import abstract_model  # noqa: E402
 from olmo_jax.optim import build_optimizer  # noqa: E402
-from olmo_jax.trainer.state import TrainState, abstract_model  # noqa: E402
+from olmo_jax.trainer.state import TrainState  # noqa: E402
 from olmo_jax.trainer.step import make_train_step  # noqa: E402
 
 

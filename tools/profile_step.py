@@ -23,8 +23,7 @@ from pathlib import Path
 import jax
 from jax.profiler import ProfileData
 
-from olmo_jax.parallel import comms
-from olmo_jax.planner import hlo_cost
+from olmo_jax.planner import comms, hlo_cost
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vs_torch import benchmark_step  # noqa: E402  (the benchmark's own step and batch)

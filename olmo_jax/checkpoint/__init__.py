@@ -1,4 +1,5 @@
-"""Checkpoints: orbax save / resume / reshard for training runs (`manager`, `run`), and
+"""Checkpoints: orbax save / resume / reshard for training runs (`manager`; when a run
+saves and what it resumes from is the trainer's, olmo_jax/trainer/checkpoints.py), and
 two-way Hugging Face OLMoE conversion (`hf`, `hf_config`, `safetensors_io`).
 
     from olmo_jax.checkpoint.hf import load_model, save_model

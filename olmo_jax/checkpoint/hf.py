@@ -41,11 +41,11 @@ from olmo_jax.checkpoint.errors import CheckpointError
 from olmo_jax.checkpoint.hf_config import from_hf_config, to_hf_config
 from olmo_jax.checkpoint.tree import check_fits, flatten_named, nest, unflatten_named
 from olmo_jax.model import Transformer, TransformerConfig
-from olmo_jax.trainer.state import abstract_model
+from olmo_jax.model.abstract import abstract_model
+from olmo_jax.model.config import DTYPES
 
 _LAYER = "model.layers.{l}."
 _EXPERT = _LAYER + "mlp.experts.{e}."
-DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16, "float16": np.float16}
 
 
 class _Tensors:
@@ -282,11 +282,16 @@ def _export(cfg, params, model_state, hf_config, out_dir: Path, dtype: str | Non
         dtype = str(
             (hf_config or {}).get("dtype") or (hf_config or {}).get("torch_dtype") or "float32"
         )
-    if dtype not in DTYPES:
-        raise CheckpointError(f"dtype={dtype!r}: choose one of {', '.join(DTYPES)}")
+    check_dtype(dtype)
     config = to_hf_config(cfg, hf_config, dtype)
     pure = nest({k: np.asarray(jax.device_get(v)) for k, v in flatten_named(params).items()})
-    safetensors_io.write_folder(out_dir, config, params_to_hf(pure, cfg, DTYPES[dtype]))
+    safetensors_io.write_folder(out_dir, config, params_to_hf(pure, cfg, np.dtype(DTYPES[dtype])))
+
+
+def check_dtype(dtype: str | None) -> None:
+    """An export's tensor dtype: a name in model/config.py's DTYPES (None = the source's)."""
+    if dtype is not None and dtype not in DTYPES:
+        raise CheckpointError(f"dtype={dtype!r}: choose one of {', '.join(DTYPES)}")
 
 
 def save_model(model, out_dir: str | Path, dtype: str | None = None) -> None:
@@ -338,15 +343,11 @@ def _model_assignments(cfg: TransformerConfig) -> list[tuple[str, object]]:
 
 def run_config(cfg: TransformerConfig, tokenizer: str = "") -> ml_collections.ConfigDict:
     """The default run config with `cfg` as its model."""
-    from olmo_jax.config import default_config
+    from olmo_jax.config import default_config, set_path
 
     c = default_config()
     for dotted, value in _model_assignments(cfg):
-        section, *rest = dotted.split(".")
-        node = c[section]
-        for part in rest[:-1]:
-            node = node[part]
-        node[rest[-1]] = value
+        set_path(c, dotted, value)
     if tokenizer:
         c.data.tokenizer = tokenizer
     return c
@@ -422,5 +423,6 @@ def load_checkpoint(ckpt: str | Path) -> HFModel:
 
 def orbax_to_hf(ckpt: str | Path, out_dir: str | Path, dtype: str | None = None) -> None:
     out_dir = Path(out_dir)
+    check_dtype(dtype)
     _require_empty(out_dir, "--out")
     save_model(load_checkpoint(ckpt), out_dir, dtype)

@@ -19,7 +19,7 @@ import numpy as np
 from olmo_jax.checkpoint import hf
 from olmo_jax.checkpoint import manager as m
 from olmo_jax.checkpoint.tree import check_fits, flatten_named, unflatten_named
-from olmo_jax.trainer.state import abstract_model
+from olmo_jax.model.abstract import abstract_model
 
 OPTIMIZER_NOTE = ("optimizer state dropped: the new checkpoint holds weights only (the old "
                   "moments have no exact image in the new expert layout); a run from it "

@@ -4,10 +4,9 @@ pipeline.py), and the named eval sets (build.py).
 
     data = build_data(cfg.data, seq_len, global_batch_size, seed)
     for step, batch_BL in data.train.iterate():  # int32 [B, seq_len + 1]
-        inputs, targets = batch_BL[:, :-1], batch_BL[:, 1:]  # targets < 0: labels.py
+        inputs, targets = batch_BL[:, :-1], batch_BL[:, 1:]  # targets < 0: olmo_jax/labels.py
 """
 
-from olmo_jax.data import labels
 from olmo_jax.data.build import Data, build_data, default_cache_dir
 from olmo_jax.data.corpus import stdlib_corpus
 from olmo_jax.data.errors import DataError
@@ -31,7 +30,6 @@ __all__ = [
     "TokenWindows",
     "Tokenizer",
     "build_data",
-    "labels",
     "default_cache_dir",
     "dtype_for_vocab",
     "load_tokenizer",

@@ -1,8 +1,10 @@
 """The model's hyperparameters: plain frozen dataclasses, usable without the trainer.
 
 `TransformerConfig` owns the architecture (an OLMoE-style decoder); `MoEConfig` owns the
-routed feed-forward. Validation lives here so research code that builds a model by hand
-gets the same clear errors as the command line.
+routed feed-forward. These fields ARE the run config's `model` section: olmo_jax/config.py
+generates that ConfigDict from them, so each field's default and doc live here, once.
+Validation lives here so research code that builds a model by hand gets the same clear
+errors as the command line; each choice list is imported from the module implementing it.
 """
 
 from __future__ import annotations
@@ -12,11 +14,21 @@ from dataclasses import dataclass, field
 
 import jax.numpy as jnp
 
+from olmo_jax.errors import ConfigError, check_choice
+from olmo_jax.kernels import GMM_IMPLS
+from olmo_jax.model.moe.losses import LB_GRANULARITIES, LB_LOSS_TYPES
+from olmo_jax.model.mxfp8 import PRECISIONS
+
+# Dtype names -> dtypes, the one table: model.dtype (the compute dtype) and the tensor dtype
+# of a Hugging Face export (olmo_jax/checkpoint/hf.py, `convert orbax-to-hf --dtype`).
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# The compute dtypes: float16 is a storage dtype only. The trainer has no loss scaling, so
+# float16 activations and gradients would underflow; model.dtype refuses it.
+COMPUTE_DTYPES = ("float32", "bfloat16")
+# The run config's value of a field when it differs from the dataclass default (metadata).
+RUN_DEFAULT = "run_default"
 
-
-class ConfigError(ValueError):
-    """A configuration value is wrong; the message names the field and the fix."""
+__all__ = ["COMPUTE_DTYPES", "DTYPES", "ConfigError", "MoEConfig", "TransformerConfig"]
 
 
 @dataclass(frozen=True)
@@ -25,29 +37,34 @@ class MoEConfig:
     top_k: int = 2
     expert_hidden: int = 512
     # Router (model/moe/router.py; every option is documented in the README's routing table).
-    gating: str = "softmax"  # softmax | sigmoid | topk_softmax
+    gating: str = "softmax"  # router.GATINGS: softmax | sigmoid | topk_softmax
     norm_topk_prob: bool = False  # softmax gating: renormalize the k weights to sum to 1
     router_weight_scale: float = 1.0  # multiplies the combine weights
-    n_group: int = 1  # group-limited routing: experts split into n_group groups ...
+    n_group: int = 1  # group-limited routing: experts split into n_group groups (1 = off) ...
     topk_group: int = 1  # ... of which the best topk_group may be chosen from
-    bias_rate: float = 0.0  # > 0: auxiliary-loss-free balancing with this bias step size
-    routing_mode: str = "learned"  # learned | random | uniform (system benchmarks)
+    bias_rate: float = 0.0  # > 0: auxiliary-loss-free balancing with this bias step size (0 = off)
+    routing_mode: str = "learned"  # router.ROUTING_MODES: learned | random | uniform (benchmarks)
     router_jitter: float = 0.0  # training only: router input *= U(1 - j, 1 + j)
     # Shared experts (always applied, added to the routed output).
     n_shared_experts: int = 0
     shared_hidden: int = 0
-    # Dispatch: capacity_factor 0 = dropless; > 0 = per-expert capacity, overflow dropped.
+    # Expert capacity, the one capacity factor of every dispatch: each expert's buffer holds
+    # ceil(capacity_factor x tokens x top_k / num_experts) rows, overflow is dropped
+    # (dropped_frac). 0 = dropless where the dispatch can be: one rank (model/moe/layer.py),
+    # parallel.dispatch=ragged or allgather; rowwise dispatch (parallel.expert > 1) has fixed
+    # receive slots and then uses OLMo-core's 1.25 (parallel/expert ROWWISE_CAPACITY_FACTOR).
     capacity_factor: float = 0.0
-    gmm_impl: str = "auto"  # auto | tiled | pallas | ragged_dot | einsum (olmo_jax/kernels)
-    # Expert GEMM precision: bf16 (= model.dtype) | mxfp8 (model/moe/mxfp8_experts.py).
+    gmm_impl: str = "auto"  # kernels.GMM_IMPLS: auto | tiled | pallas | ragged_dot | einsum
+    # Expert GEMM precision (model/mxfp8.PRECISIONS): bf16 (= model.dtype) | mxfp8
+    # (model/moe/mxfp8_experts.py).
     precision: str = "bf16"
     mxfp8_wgrad: bool = False  # mxfp8: also round the weight-gradient GEMM operands
-    # Auxiliary losses.
+    # Auxiliary losses (model/moe/losses.py).
     lb_loss_coef: float = 0.01
     z_loss_coef: float = 0.001
-    lb_loss_type: str = "per_layer"  # per_layer (OLMo-core) | pooled (Hugging Face)
-    # Counts the load-balancing loss sees: global (summed over every device's tokens) |
-    # local (each data-parallel rank's own tokens, the per-rank losses averaged).
+    lb_loss_type: str = "per_layer"  # losses.LB_LOSS_TYPES: per_layer (OLMo-core) | pooled (HF)
+    # Counts the load-balancing loss sees (losses.LB_GRANULARITIES): global (summed over every
+    # device's tokens) | local (each data-parallel rank's own tokens, the losses averaged).
     lb_granularity: str = "global"
 
     @property
@@ -64,10 +81,9 @@ class MoEConfig:
             )
         if self.expert_hidden < 1:
             raise ConfigError(f"{prefix}.expert_hidden must be >= 1, got {self.expert_hidden}")
-        if self.gating not in ("softmax", "sigmoid", "topk_softmax"):
-            raise ConfigError(
-                f"{prefix}.gating={self.gating!r}: choose softmax, sigmoid or topk_softmax"
-            )
+        from olmo_jax.model.moe import router  # it imports this module: imported when used
+
+        check_choice(f"{prefix}.gating", self.gating, router.GATINGS, one_of=False)
         if self.n_shared_experts < 0 or (self.n_shared_experts > 0 and self.shared_hidden < 1):
             raise ConfigError(
                 f"{prefix}.n_shared_experts={self.n_shared_experts} needs "
@@ -77,24 +93,17 @@ class MoEConfig:
             raise ConfigError(
                 f"{prefix}.capacity_factor must be >= 0 (0 = dropless), got {self.capacity_factor}"
             )
-        if self.gmm_impl not in ("auto", "tiled", "pallas", "ragged_dot", "einsum"):
-            raise ConfigError(
-                f"{prefix}.gmm_impl={self.gmm_impl!r}: choose auto, tiled, pallas, ragged_dot or einsum"
-            )
-        if self.precision not in ("bf16", "mxfp8"):
-            raise ConfigError(f"{prefix}.precision={self.precision!r}: choose bf16 or mxfp8")
+        check_choice(f"{prefix}.gmm_impl", self.gmm_impl, GMM_IMPLS, one_of=False)
+        check_choice(f"{prefix}.precision", self.precision, PRECISIONS, one_of=False)
         if self.precision == "mxfp8" and self.expert_hidden % 32:
             raise ConfigError(
                 f"{prefix}.precision=mxfp8 quantizes blocks of 32 along the hidden size: "
                 f"{prefix}.expert_hidden={self.expert_hidden} must be a multiple of 32"
             )
-        if self.lb_loss_type not in ("per_layer", "pooled"):
-            raise ConfigError(
-                f"{prefix}.lb_loss_type={self.lb_loss_type!r}: choose per_layer or pooled"
-            )
-        self._validate_routing(prefix)
+        check_choice(f"{prefix}.lb_loss_type", self.lb_loss_type, LB_LOSS_TYPES, one_of=False)
+        self._validate_routing(prefix, router.ROUTING_MODES)
 
-    def _validate_routing(self, prefix: str) -> None:
+    def _validate_routing(self, prefix: str, routing_modes) -> None:
         if self.n_group < 1 or self.num_experts % self.n_group:
             raise ConfigError(
                 f"{prefix}.n_group={self.n_group} must be >= 1 and divide "
@@ -113,18 +122,12 @@ class MoEConfig:
             )
         if self.bias_rate < 0:
             raise ConfigError(f"{prefix}.bias_rate must be >= 0 (0 = off), got {self.bias_rate}")
-        if self.routing_mode not in ("learned", "random", "uniform"):
-            raise ConfigError(
-                f"{prefix}.routing_mode={self.routing_mode!r}: choose learned, random or uniform"
-            )
+        check_choice(f"{prefix}.routing_mode", self.routing_mode, routing_modes, one_of=False)
         if not 0 <= self.router_jitter < 1:
             raise ConfigError(
                 f"{prefix}.router_jitter must be in [0, 1) (0 = off), got {self.router_jitter}"
             )
-        if self.lb_granularity not in ("global", "local"):
-            raise ConfigError(
-                f"{prefix}.lb_granularity={self.lb_granularity!r}: choose global or local"
-            )
+        check_choice(f"{prefix}.lb_granularity", self.lb_granularity, LB_GRANULARITIES, one_of=False)
         if self.lb_loss_coef < 0 or self.z_loss_coef < 0:
             raise ConfigError(
                 f"{prefix}.lb_loss_coef={self.lb_loss_coef} and {prefix}.z_loss_coef="
@@ -136,12 +139,11 @@ class MoEConfig:
             )
 
 
-ATTENTION_IMPLS = ("auto", "cudnn", "xla")
-
-
 @dataclass(frozen=True)
 class TransformerConfig:
-    vocab_size: int = 384
+    # The resolved vocabulary; the run config's 0 = the tokenizer's padded vocabulary
+    # (olmo_jax.config.model_config fills it in).
+    vocab_size: int = field(default=384, metadata={RUN_DEFAULT: 0})
     d_model: int = 256
     n_layers: int = 4
     n_heads: int = 4
@@ -158,11 +160,13 @@ class TransformerConfig:
     # The LM head's z-loss: coef * mean over labelled tokens of logsumexp(logits)^2
     # (OLMo-core's z_loss_multiplier; its reference runs use 1e-4). 0 = off.
     lm_z_loss_coef: float = 0.0
-    dtype: str = "float32"  # compute dtype; parameters are always float32
-    remat: str = "none"  # none | block | attention
-    scan_unroll: int = 1  # layers per iteration of the layer scan (compile time grows with it)
-    attention_precision: str = "bf16"  # bf16 (= dtype) | mxfp8: q/k/v/o projection GEMMs
-    attention_impl: str = "auto"  # auto | cudnn | xla: the softmax(q k^T) v core (model/attention.py)
+    dtype: str = "float32"  # compute dtype, COMPUTE_DTYPES: float32 | bfloat16 (params: float32)
+    remat: str = "none"  # transformer.REMATS: none | block | attention
+    scan_unroll: int = 1  # blocks per layer-scan iteration (= n_layers unrolls; compile time grows)
+    attention_precision: str = "bf16"  # model/mxfp8.PRECISIONS: bf16 (= dtype) | mxfp8 (q/k/v/o GEMMs)
+    # attention.ATTENTION_IMPLS, the softmax(q k^T) v core (model/attention.py): auto (cuDNN
+    # fused attention on a GPU in bf16/fp16) | cudnn | xla
+    attention_impl: str = "auto"
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     @property
@@ -210,21 +214,16 @@ class TransformerConfig:
                 f"{prefix}.n_dense_layers={self.n_dense_layers} must be in [0, "
                 f"{prefix}.n_layers={self.n_layers}]"
             )
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"{prefix}.dtype={self.dtype!r}: choose one of {sorted(DTYPES)}")
+        check_choice(f"{prefix}.dtype", self.dtype, COMPUTE_DTYPES)
         if self.scan_unroll < 1:
             raise ConfigError(f"{prefix}.scan_unroll must be >= 1, got {self.scan_unroll}")
-        if self.remat not in ("none", "block", "attention"):
-            raise ConfigError(f"{prefix}.remat={self.remat!r}: choose none, block or attention")
-        if self.attention_precision not in ("bf16", "mxfp8"):
-            raise ConfigError(
-                f"{prefix}.attention_precision={self.attention_precision!r}: choose bf16 or mxfp8"
-            )
-        if self.attention_impl not in ATTENTION_IMPLS:
-            raise ConfigError(
-                f"{prefix}.attention_impl={self.attention_impl!r}: choose one of "
-                f"{', '.join(ATTENTION_IMPLS)}"
-            )
+        # attention.py and transformer.py import this module: imported when used.
+        from olmo_jax.model.attention import ATTENTION_IMPLS
+        from olmo_jax.model.transformer import REMATS
+
+        check_choice(f"{prefix}.remat", self.remat, REMATS, one_of=False)
+        check_choice(f"{prefix}.attention_precision", self.attention_precision, PRECISIONS, one_of=False)
+        check_choice(f"{prefix}.attention_impl", self.attention_impl, ATTENTION_IMPLS)
         widths = (self.d_model, self.n_heads * self.head_size, self.kv_heads * self.head_size)
         if self.attention_precision == "mxfp8" and any(w % 32 for w in widths):
             raise ConfigError(

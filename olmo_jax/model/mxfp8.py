@@ -3,13 +3,14 @@ GEMM's contracting dimension (`olmo_jax.kernels.mxfp8`), forward and input-gradi
 GEMMs in MXFP8, weight-gradient GEMMs in the compute dtype (optionally on MXFP8-rounded
 operands too).
 
-A "layout" names a bilinear product f(a, w, aux) between rows `a` and weights `w` whose
-contracting dimension is a's last and w's second-to-last (w is [K, N] or [E, K, N]):
-  dense    a [M, K] @ w [K, N]                    (attention projections)
-  batched  a [G, C, K], w [G, K, N] per group      (capacity buffers)
-  blocked  a [B, b, K], w [E, K, N], block b uses expert aux[b]   (dropless blocked)
-  ragged   a [R, K] sorted by expert, aux = group sizes: jax.lax.ragged_dot
-  pallas   the same with the Pallas grouped-matmul kernels (olmo_jax.kernels)
+A layout is a small typed value naming a bilinear product f(a, w) = layout.product(a, w)
+between rows `a` and weights `w` whose contracting dimension is a's last and w's
+second-to-last (w is [K, N] or [E, K, N]); its fields are what the product needs:
+  Dense()                 a [M, K] @ w [K, N]                 (attention projections)
+  Batched()               a [G, C, K], w [G, K, N] per group   (capacity buffers)
+  Blocked(block_expert_U) a [B, b, K], w [E, K, N], block i uses expert block_expert_U[i]
+  Ragged(group_sizes_G)   a [R, K] sorted by expert: jax.lax.ragged_dot
+  Pallas(group_sizes_G)   the same with the Pallas grouped-matmul kernels (olmo_jax.kernels)
 The input and weight gradients of any layout are the vjp of f, so the MXFP8 versions
 below need only f:
   forward  y  = f(Q(a) along K, Q(w) along K)
@@ -26,58 +27,97 @@ so both agree up to accumulation order.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from olmo_jax.kernels import mxfp8 as mx
 from olmo_jax.kernels import platform, vma
 from olmo_jax.kernels.vma import cotangent_like
 
+# GEMM precisions: model.attention_precision, model.moe.precision and the dispatch payload
+# (model/moe/payload.py); bf16 = the compute dtype, mxfp8 = the block-scaled GEMMs here.
 PRECISIONS = ("bf16", "mxfp8")
 
 
-def _dense(a, w, aux):
-    return jnp.dot(a, w)
+def _layout(cls):
+    """A layout type: a frozen dataclass whose array fields are pytree data (traced)."""
+    return jax.tree_util.register_dataclass(dataclasses.dataclass(frozen=True)(cls))
 
 
-def _batched(a, w, aux):
-    return jnp.einsum("gck,gkn->gcn", a, w)
+@_layout
+class Dense:
+    """a [M, K] @ w [K, N] (attention projections)."""
+
+    scaled_matmul = True  # jax.nn.scaled_matmul runs it on block-scaled MMA
+
+    def product(self, a, w):
+        return jnp.dot(a, w)
 
 
-def _blocked(a, w, aux):
-    return jnp.einsum("bck,bkn->bcn", a, w[aux])
+@_layout
+class Batched:
+    """a [G, C, K], w [G, K, N]: one product per group (capacity buffers)."""
+
+    scaled_matmul = True
+
+    def product(self, a, w):
+        return jnp.einsum("gck,gkn->gcn", a, w)
 
 
-def _ragged(a, w, aux):
-    return jax.lax.ragged_dot(a, w, aux)
+@_layout
+class Blocked:
+    """a [B, b, K], w [E, K, N]: block i uses expert block_expert_U[i] (dropless blocked)."""
+
+    block_expert_U: jax.Array
+    scaled_matmul = True
+
+    def product(self, a, w):
+        return jnp.einsum("bck,bkn->bcn", a, w[self.block_expert_U])
 
 
-def _pallas(a, w, aux):
-    from olmo_jax.kernels.grouped_matmul import grouped_matmul
+@_layout
+class Ragged:
+    """a [R, K] sorted by expert, group_sizes_G rows per expert: jax.lax.ragged_dot."""
 
-    return grouped_matmul(a, w, aux)
+    group_sizes_G: jax.Array
+    scaled_matmul = False
+
+    def product(self, a, w):
+        return jax.lax.ragged_dot(a, w, self.group_sizes_G)
 
 
-def _pallas_wgrad(a, dy, aux):
-    from olmo_jax.kernels.grouped_matmul import tgmm
+@_layout
+class Pallas:
+    """Ragged on the Pallas grouped-matmul kernels (olmo_jax/kernels/grouped_matmul.py);
+    its weight gradient is the kernel's own (tgmm), not the product's transpose."""
 
-    return tgmm(a, dy, aux)
+    group_sizes_G: jax.Array
+    scaled_matmul = False
+
+    def product(self, a, w):
+        from olmo_jax.kernels.grouped_matmul import grouped_matmul
+
+        return grouped_matmul(a, w, self.group_sizes_G)
+
+    def weight_grad(self, a, dy):
+        from olmo_jax.kernels.grouped_matmul import tgmm
+
+        return tgmm(a, dy, self.group_sizes_G)
 
 
-LAYOUTS = {
-    "dense": _dense,
-    "batched": _batched,
-    "blocked": _blocked,
-    "ragged": _ragged,
-    "pallas": _pallas,
-}
-# Weight gradients computed directly instead of as f's vjp (which would also run f).
-WGRADS = {"pallas": _pallas_wgrad}
-SCALED_MATMUL_LAYOUTS = ("dense", "batched", "blocked")
+Layout = Dense | Batched | Blocked | Ragged | Pallas
+DENSE = Dense()
+
+
+def no_cotangent(layout: Layout):
+    """The (float0) cotangent of a layout's integer fields, for a custom VJP."""
+    return jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), layout)
 
 
 def quantize(x, axis: int, rounding: str):
@@ -105,17 +145,17 @@ def round_trip(x, axis: int, rounding: str):
     return dequantize(q, s, axis, x.dtype, x.shape[axis])
 
 
-def use_scaled_matmul(layout: str) -> bool:
-    return layout in SCALED_MATMUL_LAYOUTS and platform.block_scaled_mma_supported()
+def use_scaled_matmul(layout: Layout) -> bool:
+    return layout.scaled_matmul and platform.block_scaled_mma_supported()
 
 
-def mx_nt(layout: str, a_q, a_s, bt_q, bt_s, aux, dtype):
+def mx_nt(layout: Layout, a_q, a_s, bt_q, bt_s, dtype):
     """One MXFP8 GEMM: rows a [..., K] and weights given transposed, bt [.., N, K], both
-    quantized along K (their last dim). Returns f(a, bt^T) in `dtype`."""
+    quantized along K (their last dim). Returns layout.product(a, bt^T) in `dtype`."""
     if use_scaled_matmul(layout):
-        if layout == "blocked":
-            bt_q, bt_s = bt_q[aux], bt_s[aux]
-        if layout == "dense":
+        if isinstance(layout, Blocked):
+            bt_q, bt_s = bt_q[layout.block_expert_U], bt_s[layout.block_expert_U]
+        if isinstance(layout, Dense):
             out = jax.nn.scaled_matmul(a_q[None], bt_q[None], a_s[None], bt_s[None])[0]
         else:
             out = jax.nn.scaled_matmul(a_q, bt_q, a_s, bt_s)
@@ -124,7 +164,7 @@ def mx_nt(layout: str, a_q, a_s, bt_q, bt_s, aux, dtype):
         return vma.like(out.astype(dtype), a_q, bt_q)
     a = mx.dequantize(a_q, a_s, -1, dtype)
     w = jnp.swapaxes(mx.dequantize(bt_q, bt_s, -1, dtype), -1, -2)
-    return LAYOUTS[layout](a, w, aux).astype(dtype)
+    return layout.product(a, w).astype(dtype)
 
 
 class WeightQ(NamedTuple):
@@ -155,31 +195,31 @@ def quantize_weight(w, rounding: str) -> WeightQ:
     )
 
 
-def forward(layout, a, wq: WeightQ, aux, rounding):
+def forward(layout: Layout, a, wq: WeightQ, rounding):
     """(y, (a_q, a_s)): the forward GEMM and a's quantized form (saved for backward)."""
     a_q, a_s = mx.quantize(a, -1, rounding)
-    return mx_nt(layout, a_q, a_s, wq.fwd_q, wq.fwd_s, aux, a.dtype), (a_q, a_s)
+    return mx_nt(layout, a_q, a_s, wq.fwd_q, wq.fwd_s, a.dtype), (a_q, a_s)
 
 
-def dgrad(layout, dy, wq: WeightQ, aux, rounding):
+def dgrad(layout: Layout, dy, wq: WeightQ, rounding):
     """dL/da of f(a, w): Q(dy along N) times Q(w along N)^T."""
     dy_q, dy_s = mx.quantize(dy, -1, rounding)
-    return mx_nt(layout, dy_q, dy_s, wq.dgrad_q, wq.dgrad_s, aux, dy.dtype)
+    return mx_nt(layout, dy_q, dy_s, wq.dgrad_q, wq.dgrad_s, dy.dtype)
 
 
-def wgrad(layout, a, dy, wq: WeightQ, aux, rounding, quantize_wgrad: bool):
+def wgrad(layout: Layout, a, dy, wq: WeightQ, rounding, quantize_wgrad: bool):
     """dL/dw of f(a, w) for cotangent dy: the transpose of the linear map w -> f(a, w)
     (no forward product is run). With quantize_wgrad, a and dy are first rounded through
     MXFP8 along the rows (axis -2). Returns a's dtype."""
     dy = dy.astype(a.dtype)
     if quantize_wgrad:
         a, dy = round_trip(a, -2, rounding), round_trip(dy, -2, rounding)
-    if layout in WGRADS:  # a kernel typed like (a, dy): summed to the weight's axes
-        return cotangent_like(WGRADS[layout](a, dy, aux).astype(a.dtype), wq.dgrad_q)
+    if isinstance(layout, Pallas):  # a kernel typed like (a, dy): summed to the weight's axes
+        return cotangent_like(layout.weight_grad(a, dy).astype(a.dtype), wq.dgrad_q)
     # w's type (shape, dtype, and inside shard_map its manual axes), from a saved copy;
     # the conversion is dead code after the transpose and is never computed.
     w_like = wq.dgrad_q.astype(a.dtype)
-    (dw,) = jax.linear_transpose(lambda w_: LAYOUTS[layout](a, w_, aux), w_like)(dy)
+    (dw,) = jax.linear_transpose(lambda w_: layout.product(a, w_), w_like)(dy)
     return dw
 
 
@@ -194,7 +234,7 @@ def dense(x_MK, w_KN, rounding: str = "rceil", quantize_wgrad: bool = False):
 
 def _dense_fwd(x_MK, w_KN, rounding, quantize_wgrad):
     wq = quantize_weight(w_KN, rounding)
-    y, (x_q, x_s) = forward("dense", x_MK, wq, None, rounding)
+    y, (x_q, x_s) = forward(DENSE, x_MK, wq, rounding)
     return y, (x_q, x_s, wq._replace(fwd_q=None, fwd_s=None))
 
 
@@ -202,8 +242,8 @@ def _dense_bwd(rounding, quantize_wgrad, res, dy):
     x_q, x_s, wq = res
     dt = dy.dtype
     x = mx.dequantize(x_q, x_s, -1, dt)
-    dx = dgrad("dense", dy, wq, None, rounding)
-    dw = wgrad("dense", x, dy, wq, None, rounding, quantize_wgrad)
+    dx = dgrad(DENSE, dy, wq, rounding)
+    dw = wgrad(DENSE, x, dy, wq, rounding, quantize_wgrad)
     return dx, dw
 
 

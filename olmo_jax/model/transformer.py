@@ -62,6 +62,11 @@ def _stacked_blocks(cfg: TransformerConfig, n: int, moe: bool, rngs: nnx.Rngs, d
     return make(rngs)
 
 
+# model.remat: none | block (each block's activations recomputed in the backward pass,
+# run_blocks) | attention (the attention sub-layer only, Block)
+REMATS = ("none", "block", "attention")
+
+
 def run_blocks(blocks: Block, x_BTD, cos_TH, sin_TH, remat: str = "none", rng=None, unroll: int = 1,
                *, keys=None, keep_L=None):
     """Scan x through stacked blocks; returns (x, per-layer stats stacked on axis 0).

@@ -10,7 +10,7 @@ import optax
 from olmo_jax.optim.muon import muon_labels, scale_by_muon
 from olmo_jax.optim.schedules import lr_schedule
 
-OPTIMIZERS = ("adamw", "muon")
+OPTIMIZERS = ("adamw", "muon")  # optim.name
 
 
 def decay_mask(params):

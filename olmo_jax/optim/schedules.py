@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import optax
 
+SCHEDULES = ("cosine", "wsd", "constant")  # optim.schedule (lr_schedule)
+
 
 def lr_schedule(
     kind: str, peak: float, total_steps: int, warmup_steps: int,

@@ -40,6 +40,7 @@ FSDP_RULES: dict[str, str | tuple[str, ...] | None] = {
     "act_batch": BATCH_AXES,  # parameters (experts too) gathered whole for use
 }
 RULES = {"ddp": DDP_RULES, "fsdp": FSDP_RULES}
+STRATEGIES = tuple(RULES)  # parallel.strategy: ddp | fsdp
 
 
 def is_spec(x) -> bool:

@@ -34,6 +34,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from olmo_jax.kernels import platform, resolve_gmm_impl
+from olmo_jax.model.abstract import abstract_model
 from olmo_jax.model.attention import resolve_attention_impl
 from olmo_jax.model.config import ConfigError, TransformerConfig
 from olmo_jax.model.params import path_name
@@ -43,8 +44,8 @@ from olmo_jax.parallel import muon as muon_lib
 from olmo_jax.parallel import rules, zero
 from olmo_jax.parallel.mesh import BATCH_AXES
 from olmo_jax.parallel.pipeline import Pipeline, build_pipeline, check_unpipelined
+from olmo_jax.parallel.rules import STRATEGIES
 
-STRATEGIES = ("ddp", "fsdp")
 BATCH_SPEC = rules.logical_to_spec((None, "act_batch", None))  # [microbatch, rows, tokens]
 
 
@@ -265,7 +266,7 @@ def check_batch(global_batch: int, mesh: Mesh, grad_accum: int,
         )
 
 
-def check_model_fits(model_cfg: TransformerConfig, mesh: Mesh, strategy: str) -> None:
+def check_model_fits(model_cfg: TransformerConfig, mesh: Mesh, strategy: str, dispatch: str) -> None:
     ep = mesh.shape["expert"]
     E = model_cfg.moe.num_experts
     if strategy == "ddp" and model_cfg.n_moe_layers and E % ep:
@@ -273,12 +274,11 @@ def check_model_fits(model_cfg: TransformerConfig, mesh: Mesh, strategy: str) ->
             f"model.moe.num_experts={E} is not divisible by parallel.expert={ep}: every expert "
             f"rank must hold the same number of experts; choose parallel.expert dividing {E}"
         )
-    if strategy == "ddp" and ep > 1 and model_cfg.moe.capacity_factor > 0:
+    cf = model_cfg.moe.capacity_factor
+    if strategy == "ddp" and ep > 1 and dispatch in expert_lib.DROPLESS and cf > 0:
         raise ConfigError(
-            f"model.moe.capacity_factor={model_cfg.moe.capacity_factor} applies to "
-            f"single-rank dispatch only; with parallel.expert={ep} set parallel.capacity_factor "
-            f"(rowwise) or use a dropless parallel.dispatch (ragged, allgather), and leave "
-            f"model.moe.capacity_factor=0"
+            f"model.moe.capacity_factor={cf} sizes capacity buffers, but parallel.dispatch="
+            f"{dispatch} is dropless; set model.moe.capacity_factor=0 or parallel.dispatch=rowwise"
         )
 
 
@@ -314,20 +314,18 @@ def build_plan(cfg, model_cfg: TransformerConfig, abstract_params=None,
     mesh = mesh_lib.make_mesh(p, devices)
     if mesh.shape["pipe"] == 1:
         check_unpipelined(p)
-    check_model_fits(model_cfg, mesh, p.strategy)
+    check_model_fits(model_cfg, mesh, p.strategy, p.dispatch)
     check_kernels(model_cfg, plan_target(mesh))
     check_batch(cfg.trainer.global_batch_size, mesh, cfg.trainer.grad_accum,
                 microbatches=p.microbatches)
     ep = mesh.shape["expert"]
     if p.strategy == "ddp" and ep > 1:
-        dispatcher = expert_lib.make_dispatcher(p.dispatch, p.capacity_factor)
+        dispatcher = expert_lib.make_dispatcher(p.dispatch, model_cfg.moe.capacity_factor)
         dispatch = p.dispatch
     else:
-        expert_lib.make_dispatcher(p.dispatch, p.capacity_factor)  # validates the fields
+        expert_lib.make_dispatcher(p.dispatch)  # validates the field
         dispatcher, dispatch = None, "local"
     if abstract_params is None:
-        from olmo_jax.trainer.state import abstract_model
-
         abstract_params = abstract_model(model_cfg)[1]
     compute = rules.param_specs(abstract_params, rules.RULES[p.strategy])
     shard = p.zero1 or p.strategy == "fsdp"

@@ -1,7 +1,10 @@
-"""What `python -m olmo_jax.plan` runs once its flags are read: start JAX on n fake CPU
-devices, compile the config's step (and, with --compare-strategies, its ddp + EP and fsdp
-variants), build the plans and render them. A pipelined config (parallel.pipe > 1) is
-compiled as the trainer runs it: its schedule, stages and stage-to-stage sends.
+"""What `python -m olmo_jax.plan` runs once its flags are read: compile the config's step
+(and, with --compare-strategies, its ddp + EP and fsdp variants) for n devices, build the
+plans and render them. For a GPU device kind the step is XLA:GPU's, compiled for n
+abstract GPUs here or in the GPU compile venv; else (and as the labelled fallback) it is
+XLA:CPU's on n fake CPU devices (planner/xla_gpu.py says which). A pipelined config
+(parallel.pipe > 1) is compiled as the trainer runs it: its schedule, stages and
+stage-to-stage sends.
 """
 
 from __future__ import annotations
@@ -12,8 +15,11 @@ import dataclasses
 import jax
 import ml_collections
 
+from olmo_jax import targets
+from olmo_jax.config import get_path, set_path
 from olmo_jax.model.config import ConfigError
-from olmo_jax.planner import hardware, report
+from olmo_jax.parallel.expert import rowwise_capacity_factor
+from olmo_jax.planner import hardware, report, xla_gpu
 from olmo_jax.planner.compile import compile_train_step
 
 
@@ -36,7 +42,7 @@ def comparison_variants(cfg) -> list[tuple[str, dict]]:
     with parallel.pipe > 1 its variants fold the pipe axis into data on the same devices
     and the pipeline's microbatches into gradient accumulation (same microbatch size)."""
     p = cfg.parallel
-    cf = p.capacity_factor
+    cf = rowwise_capacity_factor(cfg.model.moe.capacity_factor)  # the rowwise variant's
     fsdp = {"parallel.strategy": "fsdp"}
     label = "fsdp"
     if p.pipe > 1:
@@ -50,37 +56,40 @@ def comparison_variants(cfg) -> list[tuple[str, dict]]:
 
 
 def _same(cfg, changes: dict) -> bool:
-    return all(_get(cfg, k) == v for k, v in changes.items())
-
-
-def _get(cfg, dotted: str):
-    node = cfg
-    for part in dotted.split("."):
-        node = node[part]
-    return node
+    return all(get_path(cfg, k) == v for k, v in changes.items())
 
 
 def _variant(cfg, devices, changes: dict):
     variant = copy.deepcopy(cfg)
     for dotted, value in changes.items():
-        *path, last = dotted.split(".")
-        node = variant
-        for part in path:
-            node = node[part]
-        node[last] = value
+        set_path(variant, dotted, value)
     return compile_train_step(variant, devices)
 
 
 def run(cfg: ml_collections.ConfigDict, n_devices: int, kind: str, compare: bool,
-        config_path: str = "") -> dict:
-    devices = start_devices(n_devices)
+        config_path: str = "", compiler: str = "auto", devices=None) -> dict:
+    """{"text": the rendered plan(s), "json": {"plan": ..., "compare": [...]}}. `compiler`:
+    auto | xla_gpu | xla_cpu (planner/xla_gpu.py); `devices`: the fake CPU devices an
+    XLA:CPU plan compiles for when JAX already runs (default: start n of them)."""
+    try:
+        where = xla_gpu.where(kind, compiler)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if where.how == "subprocess":
+        return xla_gpu.run_in_gpu_venv(where.python, cfg, n_devices, kind, compare, config_path)
+    if where.how == "here":
+        devices = targets.abstract_devices(kind, n_devices)
+    elif devices is None:
+        devices = start_devices(n_devices)
+    notes = [where.note] if where.note else []
     spec = hardware.device_spec(kind, n_devices)
-    plan = report.build(compile_train_step(cfg, devices), spec)
+    plan = report.build(compile_train_step(cfg, devices), spec, notes=notes)
     text = [report.format_plan(plan, config_path)]
     out = {"plan": plan.to_json()}
     if compare:
         plans = [dataclasses.replace(plan, label=label) if _same(cfg, changes)
-                 else report.build(_variant(cfg, devices, changes), spec, label=label)
+                 else report.build(_variant(cfg, devices, changes), spec, label=label,
+                                   notes=notes)
                  for label, changes in comparison_variants(cfg)]
         text.append(report.format_comparison(plans))
         out["compare"] = [p.to_json() for p in plans]

@@ -3,11 +3,18 @@
 The step is the trainer's (`make_train_step` under the config's `ParallelPlan`, jitted by
 `plan.jit_train_step` with the state's shardings), lowered on `jax.ShapeDtypeStruct`s that
 carry those shardings: nothing is initialized or allocated. The devices are whatever the
-caller passes (the planner's fake CPU devices), so the program is XLA:CPU's.
+caller passes: abstract GPUs of one kind (olmo_jax.targets, in an interpreter with the jax
+CUDA plugin: the program is XLA:GPU's, `compiler` "XLA:GPU") or the planner's fake CPU
+devices (XLA:CPU's). planner/xla_gpu.py chooses.
 
 XLA writes its buffer assignment and live ranges into a dump folder (compile option
-`xla_dump_to`), which memory.py reads for the buffers live at the peak. The backend is
-compiled at optimization level 0: the same HLO, buffers and collectives, less LLVM time.
+`xla_dump_to`), which memory.py reads for the buffers live at the peak (of XLA:GPU, whose
+`Compiled.as_text()` renames some instructions, the module is read from the same dump, so
+the names agree). Options that
+change no HLO, buffer or collective, only compile time (`planner_options`): XLA:CPU's
+backend at optimization level 0 (less LLVM time); XLA:GPU without autotuning (nothing to
+time candidate kernels on: each GEMM fusion takes its default tiling, as
+tests/gpu/test_compile_matrix.py compiles).
 
 `compile_train_step(cfg, devices, trainer_step=True)` compiles exactly what
 `python -m olmo_jax.train` runs: the step wrapped in the trainer's bad-step guard
@@ -32,12 +39,12 @@ import jax.numpy as jnp
 import ml_collections
 
 from olmo_jax import config as config_lib
+from olmo_jax import targets
 from olmo_jax.data import load_tokenizer
 from olmo_jax.model import TransformerConfig
 from olmo_jax.optim import build_optimizer
-from olmo_jax.parallel import comms
 from olmo_jax.parallel.strategy import ParallelPlan, build_plan
-from olmo_jax.planner import memory, pipeline
+from olmo_jax.planner import comms, memory, pipeline
 from olmo_jax.trainer import guard as guard_lib
 from olmo_jax.trainer.state import TrainState, abstract_train_state
 from olmo_jax.trainer.step import make_train_step
@@ -62,6 +69,23 @@ class CompiledStep:
     def n_devices(self) -> int:
         return self.plan.mesh.devices.size
 
+    @property
+    def gpu_kind(self) -> str | None:
+        """The olmo_jax.targets kind the program was compiled for (None: XLA:CPU)."""
+        return targets.kind_of(self.plan.mesh.devices.flat[0])
+
+    @property
+    def compiler(self) -> str:
+        return "XLA:GPU" if self.gpu_kind else "XLA:CPU"
+
+
+def planner_options(devices, dump: str) -> dict:
+    """The planner's compile options (module docstring) for `devices`, dumping to `dump`."""
+    options = {"xla_dump_to": dump, "xla_dump_hlo_module_re": ".*train_step.*"}
+    if targets.kind_of(list(devices)[0]) is not None:
+        return {**options, "xla_gpu_autotune_level": 0}
+    return {**options, "xla_backend_optimization_level": 0}
+
 
 def model_config(cfg: ml_collections.ConfigDict) -> TransformerConfig:
     """The model config; model.vocab_size 0 takes the tokenizer's (padded) vocabulary, as
@@ -75,7 +99,7 @@ def model_config(cfg: ml_collections.ConfigDict) -> TransformerConfig:
 def compile_train_step(cfg: ml_collections.ConfigDict, devices, *, trainer_step: bool = False,
                        options: dict | None = None) -> CompiledStep:
     """Lowers and compiles `cfg`'s train step for a mesh over `devices`: the planner's
-    (unguarded, XLA:CPU at optimisation level 0 with its buffer dump), or with
+    (unguarded, `planner_options` with the buffer dump), or with
     `trainer_step` the trainer's exact program (module docstring), compiled with XLA
     `options` (None: the backend's defaults, as the trainer compiles)."""
     config_lib.validate(cfg)
@@ -101,15 +125,17 @@ def compile_train_step(cfg: ml_collections.ConfigDict, devices, *, trainer_step:
     t1 = time.perf_counter()
     if trainer_step:
         compiled, live_range = lowered.compile(options), ""
+        program = compiled
     else:
         assert options is None, "options are for trainer_step compiles"
         with tempfile.TemporaryDirectory(prefix="olmo_jax_plan_") as dump:
-            compiled = lowered.compile({"xla_backend_optimization_level": 0, "xla_dump_to": dump,
-                                        "xla_dump_hlo_module_re": ".*train_step.*"})
+            compiled = lowered.compile(planner_options(devices, dump))
             path = memory.live_range_file(Path(dump))
             live_range = path.read_text() if path else ""
+            gpu_text = memory.gpu_module_file(Path(dump))
+            program = gpu_text.read_text() if gpu_text else compiled
     t2 = time.perf_counter()
-    module = comms.parse_module(compiled)
+    module = comms.parse_module(program)
     if plan.pipeline is not None:
         module = module.counted(pipeline.branch_weights(module, plan.pipeline.schedule))
     return CompiledStep(cfg, model_cfg, plan, compiled, module, state, shardings, batch,

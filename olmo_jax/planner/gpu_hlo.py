@@ -6,6 +6,7 @@ library / kernel custom calls, so a test or a plan can say which path a step too
     block_scaled_dots(module)   # cuDNN MXFP8 GEMMs (jax.nn.scaled_matmul on Blackwell)
     cudnn_attention(module)     # cuDNN fused attention (forward and backward calls)
     mosaic_gpu_kernels(module)  # Pallas Mosaic GPU kernels; .wgmma: a Hopper matmul kernel
+    custom_call_dot_flops(module, ins)  # matmul FLOPs of a library / kernel custom call
 
 How each appears in XLA:GPU's compiled HLO (checked by tests/gpu/test_toolchain.py):
 - Collectives run asynchronously: `all-reduce-start` / `all-reduce-done` pairs (likewise
@@ -22,15 +23,30 @@ How each appears in XLA:GPU's compiled HLO (checked by tests/gpu/test_toolchain.
   whose backend_config carries the kernel's MLIR module; a kernel issuing Hopper
   warpgroup MMAs names `wgmma` ops there (the grouped matmul does, the MXFP8 quantizer
   does not). The op_name is the generic `mpmd_map`, so the module is what tells them apart.
+
+Matmul FLOPs of the custom calls (`custom_call_dot_flops`, what the planner's HLO walk
+adds to the dots it counts itself; XLA:GPU's own GEMM fusions are dots it counts):
+- cuBLAS GEMMs (`__cublas$gemm`, `__cublas$lt$matmul*`): 2 x result elements x the
+  contracted size (the backend_config's `lhs_contracting_dimensions`);
+- cuDNN fused attention: the backend_config's `intermediate_tensor_shape` is the [B, N, T, S]
+  score shape; the head size H is q's (operand 0) elements / (B N T). The forward runs two
+  GEMMs of 2 B N T S H FLOPs each (QK^T, PV), the flash backward five (QK^T recomputed from
+  the saved log-sum-exp, dP, dV, dQ, dK); a CAUSAL mask computes the lower triangle,
+  (S + 1) / 2S of the entries when T = S;
+- cuDNN block-scaled GEMMs: 2 x result elements x lhs's last (contracted) dimension;
+- Mosaic GPU kernels: the `cost_estimate_json` flops the kernel declared, else 0 (and
+  `uncounted_kernels` lists them).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import json
+import math
 import re
 
-from olmo_jax.parallel import comms
+from olmo_jax.planner import comms
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
                "collective-permute", "collective-broadcast")
@@ -113,4 +129,88 @@ def mosaic_gpu_kernels(program) -> list[MosaicKernel]:
         m = _TARGET.search(ins.args)
         if m and m.group(1) in MOSAIC_GPU:
             out.append(MosaicKernel(ins.name, ins.op_name, "wgmma" in ins.args, ins.count))
+    return out
+
+
+_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\s*\[([^\]]*)\]')
+_SCORES = re.compile(r'"intermediate_tensor_shape":\s*\{[^{}]*?"dimensions":\s*\[([^\]]*)\]')
+_CAUSAL = re.compile(r'"mask_type":\s*"CAUSAL"')
+_COST = re.compile(r'cost_estimate_json\s*=\s*"((?:[^"\\]|\\.)*)"')
+
+
+def _dims(type_str: str) -> list[int]:
+    m = re.search(r"\b[a-z]\w*\[([\d,]*)\]", type_str)
+    return [int(d) for d in m.group(1).split(",") if d] if m else []
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x.strip().strip('"')) for x in text.split(",") if x.strip()]
+
+
+def call_target(ins: comms.Instruction) -> str | None:
+    m = _TARGET.search(ins.args) if ins.opcode == "custom-call" else None
+    return m.group(1) if m else None
+
+
+def custom_call_dot_flops(module: comms.HloModule, ins: comms.Instruction) -> float:
+    """Matmul FLOPs of one execution of a custom call (module docstring); 0 for others."""
+    target = call_target(ins)
+    if target is None:
+        return 0.0
+    out = math.prod(_dims(ins.type_str))
+    if target.startswith("__cublas$"):
+        m = _CONTRACTING.search(ins.args)
+        lhs = _dims(module.type_of(ins.operands[0])) if ins.operands else []
+        if not m or not lhs:
+            return 0.0
+        return 2.0 * out * math.prod(lhs[d] for d in _ints(m.group(1)))
+    if target.startswith("__cudnn$fmha"):
+        m = _SCORES.search(ins.args)
+        if not m or not ins.operands:
+            return 0.0
+        B, N, T, S = _ints(m.group(1))
+        H = math.prod(_dims(module.type_of(ins.operands[0]))) / (B * N * T)
+        gemms = 5 if "Backward" in target else 2
+        causal = (S + 1) / (2 * S) if _CAUSAL.search(ins.args) and T == S else 1.0
+        return gemms * 2.0 * B * N * T * S * H * causal
+    if target == BLOCK_SCALED_DOT and ins.operands:
+        lhs = _dims(module.type_of(ins.operands[0]))
+        return 2.0 * out * lhs[-1] if lhs else 0.0
+    if target in MOSAIC_GPU:
+        m = _COST.search(ins.args)
+        if m:
+            return float(json.loads(m.group(1).encode().decode("unicode_escape")).get("flops", 0))
+    return 0.0
+
+
+def uncounted_kernels(program) -> list[CustomCall]:
+    """Mosaic GPU kernel calls that declare no cost estimate: their FLOPs are unknown."""
+    return [c for c in custom_calls(program)
+            if c.target in MOSAIC_GPU and not _COST.search(_module(program).instruction(c.name).args)]
+
+
+_FLOAT = ("f32", "bf16", "f16")
+
+
+def score_buffers(program, seq_len: int) -> list[str]:
+    """Buffers of the program (values of its top-level instructions, not inside a fusion)
+    shaped like attention scores of a sequence of `seq_len`: floating point, batched (rank
+    >= 3: batch and heads before the [queries, keys] of each; a 2-D [T, H] or [rows, S]
+    value is none), the last dimension spanning keys (seq_len, or a causal query chunk's
+    end: a multiple of the chunk length Tc = seq_len / model.attention.query_chunks) and
+    the one before it spanning queries (a multiple of Tc). cuDNN's fused attention makes
+    none; the xla core makes [B, K, G * Tc, S] (XLA keeps them). "name: type" of each."""
+    from olmo_jax.model.attention import query_chunks
+
+    tc = seq_len // query_chunks(seq_len)
+    out = []
+    for ins in _module(program).instructions:
+        if ins.context != "top" or ins.opcode in ("parameter", "get-tuple-element", "tuple",
+                                                  "bitcast"):
+            continue
+        for dtype, dims in re.findall(r"\b([a-z]\w*)\[([\d,]*)\]", ins.type_str):
+            d = [int(x) for x in dims.split(",") if x]
+            if (dtype in _FLOAT and len(d) >= 3 and d[-1] % tc == 0 and d[-1] <= seq_len
+                    and d[-2] % tc == 0 and d[-2] >= tc):
+                out.append(f"{ins.name}: {dtype}[{dims}]")
     return out

@@ -20,9 +20,22 @@ Sources (vendor datasheets):
   cpu   this machine, measured: the matmul peak (metrics.measured_cpu_peak) and a large
         array copy, both shared by the fake devices of a simulated mesh.
 
+  B200  HGX B200: 180 GB HBM3e at 8 TB/s; NVLink 5, 1.8 TB/s per GPU (both directions);
+        DGX B200: ConnectX-7, 400 Gb/s per GPU.
+        https://www.nvidia.com/en-us/data-center/dgx-b200/
+
+What a GPU sustains, not its datasheet (`DeviceSpec.matmul_efficiency`, `link_efficiency`):
+  matmuls  MATMUL_EFFICIENCY of the dense peak: measured on the lent H200, a bf16 8192^3
+           matmul ran at 769-798 TFLOP/s of 989 (the midpoint, 783.5 / 989 = 0.792). The
+           same fraction is assumed for the other GPU kinds (not measured on them).
+  links    LINK_EFFICIENCY of the per-direction bandwidth: the bus bandwidth NCCL sustains
+           on large messages (assumed, not measured here).
+  HBM      at the datasheet bandwidth (no efficiency applied).
+
 Collective time (`link_seconds`) uses NCCL's bus-bandwidth factors (nccl-tests,
 doc/PERFORMANCE.md): a ring all-gather / reduce-scatter / all-to-all moves (g-1)/g of the
-full buffer over each device's link, an all-reduce 2(g-1)/g, a collective-permute all of it.
+full buffer over each device's link, an all-reduce 2(g-1)/g, a collective-permute all of it,
+at `link_efficiency` of the link's bandwidth.
 """
 
 from __future__ import annotations
@@ -45,18 +58,33 @@ class DeviceSpec:
     inter_bw: float  # bytes/s per direction between nodes (the GPU's NIC)
     gpus_per_node: int
     measured: bool = False  # numbers measured on this machine, not from a datasheet
+    matmul_efficiency: float = 1.0  # fraction of the peak a large matmul sustains
+    link_efficiency: float = 1.0  # fraction of the link bandwidth a collective sustains
 
     def peak(self, dtype: str) -> float:
+        """The datasheet's dense peak FLOP/s (MFU's denominator)."""
         return self.peak_flops.get(dtype, self.peak_flops["bfloat16"])
+
+    def matmul_flops(self, dtype: str) -> float:
+        """FLOP/s a matmul is priced at: the peak x matmul_efficiency."""
+        return self.peak(dtype) * self.matmul_efficiency
+
+
+# bf16 8192^3 matmul on the lent H200: 769-798 TFLOP/s of 989 (module docstring).
+MATMUL_EFFICIENCY = (769e12 + 798e12) / 2 / metrics.PEAK_FLOPS["h200"]["bfloat16"]
+LINK_EFFICIENCY = 0.8
+
+
+def _gpu(kind: str, hbm: float, hbm_bw: float, intra: float, inter: float) -> DeviceSpec:
+    return DeviceSpec(kind, metrics.PEAK_FLOPS[kind], hbm, hbm_bw, intra, inter, 8,
+                      matmul_efficiency=MATMUL_EFFICIENCY, link_efficiency=LINK_EFFICIENCY)
 
 
 DEVICES = {
-    "b300": DeviceSpec("b300", metrics.PEAK_FLOPS["b300"], 288 * GB, 8.0e12,
-                       900 * GB, 100 * GB, 8),
-    "h200": DeviceSpec("h200", metrics.PEAK_FLOPS["h200"], 141 * GB, 4.8e12,
-                       450 * GB, 50 * GB, 8),
-    "h100": DeviceSpec("h100", metrics.PEAK_FLOPS["h100"], 80 * GB, 3.35e12,
-                       450 * GB, 50 * GB, 8),
+    "b300": _gpu("b300", 288 * GB, 8.0e12, 900 * GB, 100 * GB),
+    "b200": _gpu("b200", 180 * GB, 8.0e12, 900 * GB, 50 * GB),
+    "h200": _gpu("h200", 141 * GB, 4.8e12, 450 * GB, 50 * GB),
+    "h100": _gpu("h100", 80 * GB, 3.35e12, 450 * GB, 50 * GB),
 }
 KINDS = tuple(DEVICES) + ("cpu",)
 
@@ -127,4 +155,5 @@ def link_seconds(kind: str, buffer_bytes: float, group_size: int, intra: bool,
     if group_size <= 1:
         return 0.0
     factor = _BUS_FACTOR.get(kind, lambda g: 1.0)(group_size)
-    return buffer_bytes * factor / (spec.intra_bw if intra else spec.inter_bw)
+    bw = (spec.intra_bw if intra else spec.inter_bw) * spec.link_efficiency
+    return buffer_bytes * factor / bw

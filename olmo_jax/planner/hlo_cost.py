@@ -1,9 +1,11 @@
 """FLOPs and memory traffic of one run of a compiled program, from its HLO, loop bodies
-multiplied by their trip counts (the walk of `olmo_jax.parallel.comms.parse_module`), split
+multiplied by their trip counts (the walk of `olmo_jax.planner.comms.parse_module`), split
 by the model's named scopes into the terms of OLMo-core's FLOPs formula.
 
 Counting follows XLA's HloCostAnalysis:
   dot           2 x result elements x contracted size (the lhs contracting dimensions)
+  custom call   a library GEMM's or fused attention's matmul FLOPs, from its shapes and
+                backend_config (gpu_hlo.custom_call_dot_flops: cuBLAS, cuDNN, Mosaic GPU)
   elementwise   one FLOP per result element; exp, log, tanh, rsqrt, ... count as
                 transcendentals instead
   reduce        (input - result elements) x the reducer's FLOPs (1 for add / max);
@@ -17,7 +19,8 @@ the default multiplies each instruction by the number of times one run executes 
 Bytes accessed (the HBM term of the roofline) count each operation that runs on its own (a
 fusion is one): operands read plus result written; slices read only the sliced part; an
 in-place dynamic-update-slice moves only the update; parameters, tuples, bitcasts and loop
-plumbing nothing. They are XLA:CPU's operations and fusions, not a GPU's: an estimate.
+plumbing nothing. They are the compiled program's operations and fusions: XLA:GPU's when
+the planner compiled for a GPU, else XLA:CPU's (an estimate of a GPU's).
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ import dataclasses
 import math
 import re
 
-from olmo_jax.parallel.comms import DTYPE_BYTES, KINDS, HloModule, Instruction
+from olmo_jax.planner import gpu_hlo
+from olmo_jax.planner.comms import DTYPE_BYTES, KINDS, HloModule, Instruction
 
 # The model's named scopes (model/transformer.py, model/attention.py, model/moe/layer.py;
 # the optimizer's update: trainer/step.py),
@@ -51,8 +55,11 @@ ELEMENTWISE = TRANSCENDENTAL | {
     "shift-right-logical", "shift-right-arithmetic", "is-finite", "reduce-precision",
     "real", "imag", "popcnt", "count-leading-zeros", "stochastic-convert",
 }
-# Operations that move no data of their own (loop and tuple plumbing, aliasing views).
+# Operations that move no data of their own (loop and tuple plumbing, aliasing views; an
+# async-start's wrapped computation runs on its own and its operations count themselves:
+# XLA:GPU runs a layer scan's dynamic-(update-)slice fusions so).
 NO_BYTES = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call",
+            "async-start",
             "conditional", "after-all", "add-dependency", "partition-id", "replica-id",
             "opt-barrier", "all-gather-done", "all-reduce-done", "collective-permute-done",
             "async-done", "async-update", "copy-done", "send-done", "recv-done", "domain"}
@@ -234,6 +241,8 @@ class Walker:
         op = ins.opcode
         if op == "dot":
             return dot_flops(self.module, ins), 0.0, 0.0
+        if op == "custom-call":
+            return gpu_hlo.custom_call_dot_flops(self.module, ins), 0.0, 0.0
         if op in TRANSCENDENTAL:
             return 0.0, 0.0, float(elements(ins.type_str))
         if op in ELEMENTWISE:

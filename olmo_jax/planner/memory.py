@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding
 
 from olmo_jax.model.params import path_name
 from olmo_jax.parallel import zero
-from olmo_jax.parallel.comms import HloModule
+from olmo_jax.planner.comms import HloModule
 from olmo_jax.planner.hlo_cost import OTHER, Walker, dims, scope_of, type_bytes
 
 _PEAK_HEADER = re.compile(r"^\s*Live ranges at \d+ \(peak\):")
@@ -212,6 +212,14 @@ def peak_groups(live_range_text: str, module: HloModule,
             g[2] = module.type_of(ref).split("{")[0]
     out = [PeakGroup(k, v[0], v[1], v[2]) for k, v in groups.items()]
     return total, sorted(out, key=lambda g: -g.bytes)
+
+
+def gpu_module_file(dump_dir: Path) -> Path | None:
+    """XLA:GPU's optimized train-step module as the buffer assignment saw it (the names the
+    live-range report uses; `Compiled.as_text()` renames some)."""
+    files = sorted(Path(dump_dir).glob("*train_step*gpu_after_optimizations.txt"),
+                   key=lambda p: p.stat().st_mtime)
+    return files[-1] if files else None
 
 
 def live_range_file(dump_dir: Path) -> Path | None:

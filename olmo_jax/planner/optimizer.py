@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from olmo_jax.parallel import comms, zero
-from olmo_jax.planner import hardware, roofline
+from olmo_jax.parallel import zero
+from olmo_jax.planner import comms, hardware, roofline
 from olmo_jax.planner.hlo_cost import ProgramCost
 
 SCOPE = "optimizer"  # trainer/step.py
@@ -41,10 +41,13 @@ class OptimizerCost:
         return d
 
 
-def optimizer_cost(step, cost: ProgramCost, colls, spec: hardware.DeviceSpec) -> OptimizerCost:
-    """`step`: a planner CompiledStep; `cost`: its program_cost; `colls`: its collectives."""
+def optimizer_cost(step, cost: ProgramCost, colls, spec: hardware.DeviceSpec,
+                   accounting: roofline.Accounting = roofline.XLA_CPU_AS_GPU) -> OptimizerCost:
+    """`step`: a planner CompiledStep; `cost`: its program_cost; `colls`: its collectives;
+    `accounting`: which bytes the roofline counts (roofline.Accounting)."""
     ops = [op for op in cost.ops if op.scope == SCOPE]
-    compute = sum(op.count * roofline.op_seconds(op, spec, "float32")[1] for op in ops)
+    compute = sum(op.count * roofline.op_seconds(op, spec, "float32", accounting)[1]
+                  for op in ops)
     mine = tuple(c for c in colls if c.purpose in COLLECTIVE_SCOPES)
     mesh = dict(step.plan.mesh.shape)
     link = 0.0
@@ -55,7 +58,7 @@ def optimizer_cost(step, cost: ProgramCost, colls, spec: hardware.DeviceSpec) ->
     return OptimizerCost(
         o.name, zero.per_device_bytes(step.state.opt_state, step.shardings.opt_state),
         cost.dot_flops.get(SCOPE, 0.0), cost.other_flops.get(SCOPE, 0.0),
-        sum(op.count * roofline.hbm_bytes(op) for op in ops), compute, link,
+        sum(op.count * roofline.hbm_bytes(op, accounting) for op in ops), compute, link,
         float(sum(c.jax_bytes_per_run for c in mine)), mine,
         own.ns_flops_per_device(o.muon_ns_steps) if own is not None else 0,
         own.matrices_per_rank() if own is not None else {})

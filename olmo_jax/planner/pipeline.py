@@ -31,9 +31,8 @@ from fractions import Fraction
 
 import numpy as np
 
-from olmo_jax.parallel import comms
 from olmo_jax.parallel.pipeline import schedule as sched_lib
-from olmo_jax.planner import hlo_cost, roofline
+from olmo_jax.planner import comms, hlo_cost, roofline
 from olmo_jax.planner.hardware import DeviceSpec
 
 FWD, BWD = "pipe_fwd", "pipe_bwd"
@@ -156,13 +155,14 @@ class PipelineCost:
 
 
 def _seconds(module: comms.HloModule, root: str, weights: dict[str, Fraction],
-             spec: DeviceSpec, dtype: str, mesh: dict[str, int]) -> tuple[float, float]:
+             spec: DeviceSpec, dtype: str, mesh: dict[str, int],
+             accounting: roofline.Accounting) -> tuple[float, float]:
     """(nothing overlapped, collectives overlapped) seconds of one run of computation
     `root`: its operations' roofline plus its collectives on the links."""
     rooted = module.counted(weights, root=root)
     ops = hlo_cost.program_cost(rooted).ops
     links = roofline.link_uses(comms.collectives(rooted))
-    p = roofline.project(ops, links, spec, dtype, mesh, 1.0, 1.0)
+    p = roofline.project(ops, links, spec, dtype, mesh, 1.0, 1.0, accounting=accounting)
     return p.step_s, p.overlapped_s
 
 
@@ -182,8 +182,10 @@ def lockstep(schedule: sched_lib.Schedule, op_s: dict[tuple[str, str], float]
 
 
 def cost(module: comms.HloModule, schedule: sched_lib.Schedule, passes: int,
-         spec: DeviceSpec, dtype: str, mesh: dict[str, int]) -> PipelineCost:
-    """`module`: the compiled step (any counts); `passes`: table passes per step."""
+         spec: DeviceSpec, dtype: str, mesh: dict[str, int],
+         accounting: roofline.Accounting = roofline.XLA_CPU_AS_GPU) -> PipelineCost:
+    """`module`: the compiled step (any counts); `passes`: table passes per step;
+    `accounting`: which bytes the roofline counts (roofline.Accounting)."""
     found = branches(module)
     weights = branch_weights(module, schedule)
     alone = dict(weights)  # a forward / backward without its nested first / last parts
@@ -193,7 +195,8 @@ def cost(module: comms.HloModule, schedule: sched_lib.Schedule, passes: int,
     per_role: dict[tuple[str, str], list[tuple[float, float]]] = collections.defaultdict(list)
     for b in found:
         per_role[(b.role, b.within)].append(
-            _seconds(module, b.taken, weights if b.within else alone, spec, dtype, mesh))
+            _seconds(module, b.taken, weights if b.within else alone, spec, dtype, mesh,
+                     accounting))
     plain = {r: float(np.mean([s[0] for s in v])) for r, v in per_role.items()}
     over = {r: float(np.mean([s[1] for s in v])) for r, v in per_role.items()}
     sched_s, busy_s = lockstep(schedule, plain)

@@ -2,6 +2,14 @@
 term), memory per device, collectives per step and the projected step time, as one
 `Plan` (numbers) and its text rendering; and several plans side by side.
 
+The program is XLA:GPU's for a GPU device kind wherever the planner could compile for
+it (planner/xla_gpu.py), else XLA:CPU's, labelled as the fallback it is (`Plan.compiler`).
+The attention core is counted as the GPU runs it (`attention_impl`: model.attention_impl
+resolved for the device kind): cuDNN's fused kernel keeps the [T, S] score matrices on
+chip, the xla core materializes them. An XLA:GPU program shows which it compiled; of an
+XLA:CPU program (always the xla core) the planner subtracts the scores' bytes, from the
+HBM traffic and from the peak it compares with the HBM, where the GPU would fuse them.
+
 Per-token HLO figures are per-device program FLOPs x devices / tokens per step (every
 device runs the same program on its share of the batch). In a pipelined step the stages
 take different branches of that program: per-device figures are the mean over the stages
@@ -12,15 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from olmo_jax import metrics
+from olmo_jax import metrics, targets
 from olmo_jax.kernels import platform, resolve_gmm_impl
-from olmo_jax.model.attention import query_chunks
-from olmo_jax.model.moe.dispatch import blocked_rows
-from olmo_jax.model.moe.layer import block_size, expert_capacity
-from olmo_jax.parallel import comms
-from olmo_jax.parallel.expert import slots_per_expert
+from olmo_jax.model.attention import query_chunks, resolve_attention_impl
+from olmo_jax.model.moe import sizing
+from olmo_jax.parallel.expert import buffer_rows, rowwise_capacity_factor
 from olmo_jax.parallel.mesh import batch_shards
-from olmo_jax.planner import hardware, hlo_cost, memory, pipeline, roofline
+from olmo_jax.planner import comms, gpu_hlo, hardware, hlo_cost, memory, pipeline, roofline
 from olmo_jax.planner import optimizer as optimizer_lib
 from olmo_jax.planner.compile import CompiledStep
 
@@ -66,6 +72,23 @@ class Plan:
     pipeline: pipeline.PipelineCost | None = None  # parallel.pipe > 1
     layer_factor: dict[str, float] = dataclasses.field(default_factory=dict)  # layer_factors
     optimizer: optimizer_lib.OptimizerCost | None = None  # the update's share, per device
+    attention_impl: str = "xla"  # the attention core on the device kind (module docstring)
+    scores_bytes: int = 0  # of peak_bytes: [T, S] score matrices of the xla core
+
+    @property
+    def compiler(self) -> str:
+        """XLA:GPU, or XLA:CPU: the fallback for a GPU kind (module docstring)."""
+        return self.step.compiler
+
+    @property
+    def fused_scores(self) -> bool:
+        """The compiled program holds score matrices a GPU's fused attention would not."""
+        return self.step.compiler == "XLA:CPU" and self.attention_impl == "cudnn"
+
+    @property
+    def counted_peak_bytes(self) -> int:
+        """The peak the HBM is compared with: without score matrices the GPU fuses."""
+        return self.peak_bytes - (self.scores_bytes if self.fused_scores else 0)
 
     @property
     def matmul_ratio(self) -> float:
@@ -89,6 +112,10 @@ class Plan:
             "xla_flops_once": self.xla_flops_once, "walk_flops_once": self.walk_flops_once,
             "argument_bytes": mem.argument_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes,
             "argument_parts": self.args, "peak_bytes": self.peak_bytes,
+            "peak_bytes_counted": self.counted_peak_bytes, "scores_bytes": self.scores_bytes,
+            "compiler": self.compiler, "attention_impl": self.attention_impl,
+            "matmul_efficiency": self.spec.matmul_efficiency,
+            "link_efficiency": self.spec.link_efficiency,
             "peak": [dataclasses.asdict(g) for g in self.peak[:8]],
             "collectives": comms.summary(self.colls),
             "collective_bytes": comms.total_bytes(self.colls),
@@ -109,36 +136,38 @@ def tokens_per_step(step: CompiledStep) -> int:
     return t.global_batch_size * t.seq_len
 
 
+def _gmm_impl(step: CompiledStep) -> str:
+    """model.moe.gmm_impl resolved for the step's target."""
+    m = step.model_cfg.moe
+    with platform.targeting(step.plan.target):
+        return resolve_gmm_impl(m.gmm_impl, step.model_cfg.compute_dtype, m.precision,
+                                (step.model_cfg.d_model, m.expert_hidden))
+
+
 def expert_buffer_factor(step: CompiledStep) -> tuple[float | None, str]:
     """Rows the compiled expert matmuls run over, per routed (token, choice) row, from the
     dispatcher's own sizing functions, and what sets it."""
     m, plan, t = step.model_cfg.moe, step.plan, step.cfg.trainer
     S = t.global_batch_size // (t.grad_accum * plan.microbatches) // batch_shards(plan.mesh) * t.seq_len
-    E, k, N = m.num_experts, m.top_k, S * m.top_k
+    E, N = m.num_experts, S * m.top_k
     ep = plan.mesh.shape["expert"]
-    with platform.targeting(plan.target):
-        impl = resolve_gmm_impl(m.gmm_impl, step.model_cfg.compute_dtype, m.precision,
-                                (step.model_cfg.d_model, m.expert_hidden))
+    impl = _gmm_impl(step)
     if not step.model_cfg.n_moe_layers:
         return None, "no MoE layers"
+    rows = buffer_rows(plan.dispatch, S, m, impl, ep)  # the dispatcher's own sizing
     if plan.dispatch == "rowwise":
-        cf = step.cfg.parallel.capacity_factor
-        return (E * slots_per_expert(S, k, E, cf) / N,
-                f"rowwise receive slots (parallel.capacity_factor={cf})")
+        cf = rowwise_capacity_factor(m.capacity_factor)
+        return rows / N, f"rowwise receive slots (capacity factor {cf})"
     if plan.dispatch in ("ragged", "allgather"):
-        groups = E // ep + (plan.dispatch == "allgather")
         if impl != "einsum":
             return None, f"{plan.dispatch} buffers sized for the worst case ({impl})"
-        rows = blocked_rows(ep * N, groups, block_size(ep * N, groups))
         return rows / N, (f"{plan.dispatch} receive buffer sized for the worst case (every "
                           f"assignment of the {ep} senders to one rank)")
     if m.capacity_factor > 0:
-        return (E * expert_capacity(S, k, E, m.capacity_factor) / N,
-                f"capacity buffers (model.moe.capacity_factor={m.capacity_factor})")
+        return rows / N, f"capacity buffers (model.moe.capacity_factor={m.capacity_factor})"
     if impl == "einsum":
-        b = block_size(N, E)
-        return (blocked_rows(N, E, b) / N,
-                f"blocked dropless layout, blocks of {b} rows, sized for the worst padding")
+        return (rows / N, f"blocked dropless layout, blocks of {sizing.block_size(N, E)} rows, "
+                          "sized for the worst padding")
     if impl == "tiled":
         return None, ("gmm_impl=tiled: per-expert GEMM loops whose trip counts are the routing's "
                       "(at most 7 padding rows per expert); the HLO counts each loop body once")
@@ -159,6 +188,22 @@ def layer_factors(step: CompiledStep) -> dict[str, float]:
             "routed_experts": moe, "shared_experts": moe}
 
 
+def attention_impl(step: CompiledStep, kind: str) -> str:
+    """The attention core on device kind `kind`: what an XLA:GPU program compiled (cuDNN's
+    custom calls or not), else model.attention_impl resolved for that GPU ("xla" on cpu)."""
+    if step.gpu_kind is not None:
+        return "cudnn" if gpu_hlo.cudnn_attention(step.module) else "xla"
+    if kind not in targets.KINDS:
+        return "xla"
+    g = targets.spec(kind)
+    with platform.targeting(platform.Target("gpu", g.capability, g.num_sms, abstract=True)):
+        return resolve_attention_impl(step.model_cfg.attention_impl, step.model_cfg.compute_dtype)
+
+
+def scores_bytes(peak: list[memory.PeakGroup]) -> int:
+    return sum(g.bytes for g in peak if g.label.startswith("attention_scores"))
+
+
 def build(step: CompiledStep, spec: hardware.DeviceSpec, label: str = "",
           notes: list[str] | None = None) -> Plan:
     n, tokens = step.n_devices, tokens_per_step(step)
@@ -171,27 +216,41 @@ def build(step: CompiledStep, spec: hardware.DeviceSpec, label: str = "",
 
     recomputed = by_term(cost.recomputed_dot_flops)
     hlo = {t: v - recomputed[t] for t, v in by_term(cost.dot_flops).items()}
-    ca = step.compiled.cost_analysis()
-    ca = ca[0] if isinstance(ca, list) else ca
+    ca = step.compiled.cost_analysis()  # None from a deviceless XLA:GPU compile
+    ca = (ca[0] if isinstance(ca, list) else ca) or {}
     factor, note = expert_buffer_factor(step)
     colls = [c for c in comms.collectives(step.module) if c.group_size > 1]  # 1: no traffic
     dtype, mesh = step.cfg.model.dtype, dict(step.plan.mesh.shape)
     model_flops = metrics.flops_per_token(step.model_cfg, step.cfg.trainer.seq_len) * tokens / n
+    impl = attention_impl(step, spec.kind)
+    accounting = roofline.Accounting.for_program(step.gpu_kind is not None, impl == "cudnn")
     pipe = None
     if step.plan.pipeline is not None:
         pipe = pipeline.cost(step.module, step.plan.pipeline.schedule, step.plan.grad_accum,
-                             spec, dtype, mesh)
+                             spec, dtype, mesh, accounting)
     proj = roofline.project(cost.ops, roofline.link_uses(colls), spec, dtype, mesh, tokens / n,
                             model_flops, pipe.bubble_s if pipe else 0.0,
-                            pipe.bubble_overlapped_s if pipe else 0.0)
+                            pipe.bubble_overlapped_s if pipe else 0.0, accounting)
     shapes = memory.param_shapes(step.state.params, step.plan)
     peak_bytes, peak = memory.peak_groups(step.live_range, step.module, shapes)
+    notes = list(notes or [])
+    if (step.gpu_kind is not None and _gmm_impl(step) == "ragged_dot" and formula["routed_experts"]
+            and (x := hlo["routed_experts"] / formula["routed_experts"] / (factor or 1.0)) > 1.5):
+        notes.append(f"XLA:GPU compiles jax.lax.ragged_dot (model.moe.gmm_impl="
+                     f"{step.model_cfg.moe.gmm_impl} resolves to ragged_dot here) as a dense "
+                     f"masked product over the expert groups: the routed experts' matmuls run "
+                     f"x{x:.1f} their rows' FLOPs; --config.model.moe.gmm_impl=einsum runs "
+                     "batched / blocked GEMMs instead")
+    if uncounted := gpu_hlo.uncounted_kernels(step.module):
+        notes.append(f"{len(uncounted)} Mosaic GPU kernel call(s) declare no cost estimate: "
+                     "their FLOPs are not in the compiled counts or the roofline")
     return Plan(step, spec, label or f"{step.plan.strategy} + {step.plan.dispatch}", formula,
                 hlo, recomputed, cost, float(ca.get("flops", 0.0)),
                 hlo_cost.program_cost(step.module, loops_once=True).flops, factor, note, colls,
                 memory.argument_bytes(step.state, step.shardings, step.batch), peak_bytes, peak,
-                proj, list(notes or []), pipe, layer_factors(step),
-                optimizer_lib.optimizer_cost(step, cost, colls, spec))
+                proj, notes, pipe, layer_factors(step),
+                optimizer_lib.optimizer_cost(step, cost, colls, spec, accounting), impl,
+                0 if step.gpu_kind is not None and impl == "cudnn" else scores_bytes(peak))
 
 
 # ---- text ------------------------------------------------------------------------------
@@ -238,6 +297,10 @@ def _reference(plan: Plan) -> str | None:
 def _scores_note(plan: Plan, seq: int) -> str:
     """Why the compiled score FLOPs differ: the formula counts the causal triangle,
     s(s+1)/2 of the s^2 entries, and 6 score matmuls (2 forward, 4 backward)."""
+    if plan.step.gpu_kind is not None and plan.attention_impl == "cudnn":
+        return ("cuDNN fused attention (gpu_hlo.custom_call_dot_flops): the causal triangle, "
+                "2 GEMMs forward, 5 in the flash backward (QK^T recomputed from the saved "
+                "log-sum-exp): x1.17")
     n = query_chunks(seq)  # chunk i computes keys up to its end: (n + 1) / 2n of s^2
     blocks = (f"{n} query chunks skip the blocks above the diagonal, the rest is computed"
               if n > 1 else "masked entries above the diagonal are computed")
@@ -284,6 +347,9 @@ def _flops_section(plan: Plan) -> list[str]:
                      "of the forward (not model FLOPs; not in the rows above)")
     per_token = plan.step.n_devices / tokens_per_step(plan.step)
     ew = sum(plan.cost.other_flops.values()) * per_token
+    xla_once = (f"XLA's cost analysis counts each loop body once: "
+                f"{plan.xla_flops_once / 1e12:,.2f} TFLOP" if plan.xla_flops_once else
+                "XLA:GPU gives no cost analysis without a device")
     lines += [
         f"  matmul part (parameter matmuls, expert buffer and pipeline layer padding taken "
         f"out): compiled / "
@@ -292,8 +358,7 @@ def _flops_section(plan: Plan) -> list[str]:
         f"({ew / ft:.1%} of the formula), transcendentals "
         f"{_g(plan.cost.transcendentals * per_token, unit)} {name[0]}/token",
         f"  per device per step: {plan.cost.flops / 1e12:,.2f} TFLOP from the HLO walk (loop "
-        f"bodies x trip counts); XLA's cost analysis counts each loop body once: "
-        f"{plan.xla_flops_once / 1e12:,.2f} TFLOP (this walk, loops once: "
+        f"bodies x trip counts); {xla_once} (this walk, loops once: "
         f"{plan.walk_flops_once / 1e12:,.2f})",
     ]
     return lines
@@ -303,24 +368,33 @@ def _memory_section(plan: Plan) -> list[str]:
     mem = plan.step.compiled.memory_analysis()
     args = ", ".join(f"{k} {_bytes(v)}" for k, v in plan.args.items() if v)
     hbm = plan.spec.hbm_bytes
-    lines = ["Memory per device (compiled memory analysis)",
+    lines = [f"Memory per device ({plan.compiler}'s buffer assignment: compiled memory analysis "
+             "and live ranges)",
              f"  arguments    {_bytes(mem.argument_size_in_bytes)}: {args}",
              f"  temporaries  {_bytes(mem.temp_size_in_bytes)}; outputs "
              f"{_bytes(mem.output_size_in_bytes)} ({_bytes(mem.alias_size_in_bytes)} reuse the "
              "donated arguments)"]
     if plan.peak_bytes:
+        counted = plan.counted_peak_bytes
         fit = (f" of {_bytes(hbm)} HBM on a {plan.spec.kind.upper()}: "
-               f"{'fits' if plan.peak_bytes <= hbm else 'does NOT fit'}") if hbm else ""
+               f"{'fits' if counted <= hbm else 'does NOT fit'}"
+               + (f", {1 - counted / hbm:.0%} headroom" if counted <= hbm else "")
+               + (" without the score matrices (below)" if plan.fused_scores else "")
+               ) if hbm else ""
         lines.append(f"  live at the peak (arguments included)  {_bytes(plan.peak_bytes)}{fit}; "
                      "the largest parts:")
         for g in plan.peak[:7]:
             lines.append(f"    {g.bytes / plan.peak_bytes:5.1%}  {_bytes(g.bytes):>10}  "
                          f"{g.label} ({g.values} buffer{'s' * (g.values > 1)}, e.g. {g.example})")
-        scores = sum(g.bytes for g in plan.peak if g.label.startswith("attention_scores"))
-        if scores:
+        scores = plan.scores_bytes
+        if scores and plan.fused_scores:
             lines.append(f"  {_bytes(scores)} of the peak are attention score matrices XLA:CPU "
-                         f"materializes; a GPU's fused attention keeps them on chip: "
-                         f"{_bytes(plan.peak_bytes - scores)} without them")
+                         f"materializes; the GPU's cuDNN fused attention (model.attention_impl="
+                         f"{plan.step.model_cfg.attention_impl}) keeps them on chip: "
+                         f"{_bytes(plan.counted_peak_bytes)} without them")
+        elif scores:
+            lines.append(f"  {_bytes(scores)} of the peak are values of the xla attention core "
+                         "(its float32 [T, S] score matrices among them; materialized, counted)")
     else:
         lines.append("  XLA wrote no live-range report: the peak's buffers are not known")
     return lines
@@ -371,16 +445,29 @@ def _projection_section(plan: Plan) -> list[str]:
     p, spec = plan.projection, plan.spec
     dtype = plan.step.cfg.model.dtype
     src = "measured on this machine" if spec.measured else "datasheets, olmo_jax/planner/hardware.py"
+    if plan.step.gpu_kind is not None:
+        traffic = "XLA:GPU's operations and fusions, every one"
+    else:
+        traffic = ("XLA:CPU's operations, less its own converts and copies"
+                   + (" and the attention core's score matrices, on chip in cuDNN's fused kernel"
+                      if plan.fused_scores else ""))
+    eff = spec.matmul_efficiency
+    matmul = ("dot FLOPs at peak" if eff == 1 else
+              f"dot FLOPs at {eff:.1%} of peak, {spec.matmul_flops(dtype) / 1e12:,.0f} TFLOP/s "
+              "(measured on the lent H200: a bf16 8192^3 matmul at 769-798 of 989 TFLOP/s"
+              + ("" if spec.kind == "h200" else f"; the same fraction assumed for a "
+                 f"{spec.kind.upper()}") + ")")
+    links = ("" if spec.link_efficiency == 1 else
+             f" at {spec.link_efficiency:.0%} of the link bandwidth (assumed NCCL efficiency)")
     lines = [
         f"Projected step on {spec.kind.upper()} ({src}): peak {spec.peak(dtype) / 1e12:,.0f} "
         f"TFLOP/s {dtype}, HBM {spec.hbm_bw / 1e12:.2f} TB/s, NVLink {spec.intra_bw / 1e9:,.0f} "
         f"GB/s, network {spec.inter_bw / 1e9:,.0f} GB/s per direction",
-        f"  compute      {p.compute_s:8.3f} s   dot FLOPs at peak",
-        f"  roofline     {p.roofline_s:8.3f} s   per operation max(FLOPs/peak, bytes/HBM); HBM "
-        f"traffic {_bytes(p.hbm_bytes)} (XLA:CPU's operations, less the attention core's "
-        "score matrices, on chip in a GPU kernel, and XLA:CPU's own converts and copies)",
+        f"  compute      {p.compute_s:8.3f} s   {matmul}",
+        f"  roofline     {p.roofline_s:8.3f} s   per operation max(FLOPs/matmul rate, "
+        f"bytes/HBM); HBM traffic {_bytes(p.hbm_bytes)} ({traffic})",
         f"  collectives  {p.links_s:8.3f} s   NVLink {p.link_s['nvlink']:.3f} s, network "
-        f"{p.link_s['network']:.3f} s (ring bus bytes, one after another)",
+        f"{p.link_s['network']:.3f} s (ring bus bytes{links}, one after another)",
         *_bubble_lines(plan),
         f"  step         {p.step_s:8.3f} s   nothing overlapped: {p.tokens_per_s():,.0f} "
         f"tokens/s/device, {p.model_flops_per_device / p.step_s / 1e12:,.0f} TFLOP/s, "
@@ -399,14 +486,24 @@ def format_plan(plan: Plan, config_path: str = "") -> str:
     total, active = metrics.param_counts(c)
     mesh_txt = " x ".join(f"{k}={v}" for k, v in mesh.items())
     zero1 = ", ZeRO-1" if s.plan.zero1 and s.plan.strategy == "ddp" else ""
+    if s.gpu_kind is not None:
+        where = (f"compiled by XLA:GPU for {s.n_devices} abstract {s.gpu_kind.upper()} GPUs "
+                 "(olmo_jax.targets; deviceless, no autotuning)")
+        caveat = (f"              XLA:GPU's fusions, buffers and collectives; attention: "
+                  f"{plan.attention_impl}")
+    else:
+        where = f"compiled by XLA:CPU for {s.n_devices} fake CPU devices"
+        caveat = ("              XLA:CPU's fusions, buffers and collective dtypes are not a GPU's; "
+                  "parameters, FLOPs and bytes sent are the program's"
+                  + (f"; attention on the {plan.spec.kind.upper()}: {plan.attention_impl}"
+                     if plan.spec.kind in targets.KINDS else ""))
     head = [
         f"olmo_jax plan{': ' + config_path if config_path else ''}",
-        f"  program     the real train step, compiled by XLA:CPU for {s.n_devices} fake CPU "
-        f"devices on abstract inputs (nothing allocated): mesh {mesh_txt}, "
+        f"  program     the real train step, {where} on abstract inputs (nothing allocated): "
+        f"mesh {mesh_txt}, "
         f"{s.plan.strategy}, dispatch {s.plan.dispatch}{zero1}, {s.cfg.model.dtype} compute; "
         f"lowered in {s.lower_s:.1f} s, compiled in {s.compile_s:.1f} s",
-        "              XLA:CPU's fusions, buffers and collective dtypes are not a GPU's; "
-        "parameters, FLOPs and bytes sent are the program's",
+        caveat,
         f"  model       {c.n_layers} blocks ({c.n_dense_layers} dense), d_model {c.d_model}, "
         f"{c.n_heads}/{c.kv_heads} heads of {c.head_size}, {c.moe.num_experts} experts top-"
         f"{c.moe.top_k} + {c.moe.n_shared_experts} shared; {t.global_batch_size} x {t.seq_len} "
@@ -443,7 +540,7 @@ def format_comparison(plans: list[Plan]) -> str:
         ("tokens/s/device (no overlap)", lambda p: f"{p.projection.tokens_per_s():,.0f}"),
         ("MFU (no overlap)", lambda p: f"{p.projection.mfu():.1%}"),
         ("tokens/s/device (overlap)", lambda p: f"{p.projection.tokens_per_s(True):,.0f}"),
-        ("live at the peak", lambda p: _bytes(p.peak_bytes)),
+        ("live at the peak", lambda p: _bytes(p.counted_peak_bytes)),
         ("compiled HLO GFLOP/token", lambda p: _g(sum(p.hlo.values())
                                                    + sum(p.recomputed.values()))),
     ]

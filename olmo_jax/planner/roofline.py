@@ -1,21 +1,24 @@
 """Projected step time of a compiled program on a device kind: a roofline per operation
 plus the collectives on the links, and the tokens/s and MFU that follow.
 
-  compute    sum over operations of dot FLOPs / peak (the router's float32 dots at the
-             float32 peak, every other dot at the compute dtype's)
-  roofline   sum over operations of max(dot FLOPs / peak, bytes / HBM bandwidth): each
-             operation is bound by its arithmetic or by its memory traffic
-  links      sum over collectives of bus bytes / link bandwidth (hardware.link_seconds),
-             one after another
+  compute    sum over operations of dot FLOPs / matmul FLOP/s (the peak x the device's
+             measured matmul efficiency, hardware.py; the router's float32 dots at the
+             float32 peak's, every other dot at the compute dtype's)
+  roofline   sum over operations of max(dot FLOPs / matmul FLOP/s, bytes / HBM
+             bandwidth): each operation is bound by its arithmetic or by its memory traffic
+  links      sum over collectives of bus bytes / (link bandwidth x link efficiency)
+             (hardware.link_seconds), one after another
   step       roofline + links (nothing overlapped: an upper bound on the step time);
              `overlapped` = max(roofline, links) is the lower bound; a pipelined step
              adds the time its stages idle in the schedule (planner/pipeline.py)
-  MFU        model FLOPs per device (OLMo-core's formula) / step time / peak
+  MFU        model FLOPs per device (OLMo-core's formula) / step time / datasheet peak
 
-Left out of the HBM term: the attention core's bytes (XLA:CPU materializes the [T, S]
-score matrices in memory, a GPU's fused attention kernel keeps them on chip; its FLOPs
-stay), the converts and layout copies XLA:CPU inserts around its matmuls (bf16 widened to
-f32; no op_name: not the JAX program's), and collectives (their bytes are on the links).
+Which bytes the HBM term counts (`Accounting`): of an XLA:GPU program every operation's
+but the collectives' (their bytes are on the links). Of an XLA:CPU program (the fallback)
+neither the converts and layout copies XLA:CPU inserts around its matmuls (bf16 widened to
+f32; no op_name: not the JAX program's) nor, where the GPU would run cuDNN's fused
+attention (model.attention_impl, resolved for the GPU), the attention core's [T, S] score
+matrices, which that kernel keeps on chip (its FLOPs stay).
 """
 
 from __future__ import annotations
@@ -27,6 +30,25 @@ from olmo_jax.planner.hlo_cost import OpCost
 
 ON_CHIP_SCOPES = ("attention_scores",)  # fused on a GPU: no HBM traffic of their own
 FLOAT32_SCOPES = ("router", "optimizer")  # float32 dots whatever model.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Accounting:
+    """Which bytes of a compiled program the HBM term counts (module docstring)."""
+
+    on_chip_scopes: tuple[str, ...] = ()  # scopes whose bytes a GPU kernel keeps on chip
+    backend_copies: bool = True  # count the converts / copies the compiler inserted
+
+    @classmethod
+    def for_program(cls, gpu_program: bool, fused_attention: bool) -> Accounting:
+        """XLA:GPU's program as it is; XLA:CPU's without its own converts and, where the
+        GPU runs fused attention, without the score matrices."""
+        if gpu_program:
+            return cls()
+        return cls(ON_CHIP_SCOPES if fused_attention else (), backend_copies=False)
+
+
+XLA_CPU_AS_GPU = Accounting.for_program(gpu_program=False, fused_attention=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,16 +94,18 @@ class Projection:
         return self.model_flops_per_device / step / self.peak_flops
 
 
-def op_seconds(op: OpCost, spec: DeviceSpec, dtype: str) -> tuple[float, float]:
+def op_seconds(op: OpCost, spec: DeviceSpec, dtype: str,
+               accounting: Accounting = XLA_CPU_AS_GPU) -> tuple[float, float]:
     """(compute, roofline) seconds of one execution of an operation."""
-    peak = spec.peak("float32" if op.scope in FLOAT32_SCOPES else dtype)
-    compute = op.dot_flops / peak
-    return compute, max(compute, hbm_bytes(op) / spec.hbm_bw)
+    flops = spec.matmul_flops("float32" if op.scope in FLOAT32_SCOPES else dtype)
+    compute = op.dot_flops / flops
+    return compute, max(compute, hbm_bytes(op, accounting) / spec.hbm_bw)
 
 
-def hbm_bytes(op: OpCost) -> float:
+def hbm_bytes(op: OpCost, accounting: Accounting = XLA_CPU_AS_GPU) -> float:
     """The bytes the HBM term counts for one execution (see the module docstring)."""
-    if op.collective or op.backend_inserted or op.scope in ON_CHIP_SCOPES:
+    if (op.collective or (op.backend_inserted and not accounting.backend_copies)
+            or op.scope in accounting.on_chip_scopes):
         return 0.0
     return op.bytes
 
@@ -95,13 +119,14 @@ def link_uses(colls) -> list[LinkUse]:
 def project(ops: list[OpCost], links: list[LinkUse], spec: DeviceSpec, dtype: str,
             mesh_shape: dict[str, int], tokens_per_device: float,
             model_flops_per_device: float, bubble_s: float = 0.0,
-            bubble_overlapped_s: float = 0.0) -> Projection:
+            bubble_overlapped_s: float = 0.0,
+            accounting: Accounting = XLA_CPU_AS_GPU) -> Projection:
     compute = roofline = hbm = 0.0
     for op in ops:
-        c, r = op_seconds(op, spec, dtype)
+        c, r = op_seconds(op, spec, dtype, accounting)
         compute += op.count * c
         roofline += op.count * r
-        hbm += op.count * hbm_bytes(op)
+        hbm += op.count * hbm_bytes(op, accounting)
     link_s = {"nvlink": 0.0, "network": 0.0}
     for c in links:
         intra = intra_node(mesh_shape, c.axes, c.group_size, spec)

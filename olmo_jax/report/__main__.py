@@ -2,7 +2,7 @@
 
     python -m olmo_jax.report RUN_DIR [--out=PATH] [--devices=N]
     python -m olmo_jax.report --config=configs/X.py [--config.parallel.expert=4 ...] [--out=PATH] [--devices=N]
-        [--device-kind=b300|h200|h100|cpu]
+        [--device-kind=b300|b200|h200|h100|cpu]
 
 A run folder gives its mesh and placement, one token's dispatch route, the pipeline
 schedule, the loss / tokens/s / MFU curves and the expert-load heatmap with the imbalance
@@ -20,26 +20,22 @@ import sys
 from pathlib import Path
 
 from absl import flags
-from ml_collections import config_flags
 
+from olmo_jax import cli
 from olmo_jax.data.errors import DataError
 from olmo_jax.model.config import ConfigError
 from olmo_jax.planner import hardware
 from olmo_jax.report import page, sources
 
 FLAGS = flags.FlagValues()
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Plan mode: a config file (configs/*.py), with --config.a.b=c overrides.",
-    flag_values=FLAGS, lock_config=True)
+_CONFIG = cli.define_config_flag(
+    FLAGS, "Plan mode: a config file (configs/*.py), with --config.a.b=c overrides.")
 _OUT = flags.DEFINE_string("out", "", "Output HTML path.", flag_values=FLAGS)
 _DEVICES = flags.DEFINE_integer("devices", 0, "Devices of the mesh (0 = see above).", flag_values=FLAGS)
-_KIND = flags.DEFINE_string("device-kind", "b300", "Plan mode: the device (b300 | h200 | h100 | cpu) "
-                            "whose HBM the peak memory is compared to.", flag_values=FLAGS)
-
-
-def _fail(msg: str) -> int:
-    print(f"error: {msg}", file=sys.stderr)
-    return 2
+_KIND = flags.DEFINE_string("device-kind", "b300", "Plan mode: the device (b300 | b200 | h200 | h100 | "
+                            "cpu) the step is compiled for (a GPU: by XLA:GPU where the planner "
+                            "can, olmo_jax/planner/xla_gpu.py) and whose HBM the peak memory is "
+                            "compared to.", flag_values=FLAGS)
 
 
 def _use_devices(n: int) -> None:
@@ -57,25 +53,19 @@ def main(argv: list[str]) -> int:
         print(FLAGS.main_module_help() if hasattr(FLAGS, "main_module_help") else "")
         return 0
     try:
-        rest = FLAGS(argv)[1:]
-    except flags.Error as e:
-        from olmo_jax.train import _explain_parse_error  # names an unknown --config.x field
-
-        return _fail(_explain_parse_error(argv, e) if isinstance(e, flags.UnrecognizedFlagError) else str(e))
-    except (KeyError, AttributeError, TypeError, ValueError) as e:
-        from olmo_jax.train import _explain_parse_error
-
-        return _fail(_explain_parse_error(argv, e))
+        rest = cli.parse(argv, FLAGS)[1:]
+    except cli.UsageError as e:
+        return cli.error(str(e))
     cfg = _CONFIG.value
     if (cfg is None) == (len(rest) != 1):
-        return _fail("pass either one run folder (python -m olmo_jax.report RUN_DIR) or "
+        return cli.error("pass either one run folder (python -m olmo_jax.report RUN_DIR) or "
                      "--config=configs/<name>.py (plan mode), not both"
                      if cfg is not None else
                      "pass one run folder (python -m olmo_jax.report RUN_DIR) or --config=configs/<name>.py")
     if _KIND.value not in hardware.KINDS:
-        return _fail(f"--device-kind={_KIND.value}: choose one of {', '.join(hardware.KINDS)}")
+        return cli.error(f"--device-kind={_KIND.value}: choose one of {', '.join(hardware.KINDS)}")
     if _DEVICES.value < 0:
-        return _fail(f"--devices={_DEVICES.value} must be > 0 (or 0: from the run or config)")
+        return cli.error(f"--devices={_DEVICES.value} must be > 0 (or 0: from the run or config)")
     n = 0
     try:
         if cfg is None:
@@ -89,16 +79,16 @@ def main(argv: list[str]) -> int:
             n = sources.device_count(cfg, None, _DEVICES.value)
             _use_devices(n)
             model_cfg = sources.model_config(cfg)
-            config_path = config_flags.get_config_filename(FLAGS["config"])
+            config_path = cli.config_filename(FLAGS)
             data = page.plan_page(cfg, model_cfg, config_path, _KIND.value)
             out = Path(_OUT.value or Path("reports") / f"{Path(config_path).stem}.html")
     except (ConfigError, DataError, sources.ReportError) as e:
         if isinstance(e, ConfigError) and n == 0:  # a -1 axis filled whatever devices there were
             import jax
 
-            return _fail(f"{e} (the mesh was filled from {jax.device_count()} local device(s); "
+            return cli.error(f"{e} (the mesh was filled from {jax.device_count()} local device(s); "
                          f"pass --devices=N to size it)")
-        return _fail(str(e))
+        return cli.error(str(e))
     print(page.write(data, out))
     return 0
 

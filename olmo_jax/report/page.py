@@ -11,6 +11,7 @@ from importlib import resources
 from pathlib import Path
 
 from olmo_jax import metrics as metrics_lib
+from olmo_jax.parallel.expert import rowwise_capacity_factor
 from olmo_jax.parallel.strategy import build_plan
 from olmo_jax.report import pipeline_view, placement, plan_view, route, run_charts
 from olmo_jax.report.sources import RunFolder
@@ -61,7 +62,8 @@ def _shared_sections(cfg, model_cfg, plan) -> list[dict]:
         section("mesh", "Device mesh and placement", "mesh", placement.mesh_section(cfg, model_cfg, plan)),
         section("route", "One token's route through dispatch", "route",
                 route.route_section(model_cfg.moe, plan.mesh.shape["expert"], p.dispatch,
-                                    p.capacity_factor, seed=cfg.trainer.seed)),
+                                    rowwise_capacity_factor(model_cfg.moe.capacity_factor),
+                                    seed=cfg.trainer.seed)),
         pipeline_view.pipeline_section(cfg, model_cfg, plan),
     ]
 

@@ -2,8 +2,10 @@
 category) and "collectives" (bytes per collective per step, per device).
 
 Both are the planner's numbers (`python -m olmo_jax.plan`), not a second estimate: the
-config's real train step is AOT-compiled for the plan's mesh on abstract inputs
-(`planner.compile.compile_train_step`), `planner.report.build` reads it, and this module
+config's real train step is AOT-compiled for the plan's mesh on abstract inputs, by
+XLA:GPU for a GPU device kind where the planner can (else XLA:CPU on the plan's fake CPU
+devices, labelled; `planner.cli.run`, planner/xla_gpu.py), `planner.report.build` reads
+it, and this module
 only regroups the plan's JSON (`Plan.to_json()`, what `python -m olmo_jax.plan --json`
 writes) into what the page draws: the argument bytes by part of the train state, the
 buffers live at the peak (XLA's buffer live ranges) by what they hold, the compiled
@@ -15,13 +17,12 @@ mean over the stages.
 
 from __future__ import annotations
 
+from olmo_jax.planner import cli as plan_cli
 from olmo_jax.planner import hardware
-from olmo_jax.planner import report as plan_report
-from olmo_jax.planner.compile import compile_train_step
 
 PEAK_PARTS = 8  # the planner's JSON lists the largest groups live at the peak
 
-# What each collective purpose moves (the scopes olmo_jax/parallel/comms.py documents).
+# What each collective purpose moves (the scopes olmo_jax/planner/comms.py documents).
 PURPOSE = {
     "zero_gather": "ZeRO-1: updated parameter shards all-gathered over the data axes",
     "zero_reduce": "ZeRO-1: gradients reduce-scattered over the data axes",
@@ -37,9 +38,9 @@ PURPOSE = {
 def compile_plan(cfg, plan, device_kind: str) -> tuple[dict, hardware.DeviceSpec]:
     """The planner's plan of `cfg` on the devices of `plan`'s mesh (its JSON) and the
     device kind's spec."""
-    step = compile_train_step(cfg, list(plan.mesh.devices.flat))
-    spec = hardware.device_spec(device_kind, step.n_devices)
-    return plan_report.build(step, spec).to_json(), spec
+    devices = list(plan.mesh.devices.flat)
+    out = plan_cli.run(cfg, len(devices), device_kind, False, devices=devices)
+    return out["json"]["plan"], hardware.device_spec(device_kind, len(devices))
 
 
 def memory_data(pj: dict, hbm_bytes: float, kind: str) -> dict:
@@ -57,15 +58,20 @@ def memory_data(pj: dict, hbm_bytes: float, kind: str) -> dict:
     if pj["peak_bytes"]:
         bars.append({"name": "live at the peak", "what": "buffers live at the peak, by what they hold",
                      "parts": peak})
+    counted = pj.get("peak_bytes_counted", pj["peak_bytes"])  # less the scores a GPU fuses
     fit = (f"; {kind.upper()} HBM {hbm_bytes / 1e9:,.0f} GB: "
-           f"{'fits' if pj['peak_bytes'] <= hbm_bytes else 'does NOT fit'}" if hbm_bytes and pj["peak_bytes"]
+           f"{'fits' if counted <= hbm_bytes else 'does NOT fit'}" if hbm_bytes and pj["peak_bytes"]
            else "")
+    compiler = pj.get("compiler", "XLA:CPU")
+    program = (f"{pj['devices']} abstract {kind.upper()} GPUs" if compiler == "XLA:GPU"
+               else f"{pj['devices']} fake CPU devices")
     return {"devices": pj["devices"], "mesh": pj["mesh"], "bars": bars, "hbm_bytes": hbm_bytes,
-            "note": (f"Per device, from the planner's AOT compile of the real train step on "
-                     f"{pj['devices']} fake CPU devices (mesh "
+            "note": (f"Per device, from the planner's AOT compile ({compiler}) of the real train "
+                     f"step for {program} (mesh "
                      f"{' x '.join(f'{a}={n}' for a, n in pj['mesh'].items())}; every device runs "
                      f"the same SPMD program, so these are each device's numbers){fit}. "
-                     f"XLA:CPU's buffers, not a GPU's. Hover a part for its bytes.")}
+                     + ("XLA:GPU's buffers. " if compiler == "XLA:GPU" else
+                        "XLA:CPU's buffers, not a GPU's. ") + "Hover a part for its bytes.")}
 
 
 def collectives_data(pj: dict) -> dict:

@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from olmo_jax.parallel.expert.rowwise import destination_expert, rowwise_plan, slots_per_expert
+from olmo_jax.model.moe import sizing
+from olmo_jax.parallel.expert.rowwise import destination_expert, rowwise_plan
 
 TOKENS_PER_SENDER = 8
 ILLUSTRATION_EP = 4  # expert ranks shown when the mesh has none (expert = 1)
@@ -46,7 +47,7 @@ def route_section(moe_cfg, mesh_ep: int, dispatch: str, capacity_factor: float, 
     E, k = moe_cfg.num_experts, moe_cfg.top_k
     ep = illustration_ep(E, mesh_ep)
     El = E // ep
-    C = slots_per_expert(n_tokens, k, E, capacity_factor)
+    C = sizing.capacity(n_tokens, k, E, capacity_factor)
     idx = example_routing(ep, n_tokens, E, k, seed)
     senders = []
     for s in range(ep):

@@ -52,7 +52,7 @@ def config_from_dict(d: dict, where: str) -> ml_collections.ConfigDict:
     cfg = config_lib.default_config()
     cfg.lock()
     try:
-        cfg.update(d)
+        cfg.update(config_lib.upgrade(d))
     except (KeyError, AttributeError, TypeError, ValueError) as e:
         raise ReportError(f"{where} does not fit this version's config schema: {e}") from e
     return cfg

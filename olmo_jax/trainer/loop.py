@@ -8,13 +8,17 @@ thread: data/pipeline.py); process 0 alone prints and writes metrics (to the sin
 trainer.loggers: sinks.py) and config.json; checkpoints, the data iterator state included,
 are saved and restored by all together. SIGTERM / SIGINT save and stop (preemption.py); bad
 steps are skipped or halt the run (guard.py); trainer.profile_steps traces steps
-(profiler.py). Evaluation (the default split and data.eval_sets) is sharded like training."""
+(profiler.py). Evaluation (the default split and data.eval_sets) is sharded like training
+(evaluation.py). The loop itself only runs steps: the periodic side tasks (profiler window,
+expert counts, the metrics line with its evaluation, checkpoints and preemption, the halt
+check) are hooks run after each step (hooks.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import time
+from pathlib import Path
 
 import jax
 import ml_collections
@@ -26,20 +30,24 @@ from olmo_jax import config as config_lib
 from olmo_jax import distributed
 from olmo_jax import metrics as metrics_lib
 from olmo_jax.checkpoint.errors import CheckpointError
-from olmo_jax.checkpoint.run import RunCheckpoints, truncate_metrics
 from olmo_jax.data import build_data
-from olmo_jax.model.config import ConfigError
+from olmo_jax.data.build import Data
+from olmo_jax.model.abstract import abstract_model
+from olmo_jax.model.config import ConfigError, TransformerConfig
 from olmo_jax.optim import build_optimizer
 from olmo_jax.parallel.strategy import build_plan
 from olmo_jax.trainer import guard as guard_lib
 from olmo_jax.trainer import preflight
 from olmo_jax.trainer import run_dir as run_dir_lib
+from olmo_jax.trainer.checkpoints import RunCheckpoints, truncate_metrics
+from olmo_jax.trainer.evaluation import Evaluation
+from olmo_jax.trainer.hooks import Checkpointing, ExpertCounts, HaltCheck, Hook, MetricsLine, Throughput
 from olmo_jax.trainer.logger import ProgressBar
 from olmo_jax.trainer.preemption import Preemption
 from olmo_jax.trainer.profiler import StepProfiler
 from olmo_jax.trainer.sample import generate
 from olmo_jax.trainer.sinks import build_sinks
-from olmo_jax.trainer.state import abstract_model, abstract_train_state, init_state
+from olmo_jax.trainer.state import abstract_train_state, init_state
 from olmo_jax.trainer.step import make_eval_step, make_train_step
 
 
@@ -81,108 +89,124 @@ def _train_stream(plan, loader, seq_len: int, prefetch: int):
     return loader.stream(row_ids, prefetch), place_rows
 
 
-def _evaluate(eval_fn, state, data, n_batches, place) -> dict[str, float]:
-    """The eval records: eval_loss on the default split, eval/<name>/loss and
-    eval/<name>/perplexity on each named set; every batch sharded like training."""
-    record = {}
-    if data.eval is not None:
-        record["eval_loss"] = _eval_loss(eval_fn, state, data.eval, n_batches, place)
-    for name, loader in data.eval_sets.items():
-        loss = _eval_loss(eval_fn, state, loader, n_batches, place)
-        record[f"eval/{name}/loss"] = loss
-        record[f"eval/{name}/perplexity"] = float(np.exp(min(loss, 700.0)))
-    return record
-
-
-def _eval_loss(eval_fn, state, loader, n_batches, place) -> float:
-    ce, n = 0.0, 0.0
-    for i in range(min(n_batches, max(1, loader.steps_per_epoch))):
-        batch = place(loader, i, grad_accum=1)
-        c, t = eval_fn(state.params, state.model_state, batch)
-        ce, n = ce + float(c), n + float(t)
-    return ce / max(n, 1.0)
-
-
 def _with_shardings(tree, shardings):
     """ShapeDtypeStructs of `tree` carrying `shardings` (what ahead-of-time lowering takes)."""
     return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                         tree, shardings)
 
 
-def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Summary:
-    main = distributed.is_main()
-    console = console or Console(quiet=not main)
-    config_lib.validate(cfg)
-    t_cfg = cfg.trainer
-    run_dir = run_dir_lib.prepare(cfg)  # writable; no different run in it (trainer.overwrite)
+@dataclasses.dataclass
+class _Run:
+    """What train() builds from the config before compiling anything."""
+    cfg: ml_collections.ConfigDict
+    console: Console
+    main: bool  # process 0: prints and writes metrics
+    run_dir: Path
+    data: Data
+    model_cfg: TransformerConfig
+    plan: object  # ParallelPlan (olmo_jax/parallel)
+    tx: object  # optax.GradientTransformation
+    guard_cfg: guard_lib.GuardConfig
+    abstract: object  # the TrainState's ShapeDtypeStructs
+    shardings: object  # the TrainState's shardings
+    opt_bytes: tuple[int, int]  # optimizer state per device: stored, replicated
+    checkpoints: RunCheckpoints
+    step_fn: object  # the jitted, guarded train step
+    eval_fn: object
 
-    data = build_data(cfg.data, t_cfg.seq_len, t_cfg.global_batch_size, t_cfg.seed, t_cfg.cache_dir)
+    @property
+    def t(self) -> ml_collections.ConfigDict:
+        return self.cfg.trainer
+
+    @property
+    def stop(self) -> int:
+        return self.t.hard_stop or self.t.max_steps
+
+
+def _model_config(cfg, data) -> TransformerConfig:
     model_cfg = config_lib.model_config(cfg, data.vocab_size)
     if data.vocab_size > model_cfg.vocab_size:
         raise ConfigError(
             f"model.vocab_size={model_cfg.vocab_size} is smaller than the data's vocabulary "
             f"({data.vocab_size}); set model.vocab_size >= {data.vocab_size} or 0 (= from the data)"
         )
-    plan = build_plan(cfg, model_cfg)  # mesh, strategy, dispatcher (olmo_jax/parallel)
-    mesh = plan.mesh
+    return model_cfg
 
+
+def _build(cfg: ml_collections.ConfigDict, console: Console, main: bool) -> _Run:
+    """Data, model, plan, optimizer, checkpoints and the (uncompiled) step functions."""
+    config_lib.validate(cfg)
+    t_cfg = cfg.trainer
+    run_dir = run_dir_lib.prepare(cfg)  # writable; no different run in it (trainer.overwrite)
+    data = build_data(cfg.data, t_cfg.seq_len, t_cfg.global_batch_size, t_cfg.seed, t_cfg.cache_dir)
+    model_cfg = _model_config(cfg, data)
+    plan = build_plan(cfg, model_cfg)  # mesh, strategy, dispatcher (olmo_jax/parallel)
     tx, schedule = build_optimizer(cfg.optim, t_cfg.max_steps)
     guard_cfg = guard_lib.GuardConfig.from_trainer(t_cfg)
     graphdef, abstract = abstract_train_state(model_cfg, tx, dispatcher=plan.dispatcher,
                                               guard_cfg=guard_cfg)
     shardings = plan.state_shardings(abstract, tx)
-    opt_bytes, opt_bytes_replicated = plan.optimizer_bytes(abstract, tx)
-    metrics_path = run_dir / "metrics.jsonl"
+    opt_bytes = plan.optimizer_bytes(abstract, tx)
     checkpoints = RunCheckpoints(cfg, run_dir, model_cfg, console)
     checkpoints.verify()  # the checkpoint to start from fits, before compiling
-    place = _placer(plan, t_cfg.seq_len)
-
     step_fn = plan.jit_train_step(
         guard_lib.guarded(make_train_step(
             graphdef, model_cfg, tx, schedule, t_cfg.grad_accum, parallel=plan,
-            expert_ranks=mesh.shape["expert"],
+            expert_ranks=plan.mesh.shape["expert"],
         ), guard_cfg),
         shardings,
     )
     eval_fn = jax.jit(make_eval_step(graphdef, model_cfg, parallel=plan))
+    return _Run(cfg, console, main, run_dir, data, model_cfg, plan, tx, guard_cfg, abstract,
+                shardings, opt_bytes, checkpoints, step_fn, eval_fn)
 
-    # Preflight: compile on the abstract state (nothing allocated yet) and check it fits.
-    stop = t_cfg.hard_stop or t_cfg.max_steps
+
+def _preflight(run: _Run):
+    """(compiled step, memory estimate, compile seconds): compiled on the abstract state
+    (nothing allocated yet) and checked to fit; (None, None, s) when nothing is left to
+    train."""
     t0 = time.perf_counter()
     compiled, memory = None, None
-    if checkpoints.latest is None or checkpoints.latest < stop:
+    latest = run.checkpoints.latest
+    if latest is None or latest < run.stop:
         batch_spec = jax.ShapeDtypeStruct(
-            plan.batch_shape(t_cfg.global_batch_size, t_cfg.seq_len), np.int32,
-            sharding=plan.batch_sharding())
+            run.plan.batch_shape(run.t.global_batch_size, run.t.seq_len), np.int32,
+            sharding=run.plan.batch_sharding())
         try:
-            compiled = step_fn.lower(_with_shardings(abstract, shardings), batch_spec).compile()
-            memory = preflight.check(compiled, cfg)
+            compiled = run.step_fn.lower(_with_shardings(run.abstract, run.shardings),
+                                         batch_spec).compile()
+            memory = preflight.check(compiled, run.cfg)
         except BaseException:
-            checkpoints.close()
+            run.checkpoints.close()
             raise
-    compile_s = time.perf_counter() - t0
-    if main:
-        run_dir_lib.write_config(run_dir, cfg)
-        (run_dir / "mesh.json").write_text(json.dumps(dict(mesh.shape)))  # for olmo_jax.report
+    return compiled, memory, time.perf_counter() - t0
 
-    # Resumed, or weights from trainer.init_from, or init(); placed on `shardings`.
-    state = checkpoints.start(
-        abstract, shardings, tx, data.train, metrics_path,
-        init=lambda: init_state(model_cfg, tx, t_cfg.seed, dispatcher=plan.dispatcher,
-                                guard_cfg=guard_cfg)[1],
+
+def _start_state(run: _Run):
+    """Resumed, or weights from trainer.init_from, or init(); placed on the shardings."""
+    model_cfg, t_cfg = run.model_cfg, run.t
+    return run.checkpoints.start(
+        run.abstract, run.shardings, run.tx, run.data.train, run.run_dir / "metrics.jsonl",
+        init=lambda: init_state(model_cfg, run.tx, t_cfg.seed, dispatcher=run.plan.dispatcher,
+                                guard_cfg=run.guard_cfg)[1],
     )
-    start = int(state.step)
-    if start >= stop:  # resumed a finished run: nothing to compile or train
-        console.print(f"the run is complete at step {start} (trainer.max_steps / hard_stop)")
 
-    n_dev = mesh.devices.size
-    tokens_per_step = t_cfg.global_batch_size * t_cfg.seq_len
-    flops_tok = metrics_lib.flops_per_token(model_cfg, t_cfg.seq_len)
-    peak = metrics_lib.peak_flops_per_device(model_cfg.dtype)
+
+def _throughput(run: _Run) -> Throughput:
+    t_cfg, model_cfg = run.t, run.model_cfg
+    return Throughput(
+        t_cfg.global_batch_size * t_cfg.seq_len,
+        metrics_lib.flops_per_token(model_cfg, t_cfg.seq_len), run.plan.mesh.devices.size,
+        metrics_lib.peak_flops_per_device(model_cfg.dtype))
+
+
+def _print_banner(run: _Run, flops_tok: float, memory, compile_s: float) -> None:
+    model_cfg, mesh, plan = run.model_cfg, run.plan.mesh, run.plan
+    opt_bytes, opt_bytes_replicated = run.opt_bytes
     mem = "" if memory is None else (
         f"; memory {memory[0].total / 2**20:,.1f} MiB/device of {memory[1] / 2**20:,.0f}")
     procs = f" x {jax.process_count()} processes" if jax.process_count() > 1 else ""
-    console.print(
+    run.console.print(
         f"[bold]olmo_jax[/] {model_cfg.n_layers} layers, d_model {model_cfg.d_model}, "
         f"{model_cfg.moe.num_experts} experts top-{model_cfg.moe.top_k}; "
         f"{metrics_lib.param_counts(model_cfg)[0] / 1e6:.2f}M params; mesh "
@@ -192,123 +216,164 @@ def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Sum
     )
     if plan.pipeline is not None:
         s = plan.pipeline.schedule
-        console.print(
+        run.console.print(
             f"pipeline {s.kind}: {s.stages} stages x {s.virtual} virtual, {s.microbatches} "
             f"microbatches, {s.ticks} ticks, bubble {100 * s.bubble:.1f}% (logged as pipeline_bubble)")
+    run.console.print(f"eval every {run.t.eval_every or run.t.max_steps} steps: "
+                      f"{run.data.describe_eval()}")
 
-    console.print(f"eval every {t_cfg.eval_every or t_cfg.max_steps} steps: {data.describe_eval()}")
-    if checkpoints.resumed and main:  # like metrics.jsonl: drop what was logged after the checkpoint
-        truncate_metrics(run_dir / "expert_counts.jsonl", start)
-    counts_every = t_cfg.expert_counts_every
-    profiler = StepProfiler(t_cfg.profile_steps, run_dir)
+
+def _open_stream_and_sinks(run: _Run, start: int):
+    """(stream, place_rows, sinks): the training batches from step `start` (None when the
+    run is complete), resumed where the checkpoint's data iterator stopped, and the
+    metric sinks of trainer.loggers; on failure the checkpoints are closed."""
     stream, place_rows = None, None
     try:
-        if start < stop:
-            stream, place_rows = _train_stream(plan, data.train, t_cfg.seq_len, cfg.data.prefetch)
-            if checkpoints.iterator_state is not None:  # resumed: grain's saved iterator state
-                stream.set_state(checkpoints.iterator_state)
+        if start < run.stop:
+            stream, place_rows = _train_stream(run.plan, run.data.train, run.t.seq_len,
+                                               run.cfg.data.prefetch)
+            if run.checkpoints.iterator_state is not None:  # resumed: grain's saved state
+                stream.set_state(run.checkpoints.iterator_state)
                 if stream.step != start:
                     raise CheckpointError(
                         f"checkpoint step {start}: its data_iter state is at step {stream.step}")
-        sinks = build_sinks(cfg, run_dir, model_cfg.n_dense_layers, checkpoints.resumed_from, main)
+        sinks = build_sinks(run.cfg, run.run_dir, run.model_cfg.n_dense_layers,
+                            run.checkpoints.resumed_from, run.main)
     except BaseException:
         if stream is not None:
             stream.close()
-        checkpoints.close()
+        run.checkpoints.close()
         raise
-    distributed.set_hint(
-        f"the checkpoints in {checkpoints.ckpts.directory} are kept: relaunch every process "
-        "with the same command to resume from the last one")
+    return stream, place_rows, sinks
 
-    def halt_if(halt_step, reason) -> None:
-        if int(halt_step):
-            checkpoints.close()  # the last save, made before the bad step, completes
-            raise guard_lib.TrainingHalted(guard_lib.halt_message(
-                int(halt_step), int(reason), guard_cfg, checkpoints.last_saved,
-                str(checkpoints.ckpts.directory)))
 
-    history: list[dict] = list(checkpoints.previous_records)
-    last_eval = next((r["eval_loss"] for r in reversed(history) if "eval_loss" in r), float("nan"))
-    last_sets = {name: next((r[f"eval/{name}/loss"] for r in reversed(history)
-                             if f"eval/{name}/loss" in r), float("nan")) for name in data.eval_sets}
-    t_last, step_last = time.perf_counter(), start
-    preempted = None
+def _step_runner(compiled, stream, place_rows, profiler: StepProfiler):
+    """run_step(state, step) -> (state, metrics): the compiled step on the stream's next
+    batch (which is step `step`'s), traced when trainer.profile_steps asks."""
+    def run_step(state, step):
+        batch_step, rows_RL = next(stream)
+        assert batch_step == step, (batch_step, step)
+        with profiler.step(step + 1):
+            return compiled(state, place_rows(rows_RL))
+    return run_step
+
+
+@dataclasses.dataclass
+class _Hooks:
+    """The loop's hooks (hooks.py), in the order they run after each step."""
+    profiler: StepProfiler
+    counts: ExpertCounts
+    log: MetricsLine
+    saving: Checkpointing
+
+    def all(self) -> list[Hook]:
+        return [self.profiler, self.counts, self.log, self.saving]
+
+
+def _hooks(run: _Run, start: int, stream, sinks, profiler, throughput, bar, preempt) -> _Hooks:
+    t_cfg, model_cfg = run.t, run.model_cfg
+    halt = HaltCheck(run.checkpoints, run.guard_cfg)
+    history: list[dict] = list(run.checkpoints.previous_records)
+    evaluation = Evaluation(run.eval_fn, run.data, t_cfg.eval_batches,
+                            _placer(run.plan, t_cfg.seq_len), t_cfg.eval_every, t_cfg.max_steps,
+                            history)
+    throughput.restart(start)  # the first logged interval starts here
+    return _Hooks(
+        profiler=profiler,
+        counts=ExpertCounts(sinks, t_cfg.expert_counts_every, model_cfg.n_dense_layers, run.main),
+        log=MetricsLine(sinks, bar, halt, evaluation, throughput, t_cfg.log_every,
+                        t_cfg.max_steps, history),
+        saving=Checkpointing(run.checkpoints, halt, preempt, run.data.train, stream, run.stop),
+    )
+
+
+def _train_steps(run: _Run, state, start: int, run_step, hooks: _Hooks, bar, preempt, stream, sinks):
+    """Steps start+1 .. run.stop, each followed by the hooks; stops early when the
+    checkpointing hook saved for a SIGTERM / SIGINT. -> the last state. Ends, whatever
+    happens, with every hook's on_end and the stream and sinks closed."""
     try:
-        with Preemption() as preempt, ProgressBar(t_cfg.max_steps, start, console) as bar:
-            for step in range(start, stop):
-                done = step + 1
-                batch_step, rows_RL = next(stream)
-                assert batch_step == step, (batch_step, step)
-                with profiler.step(done):
-                    state, m = compiled(state, place_rows(rows_RL))
-                profiler.after(done, state)
-                if main and counts_every and done % counts_every == 0:
-                    counts_LE = np.asarray(m["expert_counts"])  # [MoE blocks, experts]
-                    first = model_cfg.n_dense_layers
-                    sinks.expert_counts(done, list(range(first, first + len(counts_LE))), counts_LE)
-                is_eval = t_cfg.eval_every and done % t_cfg.eval_every == 0
-                if done % t_cfg.log_every == 0 or done in (1, t_cfg.max_steps) or is_eval:
-                    m = jax.device_get(m)
-                    halt_if(m.pop("halted"), state.guard.halt_reason)
-                    now = time.perf_counter()
-                    tok_s = (done - step_last) * tokens_per_step / (now - t_last)
-                    record = {"step": done, **{k: float(v) for k, v in m.items() if v.ndim == 0}}
-                    record["tokens_per_s"] = tok_s
-                    record["step_time_s"] = (now - t_last) / (done - step_last)
-                    record["tflops_per_device"] = flops_tok * tok_s / n_dev / 1e12
-                    record["mfu"] = flops_tok * tok_s / n_dev / peak
-                    if is_eval or done == t_cfg.max_steps:
-                        evals = _evaluate(eval_fn, state, data, t_cfg.eval_batches, place)
-                        record.update(evals)
-                        last_eval = evals.get("eval_loss", last_eval)
-                        last_sets = {n: evals[f"eval/{n}/loss"] for n in data.eval_sets}
-                    sinks.scalars(done, record)
-                    history.append(record)
-                    bar.update(done, record)
-                    t_last, step_last = time.perf_counter(), done
-                preempt_now = preempt.requested(done)
-                force = done == stop or preempt_now
-                if checkpoints.due(done, force):  # never save a halted run's state
-                    halt_if(state.guard.halt_step, state.guard.halt_reason)
-                checkpoints.maybe_save(done, state, data.train, force=force, stream=stream)
-                if preempt_now:
-                    preempted = (preempt.signal_name, done)
+        with preempt, bar:
+            for step in range(start, run.stop):
+                state, metrics = run_step(state, step)
+                for hook in hooks.all():
+                    hook.on_step(step + 1, state, metrics)
+                if hooks.saving.preempted is not None:
                     break
     finally:
-        profiler.stop()
-        checkpoints.close()  # waits for the last save
+        for hook in hooks.all():
+            hook.on_end()  # the profiler stops; the checkpoints wait for the last save
         if stream is not None:
             stream.close()
         sinks.close()
+    return state
 
+
+def _summary(run: _Run, state, hooks: _Hooks, compile_s: float) -> Summary:
+    history, evaluation = hooks.log.history, hooks.log.evaluation
     timed = history[1:] or history  # the first interval includes warm-up
-    summary = Summary(
+    tokens_per_step = run.t.global_batch_size * run.t.seq_len
+    return Summary(
         steps=int(state.step),
         tokens=int(state.step) * tokens_per_step,
         first_loss=history[0]["loss"] if history else float("nan"),
         final_loss=history[-1]["loss"] if history else float("nan"),
-        final_eval_loss=last_eval,
+        final_eval_loss=evaluation.last_loss,
         mean_tokens_per_s=float(np.mean([r["tokens_per_s"] for r in timed] or [np.nan])),
         mean_mfu=float(np.mean([r["mfu"] for r in timed] or [np.nan])),
         compile_s=compile_s,
-        metrics_path=str(run_dir / "metrics.jsonl"),
+        metrics_path=str(run.run_dir / "metrics.jsonl"),
         sample="",
-        preempted=preempted is not None,
-        final_eval_sets=last_sets,
+        preempted=hooks.saving.preempted is not None,
+        final_eval_sets=evaluation.last_sets,
     )
-    if preempted is not None:
-        console.print(
-            f"{preempted[0]}: saved a checkpoint at step {preempted[1]} in "
-            f"{checkpoints.ckpts.directory}; run the same command again to resume")
+
+
+def _sample(run: _Run, state) -> str:
+    """A text sample from trainer.sample_prompt (single-program sampling: the model with
+    its local dispatch, on one process's devices)."""
+    t_cfg, tokenizer = run.t, run.data.tokenizer
+    sample_ids = generate(
+        abstract_model(run.model_cfg)[0], state.params, state.model_state,
+        tokenizer.encode(t_cfg.sample_prompt), t_cfg.sample_tokens, t_cfg.seq_len,
+        tokenizer.pad_id, temperature=t_cfg.sample_temperature, seed=t_cfg.seed,
+    )
+    return tokenizer.decode(sample_ids)
+
+
+def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Summary:
+    main = distributed.is_main()
+    console = console or Console(quiet=not main)
+    run = _build(cfg, console, main)
+    compiled, memory, compile_s = _preflight(run)
+    if main:
+        run_dir_lib.write_config(run.run_dir, cfg)
+        mesh_json = json.dumps(dict(run.plan.mesh.shape))
+        (run.run_dir / "mesh.json").write_text(mesh_json)  # for olmo_jax.report
+    state = _start_state(run)
+    start = int(state.step)
+    if start >= run.stop:  # resumed a finished run: nothing to compile or train
+        console.print(f"the run is complete at step {start} (trainer.max_steps / hard_stop)")
+    throughput = _throughput(run)  # measures the CPU's peak FLOP/s on a CPU run
+    _print_banner(run, throughput.flops_tok, memory, compile_s)
+    if run.checkpoints.resumed and main:  # like metrics.jsonl: drop what was logged after it
+        truncate_metrics(run.run_dir / "expert_counts.jsonl", start)
+    profiler = StepProfiler(run.t.profile_steps, run.run_dir)
+    stream, place_rows, sinks = _open_stream_and_sinks(run, start)
+    distributed.set_hint(
+        f"the checkpoints in {run.checkpoints.ckpts.directory} are kept: relaunch every process "
+        "with the same command to resume from the last one")
+    bar, preempt = ProgressBar(run.t.max_steps, start, console), Preemption()
+    hooks = _hooks(run, start, stream, sinks, profiler, throughput, bar, preempt)
+    run_step = _step_runner(compiled, stream, place_rows, profiler)
+    state = _train_steps(run, state, start, run_step, hooks, bar, preempt, stream, sinks)
+    summary = _summary(run, state, hooks, compile_s)
+    if summary.preempted:
+        signal_name, step = hooks.saving.preempted
+        console.print(f"{signal_name}: saved a checkpoint at step {step} in "
+                      f"{run.checkpoints.ckpts.directory}; run the same command again to resume")
         return summary
     if jax.process_count() == 1:  # sampling runs on one process's devices
-        prompt = data.tokenizer.encode(t_cfg.sample_prompt)
-        sample_ids = generate(  # single-program sampling: the model with its local dispatch
-            abstract_model(model_cfg)[0], state.params, state.model_state, prompt,
-            t_cfg.sample_tokens, t_cfg.seq_len, data.tokenizer.pad_id,
-            temperature=t_cfg.sample_temperature, seed=t_cfg.seed,
-        )
-        summary = dataclasses.replace(summary, sample=data.tokenizer.decode(sample_ids))
+        summary = dataclasses.replace(summary, sample=_sample(run, state))
     print_summary(summary, console)
     return summary
 

@@ -13,12 +13,27 @@ from pathlib import Path
 
 import jax
 
-from olmo_jax import config as config_lib
+from olmo_jax.errors import ConfigError
+
+
+def profile_window(spec: str) -> tuple[int, int] | None:
+    """trainer.profile_steps 'START:END' -> (START, END): the steps START..END-1 (numbered
+    as in metrics.jsonl, the first step is 1) are traced; '' -> None."""
+    if not spec.strip():
+        return None
+    fix = "write it as START:END with 1 <= START < END, e.g. trainer.profile_steps=10:13"
+    try:
+        a, b = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise ConfigError(f"trainer.profile_steps={spec!r} is not START:END; {fix}") from None
+    if not 1 <= a < b:
+        raise ConfigError(f"trainer.profile_steps={spec!r}: need 1 <= START < END; {fix}")
+    return a, b
 
 
 class StepProfiler:
     def __init__(self, spec: str, run_dir: Path):
-        self.window = config_lib.profile_window(spec)
+        self.window = profile_window(spec)
         index = jax.process_index()
         self.logdir = Path(run_dir) / "profile" / (f"process_{index}" if index else "")
         self.active = False
@@ -44,3 +59,10 @@ class StepProfiler:
         if self.active:
             self.active = False
             jax.profiler.stop_trace()
+
+    # The loop's hook (hooks.py): `step` wraps the dispatch, these run after it.
+    def on_step(self, step: int, state, metrics: dict) -> None:
+        self.after(step, state)
+
+    def on_end(self) -> None:
+        self.stop()

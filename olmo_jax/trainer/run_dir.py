@@ -7,11 +7,11 @@
   differs in a field that defines the run (architecture, data, optimizer, seed, batch,
   steps) is refused, naming the fields, unless trainer.overwrite=True: then the old file
   is kept as config.replaced-<time>.json and the run goes on with the new config (it still
-  resumes from the folder's checkpoints, whose architecture checkpoint/run.py checks).
+  resumes from the folder's checkpoints, whose architecture trainer/checkpoints.py checks).
 - Fields that may change between launches of one run: where and how it runs (parallel.*,
   intervals, hard_stop, the reliability knobs, the metric sinks and profiler, the named
   eval sets, data read-ahead) and the model fields a checkpoint does not
-  depend on (checkpoint/run.py FREE_MODEL_FIELDS, FREE_MOE_FIELDS).
+  depend on (trainer/checkpoints.py FREE_MODEL_FIELDS, FREE_MOE_FIELDS).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import ml_collections
 
-from olmo_jax.checkpoint.run import FREE_MODEL_FIELDS, FREE_MOE_FIELDS
 from olmo_jax.model.config import ConfigError
+from olmo_jax.trainer.checkpoints import FREE_MODEL_FIELDS, FREE_MOE_FIELDS
 
 CONFIG_FILE = "config.json"
 FREE_TRAINER_FIELDS = {

@@ -14,13 +14,14 @@ Every sink takes the same calls: `scalars(step, record)` at each logged step,
 after each logged step (so a watcher sees each log_every interval as it completes), and
 `close()`. Only process 0 of a multi-process run builds any sink (`build_sinks(main=False)`
 returns none). On resume from the checkpoint of step S, what the lost process logged
-after S is dropped: metrics.jsonl is truncated (checkpoint/run.py), TensorBoard gets a
+after S is dropped: metrics.jsonl is truncated (trainer/checkpoints.py), TensorBoard gets a
 SessionLog START at step S + 1 (its readers purge the older events from there on), and the
 W&B run is continued by id (its id is kept in {run_dir}/wandb/run_id).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import secrets
 import string
@@ -31,8 +32,36 @@ from typing import Protocol
 import ml_collections
 import numpy as np
 
-from olmo_jax import config as config_lib
+from olmo_jax.errors import ConfigError
 from olmo_jax.trainer.logger import ExpertCountsLog, MetricsLog
+
+LOGGERS = ("jsonl", "tensorboard", "wandb")  # trainer.loggers
+_LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}  # logger -> module (extra)
+WANDB_MODES = ("online", "offline", "disabled")  # trainer.wandb.mode
+
+
+def loggers(spec: str) -> tuple[str, ...]:
+    """The metric sinks named by trainer.loggers (comma-separated), checked: known,
+    installed, jsonl kept."""
+    names = tuple(dict.fromkeys(x.strip() for x in spec.split(",") if x.strip()))
+    for name in names:
+        if name not in LOGGERS:
+            raise ConfigError(
+                f"trainer.loggers={spec!r}: unknown logger {name!r}; choose from {', '.join(LOGGERS)}"
+            )
+    if "jsonl" not in names:
+        raise ConfigError(
+            f"trainer.loggers={spec!r} must include jsonl: metrics.jsonl is what resuming, "
+            "the report and the summary read; e.g. trainer.loggers=jsonl,tensorboard"
+        )
+    for name in names:
+        module = _LOGGER_PACKAGES.get(name)
+        if module and importlib.util.find_spec(module) is None:
+            raise ConfigError(
+                f"trainer.loggers includes {name}, but the {module} package is not installed; "
+                f"pip install 'olmo-jax[{name}]' (or remove {name} from trainer.loggers)"
+            )
+    return names
 
 
 class MetricSink(Protocol):
@@ -200,7 +229,7 @@ def build_sinks(cfg: ml_collections.ConfigDict, run_dir: Path, first_block: int,
     `resume_step`: the checkpoint step this launch resumed from (None: a fresh run)."""
     if not main:
         return Sinks([])
-    names = config_lib.loggers(cfg.trainer)
+    names = loggers(cfg.trainer.loggers)
     resumed = resume_step is not None
     sinks: list[MetricSink] = [JsonlSink(run_dir, first_block, append=resumed)]
     try:

@@ -18,6 +18,7 @@ import optax
 from flax import nnx
 
 from olmo_jax.model import Transformer, TransformerConfig
+from olmo_jax.model.abstract import abstract_model
 from olmo_jax.trainer.guard import GuardConfig, GuardState, init_guard
 
 
@@ -28,12 +29,6 @@ class TrainState(NamedTuple):
     model_state: nnx.State
     rng: jax.Array  # a key for stochastic parts of the step (router jitter, random routing)
     guard: GuardState | None = None  # bad-step counts and loss window (set by the builders below)
-
-
-def abstract_model(model_cfg: TransformerConfig, dispatcher=None):
-    """(graphdef, abstract params, abstract model_state) without allocating."""
-    abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0), dispatcher=dispatcher))
-    return nnx.split(abstract, nnx.Param, ...)
 
 
 def initial_rng(seed: int) -> jax.Array:

@@ -11,7 +11,7 @@ import numpy as np
 from olmo_jax.checkpoint import hf
 from olmo_jax.checkpoint.hf_config import from_hf_config
 from olmo_jax.checkpoint.tree import flatten_named, nest
-from olmo_jax.trainer.state import abstract_model
+from olmo_jax.model.abstract import abstract_model
 
 ROOT = Path(__file__).resolve().parents[2]
 ORACLE_PY = ROOT / ".venv-oracle" / "bin" / "python"

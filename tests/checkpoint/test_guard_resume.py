@@ -8,11 +8,11 @@ import numpy as np
 from rich.console import Console
 
 from olmo_jax.checkpoint import manager as m
-from olmo_jax.checkpoint.run import RunCheckpoints, model_tree
 from olmo_jax.config import model_config
 from olmo_jax.data import build_data
 from olmo_jax.optim import build_optimizer
 from olmo_jax.parallel.strategy import build_plan
+from olmo_jax.trainer.checkpoints import RunCheckpoints, model_tree
 from olmo_jax.trainer.guard import GuardConfig
 from olmo_jax.trainer.state import abstract_train_state
 from tests.run_config import run_config

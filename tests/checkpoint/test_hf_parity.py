@@ -20,7 +20,7 @@ from olmo_jax.checkpoint import hf
 from olmo_jax.checkpoint.hf_config import from_hf_config
 from olmo_jax.checkpoint.safetensors_io import read_config, read_file, read_tensors
 from olmo_jax.checkpoint.tree import flatten_named
-from olmo_jax.trainer.step import forward_losses, total_loss
+from olmo_jax.objective import forward_losses, total_loss
 from tests.checkpoint.oracle import CASES, INPUT_IDS, JAX_BORN, LOSS_BATCH, LOSS_CASE, ROOT
 
 LOGIT_TOL = 1e-4

@@ -13,12 +13,13 @@ from jax.sharding import Mesh
 
 from olmo_jax.checkpoint import manager as m
 from olmo_jax.checkpoint.errors import CheckpointError
-from olmo_jax.checkpoint.run import model_tree, train_tree
 from olmo_jax.checkpoint.tree import flatten_named, unflatten_named
 from olmo_jax.model import MoEConfig, TransformerConfig
+from olmo_jax.model.abstract import abstract_model
 from olmo_jax.parallel import mesh as mesh_lib
 from olmo_jax.parallel import rules, strategy
-from olmo_jax.trainer.state import TrainState, abstract_model
+from olmo_jax.trainer.checkpoints import model_tree, train_tree
+from olmo_jax.trainer.state import TrainState
 
 TX = optax.adamw(1e-3)
 

@@ -31,9 +31,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from olmo_jax.checkpoint import hf
 from olmo_jax.checkpoint.errors import CheckpointError
 from olmo_jax.data import build_data
+from olmo_jax.objective import forward_losses
 from olmo_jax.optim import build_optimizer
 from olmo_jax.trainer.loop import train
-from olmo_jax.trainer.step import forward_losses
 from tests.checkpoint.oracle import ROOT, case_config
 from tests.conftest import compile_cache_env
 

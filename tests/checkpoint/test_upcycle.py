@@ -20,9 +20,9 @@ from olmo_jax import convert
 from olmo_jax.checkpoint import hf, rewrite, surgery, upcycle
 from olmo_jax.checkpoint.tree import flatten_named
 from olmo_jax.model import TransformerConfig
+from olmo_jax.model.abstract import abstract_model
 from olmo_jax.model.config import MoEConfig
 from olmo_jax.trainer.logger import ExpertCountsLog
-from olmo_jax.trainer.state import abstract_model
 
 TOL = 1e-6  # max |a - b| / max |b|, float32
 IDS = np.asarray(np.random.default_rng(0).integers(0, 64, (2, 12)), np.int32)

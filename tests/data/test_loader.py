@@ -9,6 +9,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+from olmo_jax import labels
 from olmo_jax.data.repetition import RepetitionFilter
 from olmo_jax.data import (
     BatchLoader,
@@ -17,7 +18,7 @@ from olmo_jax.data import (
     TokenFile,
     TokenWindows,
     build_data,
-    labels,
+
     split_windows,
     write_token_file,
 )

@@ -33,8 +33,10 @@ on Hopper), jax.lax.ragged_dot for ragged_dot (= auto on Blackwell in bf16); wit
 on Blackwell auto takes the batched / blocked einsum layouts); cuDNN block-scaled
 GEMMs for MXFP8 experts on Blackwell (`block_scaled_expected`), none on Hopper or in
 bf16; the fused MXFP8 quantizer kernel on both; cuDNN fused attention forward and
-backward (model.attention_impl=auto in bfloat16); stage-to-stage sends in the pipelined
-cells. A step that compiled a CPU path for a GPU mesh fails here.
+backward and no [T, S] score buffer in the optimized HLO (`attention_problems`;
+model.attention_impl=auto in bfloat16; its control, one 1-GPU step with
+attention_impl=xla, has no cuDNN call and score buffers the check finds); stage-to-stage
+sends in the pipelined cells. A step that compiled a CPU path for a GPU mesh fails here.
 
 The session prints each cell's status and wall times (tests/gpu/results.py).
 """
@@ -60,6 +62,7 @@ DISPATCHES = ("rowwise", "ragged", "allgather")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 HOPPER, BLACKWELL = ("h100", "h200"), ("b200", "b300")
 COMPILE_OPTIONS = {"xla_gpu_autotune_level": 0}
+SEQ_LEN = 64
 
 # Cells refused while the plan is built: (kind, gmm_impl) -> what the message must name.
 REFUSED = {
@@ -109,7 +112,7 @@ def cell_config(cell: Cell):
     m.dtype = "bfloat16"
     m.moe.gmm_impl, m.moe.precision = cell.gmm, cell.precision
     p, t = c.parallel, c.trainer
-    t.global_batch_size, t.seq_len = 8, 64
+    t.global_batch_size, t.seq_len = 8, SEQ_LEN
     if cell.n > 1:
         p.data, p.expert, p.dispatch = 2, 4, cell.dispatch
     if cell.schedule:
@@ -169,14 +172,25 @@ def path_problems(cell: Cell, step) -> list[str]:
     if cell.precision == "mxfp8" and not [k for k in kernels if not k.wgmma]:
         out.append("MXFP8 weights quantized without the fused Pallas quantizer kernel "
                    "(kernels.mxfp8.quantize_rowcol on sm_90+)")
-    attention = {c.target for c in gpu_hlo.cudnn_attention(module)}
-    if not {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"} <= attention:
-        out.append(f"model.attention_impl=auto in bfloat16 on {cell.kind} must run cuDNN fused "
-                   f"attention forward and backward: found {sorted(attention)}")
+    out += attention_problems(cell, module)
     if cell.schedule and colls["collective-permute"] == 0:
         out.append(f"pipe=2 ({cell.schedule}) has no collective-permute between stages")
     if step.compiled.memory_analysis() is None:
         out.append("no memory analysis (buffer assignment) from the compiled step")
+    return out
+
+
+def attention_problems(cell: Cell, module, seq_len: int = SEQ_LEN) -> list[str]:
+    """model.attention_impl=auto in bfloat16 must run cuDNN's fused attention forward and
+    backward and leave no [T, S] score buffer in the optimized HLO."""
+    out = []
+    attention = {c.target for c in gpu_hlo.cudnn_attention(module)}
+    if not {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"} <= attention:
+        out.append(f"model.attention_impl=auto in bfloat16 on {cell.kind} must run cuDNN fused "
+                   f"attention forward and backward: found {sorted(attention)}")
+    if scores := gpu_hlo.score_buffers(module, seq_len):
+        out.append(f"{len(scores)} [T, S] attention score buffers next to cuDNN's fused "
+                   f"attention, e.g. {scores[:3]}")
     return out
 
 
@@ -215,3 +229,21 @@ def test_cell(cell):
     results.record(cell.id, "wrongpath" if problems else "compiled", step.lower_s,
                    step.compile_s, "; ".join(problems))
     assert not problems, f"{cell.id}:\n  " + "\n  ".join(problems)
+
+
+def test_xla_attention_core_leaves_score_buffers():
+    """The control of `attention_problems`' score-buffer check: with
+    model.attention_impl=xla the same 1-GPU step has no cuDNN attention and the check
+    finds its [B, K, G * T, S] score buffers."""
+    cell = Cell("h200", 1, "local", "ragged_dot", "bf16")
+    cfg = cell_config(cell)
+    cfg.model.attention_impl = "xla"
+    step = compile_train_step(cfg, targets.abstract_devices("h200", 1), trainer_step=True,
+                              options=COMPILE_OPTIONS)
+    assert not gpu_hlo.cudnn_attention(step.module)
+    scores = gpu_hlo.score_buffers(step.module, SEQ_LEN)
+    m = cfg.model
+    rows = m.n_heads // m.n_kv_heads * SEQ_LEN  # one query chunk at this length
+    assert any(s.endswith(f",{rows},{SEQ_LEN}]") for s in scores), scores
+    problems = attention_problems(cell, step.module)
+    assert len(problems) == 2 and "score buffers" in problems[1], problems

@@ -40,9 +40,9 @@ B = _stats([[0.5, 0.5]] * 4, [[0]] * 4, rows=2)
 
 
 def test_router_stats_keep_rows_apart():
-    np.testing.assert_array_equal(A.counts_BE, [[2, 0], [0, 2]])
-    np.testing.assert_allclose(A.prob_sum_BE, [[1.7, 0.3], [0.7, 1.3]], atol=1e-6)
-    np.testing.assert_allclose(A.z_sum_B, [0 + 1, 4 + 9], atol=1e-5)
+    np.testing.assert_array_equal(A.counts_LBE, [[2, 0], [0, 2]])
+    np.testing.assert_allclose(A.prob_sum_LBE, [[1.7, 0.3], [0.7, 1.3]], atol=1e-6)
+    np.testing.assert_allclose(A.z_sum_LB, [0 + 1, 4 + 9], atol=1e-5)
     np.testing.assert_array_equal(A.counts_E, [2, 2])
     assert float(A.tokens_per_row) == 2.0
 

@@ -10,8 +10,8 @@ import pytest
 from flax import nnx
 
 from olmo_jax.model.config import MoEConfig, TransformerConfig
-from olmo_jax.model.moe import dispatch
-from olmo_jax.model.moe.layer import MoELayer, expert_capacity
+from olmo_jax.model.moe import dispatch, sizing
+from olmo_jax.model.moe.layer import MoELayer
 from tests.reference import (
     naive_gate_scores,
     naive_keep_mask,
@@ -79,7 +79,7 @@ def _reference_loss_and_grads(layer, x, top_k, norm_topk_prob, capacity):
 def test_moe_path_matches_naive_reference(gmm_impl, capacity_factor, top_k, norm):
     layer = _layer(gmm_impl, capacity_factor, top_k, norm)
     x = _inputs()
-    capacity = expert_capacity(S, top_k, E, capacity_factor) if capacity_factor else None
+    capacity = sizing.capacity(S, top_k, E, capacity_factor) if capacity_factor else None
     y, (g_params, g_x) = _loss_and_grads(layer, x)
     y_ref, (g_ref, g_x_ref) = _reference_loss_and_grads(layer, x, top_k, norm, capacity)
 
@@ -116,7 +116,7 @@ def test_blocked_plan_rows_are_grouped_and_blocks_owned_by_one_expert():
     assert len(set(rows.tolist())) == rows.size  # no two assignments share a row
     owner = np.asarray(block_expert)[rows // 8]
     np.testing.assert_array_equal(owner, experts)
-    assert plan.n_rows == dispatch.blocked_rows(100, 5, 8)
+    assert plan.n_rows == sizing.padded_rows(100, 5, 8)
 
 
 @pytest.mark.parametrize(

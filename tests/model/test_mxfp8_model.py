@@ -18,7 +18,7 @@ from olmo_jax.kernels import mxfp8 as mx
 from olmo_jax.kernels import platform
 from olmo_jax.model import mxfp8
 from olmo_jax.model.config import MoEConfig, TransformerConfig
-from olmo_jax.model.moe import mxfp8_experts
+from olmo_jax.model.moe import experts, mxfp8_experts
 from olmo_jax.model.moe.layer import MoELayer
 
 D, F, E = 64, 96, 4
@@ -70,29 +70,29 @@ def weights():
 
 
 def _layout_case(layout):
-    """(x in the layout's shape, aux, per-row expert ids of the flattened rows)."""
+    """(x in the layout's shape, the typed layout, per-row expert ids of the flattened rows)."""
     key = jax.random.key(1)
     if layout == "ragged":
         gs = np.array([20, 0, 15, 13])  # 48 rows, one empty expert
         x = jax.random.normal(key, (48, D))
-        return x, jnp.asarray(gs, jnp.int32), np.repeat(np.arange(E), gs)
+        return x, mxfp8.Ragged(jnp.asarray(gs, jnp.int32)), np.repeat(np.arange(E), gs)
     if layout == "batched":
         x = jax.random.normal(key, (E, 12, D))
-        return x, None, np.repeat(np.arange(E), 12)
+        return x, mxfp8.Batched(), np.repeat(np.arange(E), 12)
     block_expert = np.array([0, 0, 2, 3, 3, 3])  # blocked: 6 blocks of 8 rows
     x = jax.random.normal(key, (6, 8, D))
-    return x, jnp.asarray(block_expert, jnp.int32), np.repeat(block_expert, 8)
+    return x, mxfp8.Blocked(jnp.asarray(block_expert, jnp.int32)), np.repeat(block_expert, 8)
 
 
 @pytest.mark.parametrize("layout", ["ragged", "batched", "blocked"])
 def test_swiglu_unit_matches_reference(layout, weights):
-    x, aux, expert_R = _layout_case(layout)
+    x, typed, expert_R = _layout_case(layout)
     dy = jax.random.normal(jax.random.key(2), x.shape)
     qw = layout == "ragged"  # the ragged case also exercises quantize_wgrad
 
     def run(x, wg, wu, wd):
         def f(*a):
-            return mxfp8_experts.swiglu(*a, aux, layout, "rceil", qw)
+            return mxfp8_experts.swiglu(*a, typed, "rceil", qw)
 
         y, vjp = jax.vjp(f, x, wg, wu, wd)
         return y, vjp(dy)
@@ -103,7 +103,7 @@ def test_swiglu_unit_matches_reference(layout, weights):
         x.reshape(R, D), jnp.asarray(expert_R), *weights, dy.reshape(R, D), qw
     )
     _tight(y.reshape(R, D), y_ref)
-    _tight(y, jax.jit(mxfp8_experts.swiglu_reference, static_argnums=5)(x, *weights, aux, layout))
+    _tight(y, jax.jit(mxfp8_experts.swiglu_reference)(x, *weights, typed))
     _tight(grads[0].reshape(R, D), grads_ref[0])
     for g, g_ref in zip(grads[1:], grads_ref[1:], strict=True):
         _tight(g, g_ref)
@@ -139,24 +139,25 @@ def test_scaled_matmul_call_matches_emulation(monkeypatch):
     handed to cuDNN."""
     k = jax.random.split(jax.random.key(4), 6)
     cases = {
-        "dense": (jax.random.normal(k[0], (24, 64)), jax.random.normal(k[1], (64, 32)), None),
+        "dense": (jax.random.normal(k[0], (24, 64)), jax.random.normal(k[1], (64, 32)),
+                  mxfp8.Dense()),
         "batched": (jax.random.normal(k[2], (4, 8, 64)), jax.random.normal(k[3], (4, 64, 32)),
-                    None),
+                    mxfp8.Batched()),
         "blocked": (jax.random.normal(k[4], (3, 8, 64)), jax.random.normal(k[5], (4, 64, 32)),
-                    jnp.array([1, 3, 1])),
+                    mxfp8.Blocked(jnp.array([1, 3, 1]))),
     }
 
     def all_layouts(cases):
         out = {}
-        for layout, (a, w, aux) in cases.items():
+        for name, (a, w, layout) in cases.items():
             a_q, a_s = mx.quantize(a, -1)
             wq = mxfp8.quantize_weight(w, "rceil")
-            out[layout] = mxfp8.mx_nt(layout, a_q, a_s, wq.fwd_q, wq.fwd_s, aux, f32)
+            out[name] = mxfp8.mx_nt(layout, a_q, a_s, wq.fwd_q, wq.fwd_s, f32)
         return out
 
     emulated = jax.jit(all_layouts)(cases)
     monkeypatch.setattr(platform, "block_scaled_mma_supported", lambda: True)
-    assert all(mxfp8.use_scaled_matmul(layout) for layout in cases)
+    assert all(mxfp8.use_scaled_matmul(layout) for _, _, layout in cases.values())
     scaled = jax.jit(all_layouts)(cases)
     for layout in cases:
         _tight(scaled[layout], emulated[layout])
@@ -167,16 +168,16 @@ def test_mxfp8_close_to_bf16(weights):
     error below 10%, not zero. Expected about 6%: each quantized operand carries e4m3's
     rounding (3 mantissa bits: up to 2^-4 relative, about 2.5% rms), and y passes through
     two GEMM levels with two quantized operands each."""
-    x, aux, _ = _layout_case("batched")
+    x, _, _ = _layout_case("batched")
     bf = jnp.bfloat16
     args = [a.astype(bf) for a in (x, *weights)]
     dy = jax.random.normal(jax.random.key(5), x.shape, bf)
 
     @jax.jit
     def both(args, dy):
-        ref, vjp_ref = jax.vjp(lambda *a: mxfp8_experts.experts.ffn_batched(*a), *args)
+        ref, vjp_ref = jax.vjp(lambda *a: experts.ffn_batched(*a), *args)
         got, vjp = jax.vjp(
-            lambda *a: mxfp8_experts.swiglu(*a, None, "batched", "rceil", False), *args
+            lambda *a: mxfp8_experts.swiglu(*a, mxfp8.Batched(), "rceil", False), *args
         )
         return (got, *vjp(dy)), (ref, *vjp_ref(dy))
 
@@ -234,7 +235,7 @@ def test_swiglu_unit_inside_shard_map(weights):
 
     def grads(x, wg, wu, wd, dy):
         def f(*a):
-            return mxfp8_experts.swiglu(*a, None, "batched", "rceil", False)
+            return mxfp8_experts.swiglu(*a, mxfp8.Batched(), "rceil", False)
 
         y, vjp = jax.vjp(f, x, wg, wu, wd)
         return y, *vjp(dy)

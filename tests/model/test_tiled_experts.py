@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from olmo_jax.model.moe import dispatch, tiled
+from olmo_jax.model.moe import dispatch, sizing, tiled
 
 D, F = 16, 24
 
@@ -27,7 +27,7 @@ def _reference(x_PD, sizes_E, w_gate, w_up, w_down, multiple):
 @pytest.mark.parametrize("sizes_E", [[0, 1, 77, 0, 8], [130, 3, 0, 64, 17], [0, 0, 0, 0, 0]])
 def test_tiled_ffn_matches_per_expert_reference(sizes_E):
     E, m, tiles = len(sizes_E), 8, (32, 16, 8)  # small tiles: full-tile loops and remainders
-    P = dispatch.blocked_rows(sum(sizes_E), E, m) + 16  # buffer larger than the runs
+    P = sizing.padded_rows(sum(sizes_E), E, m) + 16  # buffer larger than the runs
     ks = jax.random.split(jax.random.key(1), 5)
     x = jax.random.normal(ks[0], (P, D))
     w = (jax.random.normal(ks[1], (E, D, F)) * 0.15, jax.random.normal(ks[2], (E, D, F)) * 0.15,

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from olmo_jax.data.labels import FILTERED, NO_LABEL
+from olmo_jax.labels import FILTERED, NO_LABEL
 from olmo_jax.model import TransformerConfig
-from olmo_jax.trainer.step import loss_parts, total_loss
+from olmo_jax.objective import loss_parts, total_loss
 
 ROOT = Path(__file__).resolve().parents[2]
 ORACLE_PY = ROOT / ".venv-oracle" / "bin" / "python"
@@ -31,7 +31,7 @@ def test_cross_entropy_z_loss_and_denominator_match_olmo_core(tmp_path):
                     str(tmp_path / "in.npz"), str(tmp_path / "out.npz")], check=True, timeout=300)
     want = np.load(tmp_path / "out.npz")
 
-    # olmo_jax's batch row: the instance's tokens, then its sentinel (data/labels.py).
+    # olmo_jax's batch row: the instance's tokens, then its sentinel (olmo_jax/labels.py).
     rows_BL = np.concatenate([input_ids_BS, np.where(kept_B, NO_LABEL, FILTERED)[:, None]], 1)
     cfg = TransformerConfig(vocab_size=V, d_model=8, n_layers=1, n_heads=1, lm_z_loss_coef=coef,
                             n_dense_layers=1)

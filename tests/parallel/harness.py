@@ -22,9 +22,10 @@ import numpy as np
 import optax
 
 from olmo_jax.config import default_config, model_config
+from olmo_jax.model.abstract import abstract_model
 from olmo_jax.optim import build_optimizer
 from olmo_jax.parallel.strategy import build_plan
-from olmo_jax.trainer.state import abstract_model, init_state
+from olmo_jax.trainer.state import init_state
 from olmo_jax.trainer.step import make_train_step
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
@@ -57,11 +58,21 @@ def make_cfg(data=1, expert=1, dispatch="rowwise", strategy="ddp", zero1=True, g
     c.optim.lr, c.optim.warmup_steps, c.optim.name = 1e-2, 1, optim
     p = c.parallel
     p.data, p.expert, p.dispatch, p.strategy = data, expert, dispatch, strategy
-    p.zero1, p.capacity_factor = zero1, capacity_factor
+    p.zero1 = zero1
+    # The capacity of rowwise dispatch's receive slots; every other dispatch stays dropless.
+    rowwise = strategy == "ddp" and expert > 1 and dispatch == "rowwise"
+    m.moe.capacity_factor = capacity_factor if rowwise else 0.0
     p.pipe, p.pipeline_schedule, p.microbatches, p.virtual_stages = pipe
     t = c.trainer
     t.global_batch_size, t.seq_len, t.grad_accum, t.max_steps = batch, seq, grad_accum, 20
     return c
+
+
+def with_capacity(model_cfg, cfg):
+    """`model_cfg` (e.g. host_state's) with the capacity factor `make_cfg` gave `cfg`: the
+    rowwise receive slots of an expert-parallel plan (0 elsewhere, as host_state's)."""
+    moe = dataclasses.replace(model_cfg.moe, capacity_factor=cfg.model.moe.capacity_factor)
+    return dataclasses.replace(model_cfg, moe=moe)
 
 
 def recording(tx: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -152,9 +163,9 @@ def plan_run(data, expert, dispatch="rowwise", strategy="ddp", zero1=True, grad_
     its jitted step (state shardings, donation). `remat`: model.remat (same weights);
     `abstract`: compile from ShapeDtypeStructs; `moe`: as host_state; `optim`: optim.name."""
     model_cfg, tx, schedule, _, state = host_state(layers=layers, moe=moe, width=width, optim=optim)
-    model_cfg = dataclasses.replace(model_cfg, remat=remat)
     cfg = make_cfg(data, expert, dispatch, strategy, zero1, grad_accum, capacity_factor,
                    batch=batch, layers=layers, pipe=pipe, width=width, optim=optim)
+    model_cfg = with_capacity(dataclasses.replace(model_cfg, remat=remat), cfg)
     plan = build_plan(cfg, model_cfg)
     graphdef = abstract_model(model_cfg, plan.dispatcher)[0]
     shardings = plan.state_shardings(state, tx)

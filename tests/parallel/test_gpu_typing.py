@@ -22,11 +22,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from olmo_jax.kernels import mxfp8 as mx
 from olmo_jax.kernels import platform, vma
 from olmo_jax.kernels.grouped_matmul import gmm, tgmm
+from olmo_jax.model.abstract import abstract_model
 from olmo_jax.parallel.expert.ragged_a2a import ragged_all_to_all
 from olmo_jax.parallel.strategy import build_plan
-from olmo_jax.trainer.state import abstract_model
 from olmo_jax.trainer.step import make_train_step
-from tests.parallel.harness import batches, host_state, make_cfg
+from tests.parallel.harness import batches, host_state, make_cfg, with_capacity
 
 EP = 4
 
@@ -106,6 +106,7 @@ def _cuda_lowered_step(dispatch: str) -> str:
     an H100 (native ragged_all_to_all), as HLO text."""
     model_cfg, tx, schedule, _, state = host_state()
     cfg = make_cfg(2, 4, dispatch)
+    model_cfg = with_capacity(model_cfg, cfg)
     with platform.cross_lowering():
         plan = build_plan(cfg, model_cfg)
         graphdef = abstract_model(model_cfg, plan.dispatcher)[0]
@@ -122,7 +123,9 @@ def _cuda_lowered_step(dispatch: str) -> str:
 
 def _cpu_lowered_step(dispatch: str) -> str:
     model_cfg, tx, schedule, _, state = host_state()
-    plan = build_plan(make_cfg(2, 4, dispatch), model_cfg)
+    cfg = make_cfg(2, 4, dispatch)
+    model_cfg = with_capacity(model_cfg, cfg)
+    plan = build_plan(cfg, model_cfg)
     graphdef = abstract_model(model_cfg, plan.dispatcher)[0]
     shardings = plan.state_shardings(state, tx)
     step = plan.jit_train_step(make_train_step(graphdef, model_cfg, tx, schedule, 1,

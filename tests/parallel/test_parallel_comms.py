@@ -6,7 +6,7 @@ of their `data` shards); FSDP gathers every weight, experts too, over all device
 
 import numpy as np
 
-from olmo_jax.parallel import comms
+from olmo_jax.planner import comms
 from tests.parallel.harness import BATCH, NO_DROP_CF, SEQ, host_state, plan_run
 
 N_DEVICES = 8

@@ -2,8 +2,9 @@
 
 import pytest
 
-from olmo_jax.config import model_config
+from olmo_jax.config import default_config, model_config, unknown_key_error, upgrade, validate
 from olmo_jax.model.config import ConfigError, MoEConfig
+from olmo_jax.parallel.expert import ROWWISE_CAPACITY_FACTOR
 from olmo_jax.parallel.mesh import mesh_shape
 from olmo_jax.parallel.strategy import build_plan
 from tests.parallel.harness import make_cfg
@@ -44,18 +45,40 @@ def test_batch_must_divide_over_data_expert_and_microbatches():
 
 
 def test_other_refusals():
-    cfg = make_cfg(data=2, expert=4, dispatch="rowwise", capacity_factor=0.0)
-    with pytest.raises(ConfigError, match=r"parallel.capacity_factor=0.0 must be > 0"):
-        _plan(cfg)
-    cfg = make_cfg(data=2, expert=4)
+    cfg = make_cfg(data=2, expert=4, dispatch="ragged")
     cfg.model.moe.capacity_factor = 1.0
-    with pytest.raises(ConfigError, match="model.moe.capacity_factor=1.0 applies to single-rank"):
+    with pytest.raises(ConfigError, match="model.moe.capacity_factor=1.0 sizes capacity buffers, "
+                                          "but parallel.dispatch=ragged is dropless"):
         _plan(cfg)
     cfg = make_cfg(data=8, expert=1, strategy="zero3")
     with pytest.raises(ConfigError, match="parallel.strategy='zero3': choose one of ddp, fsdp"):
         _plan(cfg)
     with pytest.raises(ConfigError, match="lb_granularity='rank': choose global or local"):
         MoEConfig(lb_granularity="rank").validate()
+
+
+def test_one_capacity_factor_sizes_rowwise_and_local_buffers():
+    """model.moe.capacity_factor is the one capacity factor: rowwise's receive slots (0 =
+    OLMo-core's 1.25 there), the local capacity buffers; parallel.capacity_factor is gone."""
+    assert "capacity_factor" not in default_config().parallel
+    cfg = make_cfg(data=2, expert=4, capacity_factor=2.0)
+    assert _plan(cfg).dispatcher.__wrapped__.keywords["capacity_factor"] == 2.0
+    cfg.model.moe.capacity_factor = 0.0
+    assert _plan(cfg).dispatcher.__wrapped__.keywords["capacity_factor"] == ROWWISE_CAPACITY_FACTOR == 1.25
+    old = default_config()
+    old.parallel.capacity_factor = 1.5  # a config file written for the two-field schema
+    with pytest.raises(ConfigError, match=r"'parallel.capacity_factor' was removed: it is "
+                                          r"model.moe.capacity_factor now"):
+        validate(old)
+    with pytest.raises(ConfigError, match="model.moe.capacity_factor now"):
+        raise unknown_key_error(default_config(), "parallel.capacity_factor")
+    # An older run folder's config.json: the value moves where it sized rowwise dispatch.
+    saved = make_cfg(data=2, expert=4).to_dict()
+    saved["model"]["moe"]["capacity_factor"], saved["parallel"]["capacity_factor"] = 0.0, 2.0
+    assert upgrade(saved)["model"]["moe"]["capacity_factor"] == 2.0
+    saved["parallel"]["dispatch"] = "ragged"
+    assert upgrade(saved)["model"]["moe"]["capacity_factor"] == 0.0
+    assert "capacity_factor" not in upgrade(saved)["parallel"] and "capacity_factor" in saved["parallel"]
 
 
 def test_dispatcher_choice():

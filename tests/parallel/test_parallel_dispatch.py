@@ -7,6 +7,7 @@ ragged_all_to_all reproduces the primitive's documented semantics."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -17,8 +18,10 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec
 
 from olmo_jax.model.config import MoEConfig
+from olmo_jax.model.moe import sizing
+from olmo_jax.model.moe.layer import local_dispatch, routed_experts
 from olmo_jax.model.moe.router import Routing
-from olmo_jax.parallel.expert import make_dispatcher, slots_per_expert
+from olmo_jax.parallel.expert import buffer_rows, make_dispatcher
 from olmo_jax.parallel.expert.ragged_a2a import emulated_ragged_all_to_all
 from olmo_jax.parallel.expert.rowwise import rowwise_plan
 from tests.reference import naive_keep_mask
@@ -51,7 +54,8 @@ def sharded_dispatch(kind: str, ep: int, E: int, k: int, capacity_factor: float 
 
     def local(x, idx, w, wg, wu, wd):
         routing = Routing(None, None, w, idx)
-        y, dropped = dispatcher(x, routing, LocalExperts(wg, wu, wd), cfg, jnp.float32)
+        y, dropped = routed_experts(x, routing, LocalExperts(wg, wu, wd), cfg, jnp.float32,
+                                    dispatcher)
         return y, dropped[None]
 
     return jax.jit(jax.shard_map(local, mesh=expert_mesh(ep), in_specs=(X, X, X, W, W, W),
@@ -108,7 +112,7 @@ HAND_KEEP = np.array([
 
 def test_rowwise_low_capacity_drops_exactly_the_documented_assignments():
     cf = 2 / 3  # C = ceil(2/3 * 6 tokens * 2 / 4 experts) = 2
-    assert slots_per_expert(6, 2, 4, cf) == 2
+    assert sizing.capacity(6, 2, 4, cf) == 2
     for r in range(2):
         np.testing.assert_array_equal(naive_keep_mask(HAND_IDX[r], 4, 2), HAND_KEEP[r])
         plan = rowwise_plan(jnp.asarray(HAND_IDX[r]), 4, 2, 2)
@@ -206,3 +210,35 @@ def test_emulated_ragged_all_to_all_with_several_slices_per_peer():
     out = sharded_emulation(ep, M)(operand, np.full((ep, M, 1), -1.0, np.float32),
                                    in_off, send.astype(np.int32), out_off, recv.astype(np.int32))
     np.testing.assert_array_equal(np.asarray(out), expected)
+
+
+@pytest.mark.parametrize("kind", ["rowwise", "ragged", "allgather", "local"])
+@pytest.mark.parametrize("gmm_impl", ["einsum", "tiled", "ragged_dot"])
+def test_buffer_rows_is_the_size_of_the_buffer_the_backend_builds(kind, gmm_impl):
+    """The sizing the planner uses (parallel.expert.buffer_rows, from model/moe/sizing.py)
+    is the row count of the buffer each backend hands the expert FFN (traced, not run)."""
+    ep, E, S, k, cf = 4, 8, 12, 2, 1.25
+    cfg = MoEConfig(num_experts=E, top_k=k, expert_hidden=F, gmm_impl=gmm_impl)
+    if kind == "local":
+        for local_cfg in (cfg, dataclasses.replace(cfg, capacity_factor=cf)):
+            d = jax.eval_shape(lambda x, idx, w, c=local_cfg: local_dispatch(
+                x, Routing(None, None, w, idx), c, gmm_impl).x_RD,
+                *_abstract_tokens(S, k))
+            assert d.shape == (buffer_rows("local", S, local_cfg, gmm_impl), D)
+        return
+    if kind == "rowwise":  # the dropless backends have no capacity
+        cfg = dataclasses.replace(cfg, capacity_factor=cf)
+    dispatcher = make_dispatcher(kind, cfg.capacity_factor)
+
+    def local(x, idx, w):
+        return dispatcher(x, Routing(None, None, w, idx), cfg, gmm_impl).x_RD[None]
+
+    X = PartitionSpec("expert")
+    fn = jax.shard_map(local, mesh=expert_mesh(ep), in_specs=(X, X, X), out_specs=X)
+    out = jax.eval_shape(fn, *_abstract_tokens(ep * S, k))
+    assert out.shape == (ep, buffer_rows(kind, S, cfg, gmm_impl, ep), D)
+
+
+def _abstract_tokens(n, k):
+    return (jax.ShapeDtypeStruct((n, D), jnp.float32), jax.ShapeDtypeStruct((n, k), jnp.int32),
+            jax.ShapeDtypeStruct((n, k), jnp.float32))

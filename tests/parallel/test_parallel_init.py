@@ -8,7 +8,7 @@ import pytest
 
 from olmo_jax.parallel.strategy import build_plan
 from olmo_jax.trainer.state import init_state
-from tests.parallel.harness import batches, host_state, make_cfg
+from tests.parallel.harness import batches, host_state, make_cfg, with_capacity
 
 
 def test_initial_parameters_do_not_depend_on_dispatcher_or_placement():
@@ -23,7 +23,8 @@ def test_initial_parameters_do_not_depend_on_dispatcher_or_placement():
 @pytest.mark.parametrize("mesh", [(2, 4), (4, 2), (1, 8)])
 @pytest.mark.parametrize("grad_accum", [1, 2])
 def test_microbatch_i_is_the_same_sequences_on_every_mesh(mesh, grad_accum):
-    plan = build_plan(make_cfg(*mesh, grad_accum=grad_accum, batch=16), host_state()[0])
+    cfg = make_cfg(*mesh, grad_accum=grad_accum, batch=16)
+    plan = build_plan(cfg, with_capacity(host_state()[0], cfg))
     batch = batches(batch=16)[0]
     placed = plan.place_batch(batch)
     micro = 16 // grad_accum

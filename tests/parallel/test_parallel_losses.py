@@ -8,9 +8,9 @@ import dataclasses
 import jax
 import numpy as np
 
+from olmo_jax.model.abstract import abstract_model
+from olmo_jax.objective import forward_losses
 from olmo_jax.parallel.strategy import build_plan
-from olmo_jax.trainer.state import abstract_model
-from olmo_jax.trainer.step import forward_losses
 from tests.parallel.harness import FAST_COMPILE, batches, host_state, make_cfg
 
 

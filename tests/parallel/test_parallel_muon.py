@@ -8,8 +8,8 @@ import pytest
 
 from olmo_jax.model.config import ConfigError
 from olmo_jax.model.params import path_name
-from olmo_jax.parallel import comms
 from olmo_jax.parallel.strategy import build_plan
+from olmo_jax.planner import comms
 from tests.parallel.harness import (
     Pipe,
     host_state,
@@ -18,13 +18,14 @@ from tests.parallel.harness import (
     reference_run,
     rel_err,
     to_numpy,
+    with_capacity,
 )
 from tests.parallel.test_parallel_invariance import assert_matches_reference
 
 
 def _plan(data, expert, zero1=True):
-    return build_plan(make_cfg(data, expert, zero1=zero1, optim="muon"),
-                      host_state(optim="muon")[0])
+    cfg = make_cfg(data, expert, zero1=zero1, optim="muon")
+    return build_plan(cfg, with_capacity(host_state(optim="muon")[0], cfg))
 
 
 @pytest.mark.parametrize("data,expert,zero1", [(2, 4, True), (8, 1, True), (4, 2, False)])

@@ -12,6 +12,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from olmo_jax.model.config import MoEConfig
 from olmo_jax.model.moe import payload
+from olmo_jax.model.moe.layer import routed_experts
 from olmo_jax.model.moe.router import route
 from olmo_jax.parallel.expert import make_dispatcher
 from tests.parallel.test_parallel_dispatch import LocalExperts
@@ -26,7 +27,7 @@ def _program(kind: str, precision: str):
 
     def local(x, logits, wg, wu, wd):
         routing = route(logits, top_k=K)
-        y, _ = dispatcher(x, routing, LocalExperts(wg, wu, wd), cfg, jnp.bfloat16)
+        y, _ = routed_experts(x, routing, LocalExperts(wg, wu, wd), cfg, jnp.bfloat16, dispatcher)
         return y
 
     mesh = Mesh(np.asarray(jax.devices()[:EP]), ("expert",))

@@ -14,9 +14,10 @@ import jax
 import jax.numpy as jnp
 
 from olmo_jax.config import model_config
+from olmo_jax.model.abstract import abstract_model
 from olmo_jax.optim import build_optimizer
 from olmo_jax.parallel.strategy import build_plan
-from olmo_jax.trainer.state import TrainState, abstract_model
+from olmo_jax.trainer.state import TrainState
 from tests.parallel.harness import make_cfg
 
 GOLDEN = Path(__file__).parent / "golden" / "placement.txt"

@@ -8,13 +8,15 @@ import math
 import jax
 import pytest
 
-from olmo_jax.parallel import comms, zero
+from olmo_jax.parallel import zero
 from olmo_jax.parallel.strategy import build_plan
-from tests.parallel.harness import host_state, make_cfg, plan_run
+from olmo_jax.planner import comms
+from tests.parallel.harness import host_state, make_cfg, plan_run, with_capacity
 
 
 def _plan(data, expert, zero1=True):
-    return build_plan(make_cfg(data, expert, zero1=zero1), host_state()[0])
+    cfg = make_cfg(data, expert, zero1=zero1)
+    return build_plan(cfg, with_capacity(host_state()[0], cfg))
 
 
 def _adamw(opt_state):

@@ -20,9 +20,11 @@ import jax
 import numpy as np
 import pytest
 
+from olmo_jax.model.abstract import abstract_model
+from olmo_jax.objective import PipelineRunner, Plan
 from olmo_jax.optim import build_optimizer
 from olmo_jax.parallel.strategy import build_plan
-from olmo_jax.trainer.state import abstract_model, abstract_train_state
+from olmo_jax.trainer.state import abstract_train_state
 from olmo_jax.trainer.step import make_eval_step, make_grads_fn
 from tests.parallel.harness import (
     FAST_COMPILE,
@@ -33,6 +35,7 @@ from tests.parallel.harness import (
     plan_run,
     reference_run,
     rel_err,
+    with_capacity,
 )
 from tests.parallel.test_parallel_invariance import assert_matches_reference
 
@@ -78,7 +81,8 @@ def test_pipeline_matches_single_device(case):
 def test_pipeline_eval_matches_single_device():
     model_cfg, _, _, graphdef, state = host_state(layers=LAYERS)
     cfg = make_cfg(2, 2, batch=BATCH, layers=LAYERS, pipe=Pipe(2, "1f1b", 4))
-    plan = build_plan(cfg, model_cfg)
+    plan = build_plan(cfg, with_capacity(model_cfg, cfg))
+    assert isinstance(plan, Plan) and isinstance(plan.pipeline, PipelineRunner)
     pipe_eval = jax.jit(make_eval_step(abstract_model(model_cfg, plan.dispatcher)[0], model_cfg,
                                        parallel=plan))
     batch = batches(1, batch=BATCH, seed=7)[0]
@@ -99,7 +103,7 @@ def _temp_bytes(kind: str, microbatches: int, stages: int = 2) -> int:
                    pipe=Pipe(stages, kind, microbatches))
     cfg.parallel.data = 1
     model_cfg = host_state()[0]
-    plan = build_plan(cfg, model_cfg, devices=jax.devices()[:stages])
+    plan = build_plan(cfg, with_capacity(model_cfg, cfg), devices=jax.devices()[:stages])
     tx, _ = build_optimizer(cfg.optim, 10)
     graphdef, abstract = abstract_train_state(model_cfg, tx, plan.dispatcher)
     shardings = plan.state_shardings(abstract, tx)

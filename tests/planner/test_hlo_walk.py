@@ -8,8 +8,7 @@ import re
 
 import pytest
 
-from olmo_jax.parallel import comms
-from olmo_jax.planner import hlo_cost
+from olmo_jax.planner import comms, hlo_cost
 
 MODULE = """HloModule m, num_partitions=4
 

@@ -1,4 +1,5 @@
-"""`python -m olmo_jax.plan` end to end on a small config and 4 fake devices, with
+"""`python -m olmo_jax.plan --compiler=xla_cpu` (the XLA:CPU program; XLA:GPU's:
+test_plan_xla_gpu.py) end to end on a small config and 4 fake devices, with
 --compare-strategies: every section printed, the JSON's numbers consistent with the
 model (parameter counts, formula FLOPs, matmul part within 5%) and the strategies
 (fsdp moves parameters, ddp + EP tokens); bad flags are refused with the fix named; a
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from olmo_jax import metrics
 from olmo_jax.config import default_config, model_config
+from olmo_jax.parallel.expert import ROWWISE_CAPACITY_FACTOR
 from olmo_jax.planner.cli import comparison_variants
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,13 +32,14 @@ def _plan(*args, timeout=600):
 def test_plan_cli_end_to_end(tmp_path):
     out = tmp_path / "plan.json"
     proc = _plan("--config=configs/tiny.py", *OVERRIDES, "--devices=4", "--device-kind=h200",
-                 "--compare-strategies", f"--json={out}")
+                 "--compiler=xla_cpu", "--compare-strategies", f"--json={out}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = proc.stdout
     print(text)
     for heading in ("olmo_jax plan: configs/tiny.py", "FLOPs per token", "Memory per device",
                     "Collectives per step", "Projected step on H200", "Strategies side by side",
-                    "compiled by XLA:CPU for 4 fake CPU devices"):
+                    "compiled by XLA:CPU for 4 fake CPU devices",
+                    "XLA:CPU program (--compiler=xla_cpu), priced for the H200"):
         assert heading in text, heading
     result = json.loads(out.read_text())
     plan = result["plan"]
@@ -76,7 +79,7 @@ def test_fsdp_variants_of_a_pipelined_config_fold_the_pipeline():
     assert ddp == {"parallel.strategy": "ddp"} and label == "fsdp, pipe into data"
     assert fsdp["parallel.pipe"] == 1 and fsdp["parallel.data"] == 8  # same 64 devices
     assert fsdp["parallel.microbatches"] == 1 and fsdp["trainer.grad_accum"] == 16
-    assert capacity == fsdp | {"model.moe.capacity_factor": cfg.parallel.capacity_factor}
+    assert capacity == fsdp | {"model.moe.capacity_factor": ROWWISE_CAPACITY_FACTOR}  # rowwise's
     cfg.parallel.data = -1
     assert comparison_variants(cfg)[1][1]["parallel.data"] == -1
     cfg.parallel.pipe = 1

@@ -11,7 +11,8 @@ import jax
 import pytest
 
 from olmo_jax.config import default_config
-from olmo_jax.parallel.expert import slots_per_expert
+from olmo_jax.model.moe import sizing
+from olmo_jax.parallel.expert import rowwise_capacity_factor
 from olmo_jax.planner import hardware, hlo_cost, report
 from olmo_jax.planner.compile import compile_train_step
 
@@ -50,7 +51,8 @@ def test_compiled_matmul_flops_match_the_formula(plan):
     assert full * (1 - 1e-9) <= ratio <= full * 7 / 6 * (1 + 1e-9)
     # Rowwise buffers: E x slots per expert rows for the tokens x k routed rows.
     tokens = BATCH // GA // 8 * SEQ
-    pad = 8 * slots_per_expert(tokens, 2, 8, plan.step.cfg.parallel.capacity_factor) / (tokens * 2)
+    cf = rowwise_capacity_factor(plan.step.model_cfg.moe.capacity_factor)
+    pad = 8 * sizing.capacity(tokens, 2, 8, cf) / (tokens * 2)
     assert plan.buffer_factor == pytest.approx(pad)
     assert h["routed_experts"] / f["routed_experts"] == pytest.approx(pad, rel=0.01)
     assert abs(plan.matmul_ratio - 1) < 0.05
@@ -83,7 +85,7 @@ def test_all_to_all_bytes_match_the_dispatch_formula(plan):
     a2a = [c for c in plan.colls if c.kind == "all-to-all"]
     assert {c.purpose for c in a2a} == {"moe_rowwise"} and all(c.axes == ("expert",) for c in a2a)
     tokens = BATCH // GA // 8 * SEQ
-    send = m.moe.num_experts * slots_per_expert(tokens, 2, 8, 1.25) * m.d_model * 4  # float32
+    send = m.moe.num_experts * sizing.capacity(tokens, 2, 8, 1.25) * m.d_model * 4  # float32
     # dispatch + combine, forward and backward, per MoE layer and microbatch
     assert sum(c.jax_bytes_per_run for c in a2a) == 4 * m.n_moe_layers * GA * send
     assert plan.projection.link_s["network"] == 0  # 8 devices: one node

@@ -65,3 +65,33 @@ def test_reference_mfu_arithmetic():
     assert 858e12 / b300.peak("bfloat16") == pytest.approx(0.38, abs=0.005)
     with pytest.raises(ValueError, match="--device-kind"):
         hardware.device_spec("tpu")
+
+
+def test_gpu_efficiencies_and_what_an_xla_gpu_program_counts():
+    """Matmuls at the measured fraction of peak, links at the stated efficiency; of an
+    XLA:GPU program every operation's bytes count (attention core and compiler copies
+    included), of XLA:CPU's the score matrices only where the GPU fuses them."""
+    h200 = hardware.device_spec("h200")
+    assert h200.matmul_efficiency == pytest.approx((769 + 798) / 2 / 989)
+    assert h200.matmul_flops("bfloat16") == pytest.approx(783.5e12)
+    assert h200.peak("bfloat16") == 989e12  # MFU's denominator stays the datasheet's
+    assert hardware.device_spec("b300").matmul_efficiency == h200.matmul_efficiency
+    spec = hardware.DeviceSpec("test", {"bfloat16": 1e15, "float32": 1e14}, 100e9, 1e12,
+                               100e9, 10e9, gpus_per_node=4, matmul_efficiency=0.5,
+                               link_efficiency=0.8)
+    ops = [OpCost("routed_experts", count=10, dot_flops=2e12, bytes=1e9, collective=False),
+           OpCost("attention_scores", count=2, dot_flops=0.0, bytes=50e9, collective=False),
+           OpCost("other", count=3, dot_flops=0.0, bytes=7e9, collective=False,
+                  backend_inserted=True)]
+    links = [roofline.LinkUse("all-to-all", 8e9, count=2, group_size=4, axes=("expert",))]
+    gpu = roofline.Accounting.for_program(gpu_program=True, fused_attention=True)
+    p = roofline.project(ops, links, spec, "bfloat16", MESH, 1000.0, 20e12, accounting=gpu)
+    assert p.compute_s == pytest.approx(10 * 2e12 / 0.5e15)
+    assert p.roofline_s == pytest.approx(0.04 + 2 * 0.05 + 3 * 0.007)
+    assert p.hbm_bytes == pytest.approx(10e9 + 100e9 + 21e9)
+    assert p.link_s["nvlink"] == pytest.approx(2 * 8e9 * 0.75 / (0.8 * 100e9))
+    assert p.mfu() == pytest.approx(20e12 / p.step_s / 1e15)
+    cpu_xla = roofline.Accounting.for_program(gpu_program=False, fused_attention=False)
+    p = roofline.project(ops, [], spec, "bfloat16", MESH, 1000.0, 20e12, accounting=cpu_xla)
+    assert p.hbm_bytes == pytest.approx(10e9 + 100e9)  # scores materialized, copies not
+    assert roofline.Accounting.for_program(False, True) == roofline.XLA_CPU_AS_GPU

@@ -25,8 +25,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from olmo_jax.checkpoint import hf
 from olmo_jax.data import ByteTokenizer, build_data, write_token_file
+from olmo_jax.objective import forward_losses
 from olmo_jax.trainer.loop import train
-from olmo_jax.trainer.step import forward_losses
 from tests.trainer import wandb_file
 from tests.trainer.test_train_smoke import smoke_config
 

@@ -4,25 +4,57 @@ report both; per-block keys; local (per-shard) imbalance."""
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from olmo_jax.model import MoEConfig, TransformerConfig
-from olmo_jax.model.moe.losses import router_stats
+from olmo_jax.model.moe.losses import RouterStats, router_stats
 from olmo_jax.model.moe.router import route
+from olmo_jax.objective import BatchReduction, LossParts, routing_parts
 from olmo_jax.trainer.routing_metrics import PER_BLOCK, routing_metrics
-from olmo_jax.trainer.step import LossParts, routing_parts
 
 E, K, RANKS, S = 8, 2, 4, 64  # rank r owns experts 2r, 2r + 1
 CFG = TransformerConfig(n_dense_layers=1, moe=MoEConfig(num_experts=E, top_k=K))
+AXIS = "shards"
+
+
+class VmapShards:
+    """The batch reductions of a plan (objective.BatchReduction) whose batch devices are
+    the instances of a jax.vmap over the named axis AXIS: the psum / all_gather that a
+    mesh's batch devices run, on one device."""
+
+    def allsum(self, tree):
+        return jax.lax.psum(tree, AXIS)
+
+    def allgather(self, x):
+        return jax.lax.all_gather(x, AXIS)
+
+
+def _sharded_routing_parts(stacked: RouterStats, shards: int) -> dict:
+    """routing_parts with the batch rows split into `shards` contiguous slices, one per
+    (vmapped) device, as a mesh splits the batch."""
+    def split(x_LB):  # [L, B, ...] -> [shards, L, B / shards, ...]
+        L, B = x_LB.shape[:2]
+        return jnp.moveaxis(x_LB.reshape(L, shards, B // shards, *x_LB.shape[2:]), 1, 0)
+
+    dropped = jnp.zeros((shards,) + stacked.dropped.shape).at[0].set(stacked.dropped)
+    per_shard = RouterStats(split(stacked.counts_LBE), split(stacked.prob_sum_LBE),
+                            split(stacked.z_sum_LB), dropped, stacked.tokens_per_row)
+    out = jax.vmap(lambda st: routing_parts(st, CFG, VmapShards()), axis_name=AXIS,
+                   in_axes=(RouterStats(0, 0, 0, 0, None),))(per_shard)
+    for v in jax.tree.leaves(out):  # the reductions leave every device the same parts
+        np.testing.assert_array_equal(v, np.broadcast_to(v[0], v.shape))
+    return jax.tree.map(lambda v: v[0], out)
 
 
 def _metrics(logits_SE, shards=1):
     r = route(jnp.asarray(logits_SE, jnp.float32), top_k=K)
     stats = router_stats(r.probs_SE, r.logits_SE, r.idx_Sk, E, rows=4)
     stacked = type(stats)(*(jnp.stack([f]) for f in stats))  # one MoE block
-    parts = LossParts(jnp.zeros(()), jnp.ones(()), lm_z_sum=jnp.zeros(()),
-                      **routing_parts(stacked, CFG, shards))
+    routing = (routing_parts(stacked, CFG) if shards == 1
+               else _sharded_routing_parts(stacked, shards))
+    parts = LossParts(jnp.zeros(()), jnp.ones(()), lm_z_sum=jnp.zeros(()), **routing)
     return routing_metrics(parts, expert_ranks=RANKS, first_block=1), r
 
 
@@ -65,6 +97,7 @@ def test_local_imbalance_sees_shards_the_global_count_hides():
     logits = np.zeros((S, E), np.float32)
     logits[: S // 2, [0, 1]] = 5.0
     logits[S // 2:, [2, 3]] = 5.0
+    assert isinstance(VmapShards(), BatchReduction)
     m, _ = _metrics(logits, shards=2)
     assert float(m["expert_imbalance"]) == 2.0  # 4 of 8 experts busy over the whole batch
     assert float(m["expert_imbalance_local"]) == 4.0  # 2 of 8 within each shard

@@ -1,7 +1,8 @@
 """Routing inside the jitted train step: the aux-loss-free bias update rule (from the
 step's global counts, never through gradients or the optimizer), training randomness
 seeded from TrainState.rng folded with the step (jitter on in training, off in eval),
-and global counts summed over micro-batches."""
+and global counts summed over micro-batches and data-parallel shards (per-shard counts
+for the local imbalance)."""
 
 import jax
 import jax.numpy as jnp
@@ -9,11 +10,14 @@ import numpy as np
 import optax
 from flax import nnx
 
+from olmo_jax.config import default_config
 from olmo_jax.model import MoEConfig, TransformerConfig
 from olmo_jax.model.moe.bias_balancing import bias_update
 from olmo_jax.model.moe.router import RouterBias, route
+from olmo_jax.objective import SINGLE_DEVICE, Plan, forward_losses
+from olmo_jax.parallel.strategy import build_plan
 from olmo_jax.trainer.state import init_state
-from olmo_jax.trainer.step import forward_losses, make_train_step
+from olmo_jax.trainer.step import make_train_step
 
 RATE = 0.01
 
@@ -93,17 +97,33 @@ def test_bias_gets_no_gradient():
     assert not (np.asarray(r0.idx_Sk) == 3).any(axis=1).all()
 
 
-def test_counts_are_summed_over_micro_batches():
+def _data_parallel_plan(model_cfg, data, grad_accum, global_batch):
+    """A ParallelPlan splitting the batch over `data` devices (no expert parallelism)."""
+    c = default_config()
+    c.parallel.data, c.parallel.expert = data, 1
+    c.trainer.global_batch_size, c.trainer.grad_accum = global_batch, grad_accum
+    return build_plan(c, model_cfg, devices=jax.devices()[:data])
+
+
+def test_counts_are_summed_over_micro_batches_and_shards():
     cfg = _cfg(bias_rate=RATE)  # no jitter: the step routes the tokens as a plain forward
     tx = optax.sgd(0.0)
     graphdef, state = init_state(cfg, tx, seed=0)
-    micro = jax.jit(make_train_step(graphdef, cfg, tx, optax.constant_schedule(0.0),
-                                    grad_accum=2, row_shards=2, expert_ranks=2))
+    # Two data-parallel shards of each of two micro-batches: per-shard (local) counts.
+    plan = _data_parallel_plan(cfg, data=2, grad_accum=2, global_batch=8)
+    assert isinstance(plan, Plan) and plan.pipeline is None and isinstance(SINGLE_DEVICE, Plan)
+    shardings = plan.state_shardings(state, tx)
+    micro = plan.jit_train_step(make_train_step(graphdef, cfg, tx, optax.constant_schedule(0.0),
+                                                grad_accum=2, parallel=plan, expert_ranks=2),
+                                shardings)
     batch = _batch(8)
-    new_state, m = micro(state, batch)
-    whole = jax.jit(lambda: forward_losses(graphdef, state.params, state.model_state, batch,
-                                           cfg, row_shards=2))()
-    counts_LE = np.asarray(whole.counts_LE)  # the whole batch in one forward
+    count = jax.jit(lambda rows: forward_losses(graphdef, state.params, state.model_state, rows,
+                                                cfg).counts_LE)
+    counts_LE = np.asarray(count(batch))  # the whole batch in one forward
+    # Shard d holds rows 2d, 2d + 1 of each micro-batch of 4 rows (strategy.py's layout).
+    shard_LE = [np.asarray(count(batch[np.r_[2 * d:2 * d + 2, 4 + 2 * d:6 + 2 * d]]))
+                for d in range(2)]
+    new_state, m = micro(jax.device_put(state, shardings), plan.place_batch(batch))  # donated
     assert counts_LE.sum() == 2 * 8 * 8 * 2
     np.testing.assert_array_equal(m["expert_counts"], counts_LE)
     np.testing.assert_array_equal(_bias_leaves(new_state.model_state)[0][1][...],
@@ -111,5 +131,8 @@ def test_counts_are_summed_over_micro_batches():
     ranks = counts_LE.reshape(2, 2, 2).sum(-1)  # 2 ranks x 2 experts each
     np.testing.assert_allclose(m["rank_imbalance"], (ranks.max(-1) / ranks.mean(-1)).max(),
                                rtol=1e-6)
+    np.testing.assert_array_equal(sum(shard_LE), counts_LE)
+    local = max(float((c.max(-1) / c.mean(-1)).max()) for c in shard_LE)
+    np.testing.assert_allclose(m["expert_imbalance_local"], local, rtol=1e-6)
     assert m["expert_imbalance_local"] >= m["expert_imbalance"] - 1e-6
     assert set(m) >= {f"rank_imbalance/block{b}" for b in (0, 1)}

@@ -8,7 +8,7 @@ by `olmo_jax.kernels.resolve_gmm_impl`):
               olmo_jax/kernels/grouped_matmul.py);
   einsum      a padded batched einsum: over [E, C, D] capacity buffers, or, dropless,
               over blocks of the blocked layout with each block's expert's weights
-              gathered ([B, b, D] x [B, D, F]);
+              gathered ([U, b, D] x [U, D, F]);
   tiled       a loop of dense per-expert GEMMs over the sorted layout padded to 8 rows
               per expert (olmo_jax/model/moe/tiled.py); the fastest dropless path on CPU;
   auto        tiled on CPU (einsum with MXFP8 experts), pallas on Hopper (bf16),
@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from olmo_jax import shapes
 from olmo_jax.kernels import resolve_gmm_impl
 from olmo_jax.kernels.vma import cotangent_like
 from olmo_jax.model.params import normal_param
@@ -40,6 +41,7 @@ class Experts(nnx.Module):
         return tuple(w[...].astype(dtype) for w in (self.w_gate, self.w_up, self.w_down))
 
 
+@shapes.check("-> R D")
 def ffn_ragged(x_RD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, gmm=jax.lax.ragged_dot):
     """SwiGLU over rows sorted by expert; group_sizes_E rows per expert. `gmm(x, w, gs)`
     is the grouped matmul (ragged_dot, or kernels.grouped_matmul.grouped_matmul)."""
@@ -49,27 +51,27 @@ def ffn_ragged(x_RD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, gmm=jax.la
     return gmm(jax.nn.silu(g_RF) * u_RF, w_down_EFD, gs)
 
 
-def _swiglu_groups_fwd(x_GCD, wgu_GDJ, wd_GFD):
+def _swiglu_groups_fwd(x_ECD, wgu_EDJ, wd_EFD):
     """y = (silu(g) * u) @ w_down per group, with [g | u] = x @ [w_gate | w_up] (J = 2F)."""
-    F = wd_GFD.shape[1]
-    gu_GCJ = jnp.einsum("gcd,gdj->gcj", x_GCD, wgu_GDJ)
-    h_GCF = jax.nn.silu(gu_GCJ[..., :F]) * gu_GCJ[..., F:]
-    return jnp.einsum("gcf,gfd->gcd", h_GCF, wd_GFD), gu_GCJ
+    F = wd_EFD.shape[1]
+    gu_ECJ = jnp.einsum("ecd,edj->ecj", x_ECD, wgu_EDJ)
+    h_ECF = jax.nn.silu(gu_ECJ[..., :F]) * gu_ECJ[..., F:]
+    return jnp.einsum("ecf,efd->ecd", h_ECF, wd_EFD), gu_ECJ
 
 
-def _swiglu_groups_bwd(x_GCD, gu_GCJ, wgu_GDJ, wd_GFD, dy_GCD):
+def _swiglu_groups_bwd(x_ECD, gu_ECJ, wgu_EDJ, wd_EFD, dy_ECD):
     """Gradients (dx, dwgu per group, dwd per group) from the saved gate/up activations."""
-    F = wd_GFD.shape[1]
-    g_GCF, u_GCF = gu_GCJ[..., :F], gu_GCJ[..., F:]
-    sig_GCF = jax.nn.sigmoid(g_GCF)
-    act_GCF = g_GCF * sig_GCF
-    dh_GCF = jnp.einsum("gcd,gfd->gcf", dy_GCD, wd_GFD)
-    dwd_GFD = jnp.einsum("gcf,gcd->gfd", act_GCF * u_GCF, dy_GCD)
-    dg_GCF = dh_GCF * u_GCF * (sig_GCF * (1 + g_GCF * (1 - sig_GCF)))
-    dgu_GCJ = jnp.concatenate([dg_GCF, dh_GCF * act_GCF], axis=-1)
-    dx_GCD = jnp.einsum("gcj,gdj->gcd", dgu_GCJ, wgu_GDJ)
-    dwgu_GDJ = jnp.einsum("gcd,gcj->gdj", x_GCD, dgu_GCJ)
-    return dx_GCD, dwgu_GDJ, dwd_GFD
+    F = wd_EFD.shape[1]
+    g_ECF, u_ECF = gu_ECJ[..., :F], gu_ECJ[..., F:]
+    sig_ECF = jax.nn.sigmoid(g_ECF)
+    act_ECF = g_ECF * sig_ECF
+    dh_ECF = jnp.einsum("ecd,efd->ecf", dy_ECD, wd_EFD)
+    dwd_EFD = jnp.einsum("ecf,ecd->efd", act_ECF * u_ECF, dy_ECD)
+    dg_ECF = dh_ECF * u_ECF * (sig_ECF * (1 + g_ECF * (1 - sig_ECF)))
+    dgu_ECJ = jnp.concatenate([dg_ECF, dh_ECF * act_ECF], axis=-1)
+    dx_ECD = jnp.einsum("ecj,edj->ecd", dgu_ECJ, wgu_EDJ)
+    dwgu_EDJ = jnp.einsum("ecd,ecj->edj", x_ECD, dgu_ECJ)
+    return dx_ECD, dwgu_EDJ, dwd_EFD
 
 
 def _fuse_gate_up(w_gate, w_up):
@@ -81,58 +83,58 @@ def _split_gate_up(dwgu, F):
 
 
 @jax.custom_vjp
-def ffn_batched(x_GCD, w_gate_GDF, w_up_GDF, w_down_GFD):
+def ffn_batched(x_ECD, w_gate_EDF, w_up_EDF, w_down_EFD):
     """SwiGLU per group g (an expert's capacity buffer). Gate and up run as one matmul;
     the backward pass keeps only x and the gate/up activations from the forward."""
-    return _swiglu_groups_fwd(x_GCD, _fuse_gate_up(w_gate_GDF, w_up_GDF), w_down_GFD)[0]
+    return _swiglu_groups_fwd(x_ECD, _fuse_gate_up(w_gate_EDF, w_up_EDF), w_down_EFD)[0]
 
 
-def _ffn_batched_fwd(x_GCD, w_gate_GDF, w_up_GDF, w_down_GFD):
-    wgu_GDJ = _fuse_gate_up(w_gate_GDF, w_up_GDF)
-    y_GCD, gu_GCJ = _swiglu_groups_fwd(x_GCD, wgu_GDJ, w_down_GFD)
-    return y_GCD, (x_GCD, gu_GCJ, wgu_GDJ, w_down_GFD)
+def _ffn_batched_fwd(x_ECD, w_gate_EDF, w_up_EDF, w_down_EFD):
+    wgu_EDJ = _fuse_gate_up(w_gate_EDF, w_up_EDF)
+    y_ECD, gu_ECJ = _swiglu_groups_fwd(x_ECD, wgu_EDJ, w_down_EFD)
+    return y_ECD, (x_ECD, gu_ECJ, wgu_EDJ, w_down_EFD)
 
 
-def _ffn_batched_bwd(res, dy_GCD):
-    x_GCD, gu_GCJ, wgu_GDJ, w_down_GFD = res
-    dx, dwgu, dwd = _swiglu_groups_bwd(x_GCD, gu_GCJ, wgu_GDJ, w_down_GFD, dy_GCD)
-    dwg, dwu = _split_gate_up(cotangent_like(dwgu, wgu_GDJ), w_down_GFD.shape[1])
-    return cotangent_like(dx, x_GCD), dwg, dwu, cotangent_like(dwd, w_down_GFD)
+def _ffn_batched_bwd(res, dy_ECD):
+    x_ECD, gu_ECJ, wgu_EDJ, w_down_EFD = res
+    dx, dwgu, dwd = _swiglu_groups_bwd(x_ECD, gu_ECJ, wgu_EDJ, w_down_EFD, dy_ECD)
+    dwg, dwu = _split_gate_up(cotangent_like(dwgu, wgu_EDJ), w_down_EFD.shape[1])
+    return cotangent_like(dx, x_ECD), dwg, dwu, cotangent_like(dwd, w_down_EFD)
 
 
 ffn_batched.defvjp(_ffn_batched_fwd, _ffn_batched_bwd)
 
 
 @jax.custom_vjp
-def ffn_blocked(x_PD, block_expert_B, w_gate_EDF, w_up_EDF, w_down_EFD):
-    """SwiGLU over the blocked layout: block i of rows uses expert block_expert_B[i].
+def ffn_blocked(x_RD, block_expert_U, w_gate_EDF, w_up_EDF, w_down_EFD):
+    """SwiGLU over the blocked layout: block i of rows uses expert block_expert_U[i].
 
     Each block's weights are gathered (in both passes, so they are never saved), and the
     per-block weight gradients are summed per expert with a one-hot matmul (no scatter)."""
-    return _ffn_blocked_fwd(x_PD, block_expert_B, w_gate_EDF, w_up_EDF, w_down_EFD)[0]
+    return _ffn_blocked_fwd(x_RD, block_expert_U, w_gate_EDF, w_up_EDF, w_down_EFD)[0]
 
 
-def _ffn_blocked_fwd(x_PD, block_expert_B, w_gate_EDF, w_up_EDF, w_down_EFD):
-    P, D = x_PD.shape
-    nb = block_expert_B.shape[0]
-    x_BbD = x_PD.reshape(nb, P // nb, D)
-    wgu_BDJ = _fuse_gate_up(w_gate_EDF, w_up_EDF)[block_expert_B]
-    y_BbD, gu_BbJ = _swiglu_groups_fwd(x_BbD, wgu_BDJ, w_down_EFD[block_expert_B])
-    return y_BbD.reshape(P, D), (x_BbD, gu_BbJ, block_expert_B, w_gate_EDF, w_up_EDF, w_down_EFD)
+def _ffn_blocked_fwd(x_RD, block_expert_U, w_gate_EDF, w_up_EDF, w_down_EFD):
+    R, D = x_RD.shape
+    nb = block_expert_U.shape[0]
+    x_UbD = x_RD.reshape(nb, R // nb, D)
+    wgu_UDJ = _fuse_gate_up(w_gate_EDF, w_up_EDF)[block_expert_U]
+    y_UbD, gu_UbJ = _swiglu_groups_fwd(x_UbD, wgu_UDJ, w_down_EFD[block_expert_U])
+    return y_UbD.reshape(R, D), (x_UbD, gu_UbJ, block_expert_U, w_gate_EDF, w_up_EDF, w_down_EFD)
 
 
-def _ffn_blocked_bwd(res, dy_PD):
-    x_BbD, gu_BbJ, block_expert_B, w_gate_EDF, w_up_EDF, w_down_EFD = res
+def _ffn_blocked_bwd(res, dy_RD):
+    x_UbD, gu_UbJ, block_expert_U, w_gate_EDF, w_up_EDF, w_down_EFD = res
     E, _, F = w_gate_EDF.shape
-    wgu_BDJ = _fuse_gate_up(w_gate_EDF, w_up_EDF)[block_expert_B]
-    dx_BbD, dwgu_BDJ, dwd_BFD = _swiglu_groups_bwd(
-        x_BbD, gu_BbJ, wgu_BDJ, w_down_EFD[block_expert_B], dy_PD.reshape(x_BbD.shape)
+    wgu_UDJ = _fuse_gate_up(w_gate_EDF, w_up_EDF)[block_expert_U]
+    dx_UbD, dwgu_UDJ, dwd_UFD = _swiglu_groups_bwd(
+        x_UbD, gu_UbJ, wgu_UDJ, w_down_EFD[block_expert_U], dy_RD.reshape(x_UbD.shape)
     )
-    onehot_BE = jax.nn.one_hot(block_expert_B, E, dtype=dwgu_BDJ.dtype)
-    dwgu_EDJ = jnp.einsum("be,bdj->edj", onehot_BE, dwgu_BDJ)
-    dwd_EFD = jnp.einsum("be,bfd->efd", onehot_BE, dwd_BFD)
+    onehot_UE = jax.nn.one_hot(block_expert_U, E, dtype=dwgu_UDJ.dtype)
+    dwgu_EDJ = jnp.einsum("ue,udj->edj", onehot_UE, dwgu_UDJ)
+    dwd_EFD = jnp.einsum("ue,ufd->efd", onehot_UE, dwd_UFD)
     dwg_EDF, dwu_EDF = _split_gate_up(dwgu_EDJ, F)
-    return (cotangent_like(dx_BbD.reshape(dy_PD.shape), x_BbD), None,
+    return (cotangent_like(dx_UbD.reshape(dy_RD.shape), x_UbD), None,
             cotangent_like(dwg_EDF, w_gate_EDF), cotangent_like(dwu_EDF, w_up_EDF),
             cotangent_like(dwd_EFD, w_down_EFD))
 

@@ -1,77 +1,66 @@
 """The MoE feed-forward block: route in float32, dispatch to an expert-grouped buffer,
 run the experts, combine with the router weights in float32, add shared experts.
 
-Dispatch is pluggable: `local_dispatch` (single device, or any GSPMD sharding) is the
-default; `olmo_jax.parallel.expert` supplies expert-parallel dispatchers with the same
-signature: dispatcher(x_SD, routing, experts, moe_cfg, dtype) -> (y_SD float32, dropped).
+Dispatch only moves tokens, and is pluggable: a backend
+    backend(x_SD, routing, moe_cfg, impl) -> buffer.Dispatched
+returns the buffer the experts run on, its group layout and the combine (see
+olmo_jax/model/moe/buffer.py); `routed_experts` runs the expert FFN once over whatever
+buffer it produced (olmo_jax/model/moe/ffn.py). `local_dispatch` (single device, or any
+GSPMD sharding) is the default; `olmo_jax.parallel.expert` supplies the expert-parallel
+backends.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from olmo_jax import shapes
 from olmo_jax.model.config import MoEConfig, TransformerConfig
 from olmo_jax.model.mlp import MLP
-from olmo_jax.model.moe import dispatch
+from olmo_jax.model.moe import dispatch, sizing
+from olmo_jax.model.moe.buffer import Dispatched, Runs, Slots
 from olmo_jax.model.moe.experts import Experts, resolve_gmm_impl
+from olmo_jax.model.moe.ffn import expert_ffn
 from olmo_jax.model.moe.losses import RouterStats, router_stats
-from olmo_jax.model.moe.mxfp8_experts import expert_ffns
 from olmo_jax.model.moe.router import Router, Routing
-from olmo_jax.model.moe.tiled import TILE_MULTIPLE
 
-Dispatcher = Callable[..., tuple[jax.Array, jax.Array]]
-
-
-def expert_capacity(n_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
-    """Rows per expert buffer: ceil(capacity_factor * tokens * k / E)."""
-    return max(1, math.ceil(capacity_factor * n_tokens * top_k / num_experts))
+Dispatcher = Callable[..., Dispatched]
 
 
-def block_size(n_assignments: int, num_experts: int) -> int:
-    """Rows per block of the blocked dropless layout: large enough for efficient matmuls,
-    small enough that padding (at most one block per expert) stays a small fraction."""
-    target = max(8, n_assignments // (4 * num_experts))
-    return min(256, 1 << (target.bit_length() - 1))
-
-
-def local_dispatch(x_SD, routing: Routing, experts: Experts, cfg: MoEConfig, dtype):
-    """All experts on this device (or GSPMD-sharded arrays). Returns (y_SD f32, dropped)."""
+@shapes.check("routing.*", "-> *")
+def local_dispatch(x_SD, routing: Routing, cfg: MoEConfig, impl: str) -> Dispatched:
+    """All experts on this device (or GSPMD-sharded arrays): capacity buffers when
+    cfg.capacity_factor > 0, else the dropless runs the FFN `impl` wants."""
     S = x_SD.shape[0]
     E = cfg.num_experts
-    w = experts.weights(dtype)
-    x_SD = x_SD.astype(dtype)
-    impl = resolve_gmm_impl(cfg.gmm_impl, dtype, cfg.precision, (x_SD.shape[-1], cfg.expert_hidden))
-    ffn = expert_ffns(cfg, impl)  # per layout, in cfg.precision
     if cfg.capacity_factor > 0:
-        C = expert_capacity(S, cfg.top_k, E, cfg.capacity_factor)
+        C = sizing.capacity(S, cfg.top_k, E, cfg.capacity_factor)
         plan = dispatch.capacity_plan(routing.idx_Sk, E, C)
-        x_PD = dispatch.gather_rows(x_SD, plan)
-        if impl in ("ragged_dot", "pallas"):  # capacity buffers: tiled runs the batched einsum
-            y_PD = ffn.ragged(x_PD, jnp.full((E,), C, jnp.int32), *w)
-        else:
-            y_PD = ffn.batched(x_PD.reshape(E, C, -1), *w).reshape(E * C, -1)
+        layout = Slots(E, C)
         dropped = jnp.sum(~plan.keep_Sk).astype(jnp.float32)
-    elif impl in ("ragged_dot", "pallas"):
-        plan = dispatch.sorted_plan(routing.idx_Sk, E)
-        y_PD = ffn.ragged(dispatch.gather_rows(x_SD, plan), plan.group_sizes_E, *w)
-        dropped = jnp.zeros((), jnp.float32)
-    elif impl == "tiled":
-        plan = dispatch.padded_plan(routing.idx_Sk, E, TILE_MULTIPLE)
-        y_PD = ffn.tiled(dispatch.gather_rows(x_SD, plan), plan.group_sizes_E, *w)
-        dropped = jnp.zeros((), jnp.float32)
-    elif impl == "einsum":
-        b = block_size(routing.idx_Sk.size, E)
-        plan, block_expert_B = dispatch.blocked_plan(routing.idx_Sk, E, b)
-        y_PD = ffn.blocked(dispatch.gather_rows(x_SD, plan), block_expert_B, *w)
-        dropped = jnp.zeros((), jnp.float32)
     else:
-        raise ValueError(f"unknown gmm_impl {cfg.gmm_impl!r}")
-    return dispatch.combine_rows(y_PD, plan, routing.weights_Sk), dropped
+        multiple = sizing.run_multiple(impl, routing.idx_Sk.size, E)
+        plan = dispatch.runs_plan(routing.idx_Sk, E, multiple)
+        layout = Runs(plan.group_sizes_E, multiple)
+        dropped = jnp.zeros((), jnp.float32)
+    return Dispatched(dispatch.gather_rows(x_SD, plan), layout,
+                      lambda y_RD: dispatch.combine_rows(y_RD, plan, routing.weights_Sk), dropped)
+
+
+@shapes.check("routing.*", "-> S D, _")
+def routed_experts(x_SD, routing: Routing, experts, cfg: MoEConfig, dtype,
+                   dispatcher: Dispatcher | None = None) -> tuple[jax.Array, jax.Array]:
+    """(y_SD float32, dropped): dispatch x_SD (in `dtype`), the expert FFN over the
+    buffer, combine. `experts`: weights(dtype) -> (w_gate, w_up, w_down) of the experts
+    the buffer's groups are (all E, or inside shard_map this rank's)."""
+    impl = resolve_gmm_impl(cfg.gmm_impl, dtype, cfg.precision, (x_SD.shape[-1], cfg.expert_hidden))
+    d = (dispatcher or local_dispatch)(x_SD.astype(dtype), routing, cfg, impl)
+    y_RD = expert_ffn(d.x_RD, d.layout, experts.weights(dtype), cfg, impl)
+    return d.combine(y_RD), d.dropped
 
 
 class MoELayer(nnx.Module):
@@ -87,8 +76,9 @@ class MoELayer(nnx.Module):
             if m.n_shared_experts
             else None
         )
-        self.dispatcher = dispatcher or local_dispatch
+        self.dispatcher = dispatcher
 
+    @shapes.check("-> B T D, _")
     def __call__(self, x_BTD: jax.Array, rng: jax.Array | None = None
                  ) -> tuple[jax.Array, RouterStats]:
         """`rng`: a key in training (router jitter, random routing), None otherwise."""
@@ -98,7 +88,8 @@ class MoELayer(nnx.Module):
         with jax.named_scope("router"):  # scopes name the HLO ops (olmo_jax/planner)
             routing = self.router(x_SD, rng)
         with jax.named_scope("routed_experts"):
-            y_SD, dropped = self.dispatcher(x_SD, routing, self.experts, m, self.dtype)
+            y_SD, dropped = routed_experts(x_SD, routing, self.experts, m, self.dtype,
+                                           self.dispatcher)
         y_SD = y_SD.astype(self.dtype)
         if self.shared is not None:
             with jax.named_scope("shared_experts"):

@@ -26,16 +26,19 @@ import jax.numpy as jnp
 
 
 class RouterStats(NamedTuple):
-    counts_BE: jax.Array  # float32 routed assignments per row and expert (before any drop)
-    prob_sum_BE: jax.Array  # float32 sum over the row's tokens of router probabilities
-    z_sum_B: jax.Array  # float32 sum over the row's tokens of logsumexp(logits)^2
+    """Fields as the model returns them, stacked over its MoE layers ([L, ...]); one
+    layer's own stats (`router_stats`) have no L axis."""
+
+    counts_LBE: jax.Array  # float32 routed assignments per row and expert (before any drop)
+    prob_sum_LBE: jax.Array  # float32 sum over the row's tokens of router probabilities
+    z_sum_LB: jax.Array  # float32 sum over the row's tokens of logsumexp(logits)^2
     dropped: jax.Array  # float32 assignments dropped at capacity
     tokens_per_row: jax.Array  # float32 tokens in each row
 
     @property
     def counts_E(self) -> jax.Array:
         """Routed assignments per expert over the whole batch ([L, E] when stacked)."""
-        return jnp.sum(self.counts_BE, axis=-2)
+        return jnp.sum(self.counts_LBE, axis=-2)
 
 
 def router_stats(probs_SE, logits_SE, idx_Sk, num_experts: int, dropped=0.0,
@@ -46,9 +49,9 @@ def router_stats(probs_SE, logits_SE, idx_Sk, num_experts: int, dropped=0.0,
     counts_BE = jnp.zeros((rows, num_experts), jnp.float32).at[row_Sk, idx_Sk].add(1.0)
     z_S = jnp.square(jax.nn.logsumexp(logits_SE.astype(jnp.float32), axis=-1))
     return RouterStats(
-        counts_BE=jax.lax.stop_gradient(counts_BE),
-        prob_sum_BE=jnp.sum(probs_SE.astype(jnp.float32).reshape(rows, S // rows, -1), axis=1),
-        z_sum_B=jnp.sum(z_S.reshape(rows, S // rows), axis=1),
+        counts_LBE=jax.lax.stop_gradient(counts_BE),
+        prob_sum_LBE=jnp.sum(probs_SE.astype(jnp.float32).reshape(rows, S // rows, -1), axis=1),
+        z_sum_LB=jnp.sum(z_S.reshape(rows, S // rows), axis=1),
         dropped=jax.lax.stop_gradient(jnp.asarray(dropped, jnp.float32)),
         tokens_per_row=jnp.asarray(S // rows, jnp.float32),
     )
@@ -64,17 +67,24 @@ def shard_sums(x_LBE: jax.Array, shards: int) -> jax.Array:
 
 def _shard_tokens(stats: RouterStats, shards: int) -> jax.Array:
     """Tokens per shard, broadcastable against [L, shards, E]."""
-    rows = stats.counts_BE.shape[-2] // shards
+    rows = stats.counts_LBE.shape[-2] // shards
     return (stats.tokens_per_row * rows)[..., None, None]
 
 
 def load_balancing_per_layer(stats: RouterStats, top_k: int, shards: int = 1) -> jax.Array:
     """[L]: OLMo-core's per-layer LB loss, averaged over the shards (shards=1: global)."""
-    E = stats.counts_BE.shape[-1]
+    E = stats.counts_LBE.shape[-1]
     n = _shard_tokens(stats, shards)
-    f_LGE = shard_sums(stats.counts_BE, shards) / (n * top_k)
-    p_LGE = shard_sums(stats.prob_sum_BE, shards) / n
-    return E * jnp.mean(jnp.sum(f_LGE * p_LGE, axis=-1), axis=-1)
+    f_LPE = shard_sums(stats.counts_LBE, shards) / (n * top_k)
+    p_LPE = shard_sums(stats.prob_sum_LBE, shards) / n
+    return E * jnp.mean(jnp.sum(f_LPE * p_LPE, axis=-1), axis=-1)
+
+
+# model.moe.lb_loss_type: per_layer (OLMo-core) | pooled (Hugging Face), see load_balancing_loss.
+LB_LOSS_TYPES = ("per_layer", "pooled")
+# model.moe.lb_granularity: the counts the LB loss sees, global (every device's tokens) | local
+# (each data-parallel shard's own, the losses averaged: load_balancing_loss's `shards`).
+LB_GRANULARITIES = ("global", "local")
 
 
 def load_balancing_loss(stats: RouterStats, top_k: int, kind: str = "per_layer",
@@ -83,18 +93,18 @@ def load_balancing_loss(stats: RouterStats, top_k: int, kind: str = "per_layer",
     if kind == "per_layer":
         return jnp.sum(load_balancing_per_layer(stats, top_k, shards))
     if kind == "pooled":  # Hugging Face: f not divided by k (balanced value: k)
-        E = stats.counts_BE.shape[-1]
-        total_G = jnp.sum(_shard_tokens(stats, shards)[..., 0], axis=0)  # [G], over layers
-        f_GE = jnp.sum(shard_sums(stats.counts_BE, shards), axis=0) / total_G[:, None]
-        p_GE = jnp.sum(shard_sums(stats.prob_sum_BE, shards), axis=0) / total_G[:, None]
-        return E * jnp.mean(jnp.sum(f_GE * p_GE, axis=-1))
+        E = stats.counts_LBE.shape[-1]
+        total_P = jnp.sum(_shard_tokens(stats, shards)[..., 0], axis=0)  # [P], over layers
+        f_PE = jnp.sum(shard_sums(stats.counts_LBE, shards), axis=0) / total_P[:, None]
+        p_PE = jnp.sum(shard_sums(stats.prob_sum_LBE, shards), axis=0) / total_P[:, None]
+        return E * jnp.mean(jnp.sum(f_PE * p_PE, axis=-1))
     raise ValueError(f"unknown load-balancing loss {kind!r}")
 
 
 def z_loss_per_layer(stats: RouterStats) -> jax.Array:
     """[L]: mean over tokens of logsumexp(logits)^2."""
-    n_L = stats.tokens_per_row * stats.z_sum_B.shape[-1]
-    return jnp.sum(stats.z_sum_B, axis=-1) / n_L
+    n_L = stats.tokens_per_row * stats.z_sum_LB.shape[-1]
+    return jnp.sum(stats.z_sum_LB, axis=-1) / n_L
 
 
 def z_loss(stats: RouterStats) -> jax.Array:

@@ -30,8 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from olmo_jax.kernels import mxfp8 as mx
-
-PRECISIONS = ("bf16", "mxfp8")
+from olmo_jax.model.mxfp8 import PRECISIONS
 
 
 def encode(x_RD, precision: str):

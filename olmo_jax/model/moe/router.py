@@ -37,8 +37,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from olmo_jax import shapes
 from olmo_jax.model.config import MoEConfig
 from olmo_jax.model.params import normal_param
+
+GATINGS = ("softmax", "sigmoid", "topk_softmax")  # model.moe.gating (gate_scores)
+ROUTING_MODES = ("learned", "random", "uniform")  # model.moe.routing_mode (route)
 
 
 class Routing(NamedTuple):
@@ -55,6 +59,7 @@ class RouterBias(nnx.Variable):
     (olmo_jax/model/moe/bias_balancing.py)."""
 
 
+@shapes.check("-> S E, S E")
 def gate_scores(logits_SE: jax.Array, gating: str) -> tuple[jax.Array, jax.Array]:
     """(scores_SE, probs_SE): the scores experts are chosen by, and the probabilities the
     load-balancing loss uses."""
@@ -69,6 +74,7 @@ def gate_scores(logits_SE: jax.Array, gating: str) -> tuple[jax.Array, jax.Array
     raise ValueError(f"unknown gating {gating!r}")
 
 
+@shapes.check("-> S k")
 def combine_weights(scores_SE, idx_Sk, gating: str, norm_topk_prob: bool) -> jax.Array:
     """The combine weights of the chosen experts from their gate scores."""
     top_Sk = jnp.take_along_axis(scores_SE, idx_Sk, axis=-1)
@@ -79,16 +85,17 @@ def combine_weights(scores_SE, idx_Sk, gating: str, norm_topk_prob: bool) -> jax
     return top_Sk
 
 
+@shapes.check("-> S E")
 def group_limit(sel_SE: jax.Array, n_group: int, topk_group: int) -> jax.Array:
     """Masks (to -inf) the experts outside each token's topk_group best groups."""
     if n_group == 1:
         return sel_SE
     S, E = sel_SE.shape
-    sel_SGe = sel_SE.reshape(S, n_group, E // n_group)
-    best_SG2, _ = jax.lax.top_k(sel_SGe, min(2, E // n_group))
-    _, groups_Sg = jax.lax.top_k(jnp.sum(best_SG2, axis=-1), topk_group)
-    keep_SG = jnp.zeros((S, n_group), bool).at[jnp.arange(S)[:, None], groups_Sg].set(True)
-    return jnp.where(keep_SG[:, :, None], sel_SGe, -jnp.inf).reshape(S, E)
+    sel_SZe = sel_SE.reshape(S, n_group, E // n_group)
+    best_SZ2, _ = jax.lax.top_k(sel_SZe, min(2, E // n_group))
+    _, groups_Sz = jax.lax.top_k(jnp.sum(best_SZ2, axis=-1), topk_group)
+    keep_SZ = jnp.zeros((S, n_group), bool).at[jnp.arange(S)[:, None], groups_Sz].set(True)
+    return jnp.where(keep_SZ[:, :, None], sel_SZe, -jnp.inf).reshape(S, E)
 
 
 def round_robin(n_tokens: int, top_k: int, num_experts: int) -> jax.Array:
@@ -97,6 +104,7 @@ def round_robin(n_tokens: int, top_k: int, num_experts: int) -> jax.Array:
     return (jnp.arange(n_tokens * top_k, dtype=jnp.int32) % num_experts).reshape(n_tokens, top_k)
 
 
+@shapes.check("-> *")
 def route(
     logits_SE: jax.Array,
     *,
@@ -161,6 +169,7 @@ class Router(nnx.Module):
             precision=jax.lax.Precision.HIGHEST,
         )
 
+    @shapes.check("-> *")
     def __call__(self, x_SD: jax.Array, rng: jax.Array | None = None) -> Routing:
         """Routes the tokens. `rng` is given in training only: it drives the router jitter
         and the random mode; without it (evaluation, sampling) there is no jitter and the

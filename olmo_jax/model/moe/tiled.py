@@ -27,6 +27,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from olmo_jax import shapes
 from olmo_jax.kernels import vma
 from olmo_jax.kernels.vma import cotangent_like
 
@@ -72,8 +73,8 @@ def _put(a, rows, row0):
     return jax.lax.dynamic_update_slice_in_dim(a, rows, row0, axis=0)
 
 
-def _fwd_loop(x_PD, starts_E, padded_E, wg_EDF, wu_EDF, wd_EFD, sizes):
-    P, D = x_PD.shape
+def _fwd_loop(x_RD, starts_E, padded_E, wg_EDF, wu_EDF, wd_EFD, sizes):
+    R, D = x_RD.shape
     E, F, _ = wd_EFD.shape
 
     def expert(e, carry):
@@ -81,30 +82,30 @@ def _fwd_loop(x_PD, starts_E, padded_E, wg_EDF, wu_EDF, wd_EFD, sizes):
         wgu_DJ, wd_FD = jnp.concatenate([wg_EDF[e], wu_EDF[e]], axis=-1), wd_EFD[e]
 
         def tile(c, row0, size):
-            y_PD, gu_PJ = c
-            gu_tJ = _rows(x_PD, row0, size) @ wgu_DJ
+            y_RD, gu_RJ = c
+            gu_tJ = _rows(x_RD, row0, size) @ wgu_DJ
             h_tF = jax.nn.silu(gu_tJ[:, :F]) * gu_tJ[:, F:]
-            return _put(y_PD, h_tF @ wd_FD, row0), _put(gu_PJ, gu_tJ, row0)
+            return _put(y_RD, h_tF @ wd_FD, row0), _put(gu_RJ, gu_tJ, row0)
 
         return _for_tiles(starts_E[e], padded_E[e], sizes, tile, carry)
 
-    ops = (x_PD, starts_E, padded_E, wg_EDF, wu_EDF, wd_EFD)  # carries vary like all of them
-    init = (jnp.zeros((P, D), x_PD.dtype), jnp.zeros((P, 2 * F), x_PD.dtype))
+    ops = (x_RD, starts_E, padded_E, wg_EDF, wu_EDF, wd_EFD)  # carries vary like all of them
+    init = (jnp.zeros((R, D), x_RD.dtype), jnp.zeros((R, 2 * F), x_RD.dtype))
     return jax.lax.fori_loop(0, E, expert, tuple(vma.like(a, *ops) for a in init))
 
 
-def _bwd_loop(x_PD, gu_PJ, dy_PD, starts_E, padded_E, wg_EDF, wu_EDF, wd_EFD, sizes):
+def _bwd_loop(x_RD, gu_RJ, dy_RD, starts_E, padded_E, wg_EDF, wu_EDF, wd_EFD, sizes):
     E, F, _ = wd_EFD.shape
-    ops = (x_PD, gu_PJ, dy_PD, starts_E, padded_E, wg_EDF, wu_EDF, wd_EFD)
+    ops = (x_RD, gu_RJ, dy_RD, starts_E, padded_E, wg_EDF, wu_EDF, wd_EFD)
 
     def expert(e, carry):
-        dx_PD, dwg_EDF, dwu_EDF, dwd_EFD = carry
+        dx_RD, dwg_EDF, dwu_EDF, dwd_EFD = carry
         wgu_DJ, wd_FD = jnp.concatenate([wg_EDF[e], wu_EDF[e]], axis=-1), wd_EFD[e]
 
         def tile(c, row0, size):
-            dx_PD, dwgu_DJ, dwd_FD = c
-            x_tD, dy_tD = _rows(x_PD, row0, size), _rows(dy_PD, row0, size)
-            gu_tJ = _rows(gu_PJ, row0, size)
+            dx_RD, dwgu_DJ, dwd_FD = c
+            x_tD, dy_tD = _rows(x_RD, row0, size), _rows(dy_RD, row0, size)
+            gu_tJ = _rows(gu_RJ, row0, size)
             g_tF, u_tF = gu_tJ[:, :F], gu_tJ[:, F:]
             sig_tF = jax.nn.sigmoid(g_tF)
             act_tF = g_tF * sig_tF
@@ -113,50 +114,51 @@ def _bwd_loop(x_PD, gu_PJ, dy_PD, starts_E, padded_E, wg_EDF, wu_EDF, wd_EFD, si
             dgu_tJ = jnp.concatenate(
                 [dh_tF * u_tF * (sig_tF * (1 + g_tF * (1 - sig_tF))), dh_tF * act_tF], axis=-1)
             dwgu_DJ = dwgu_DJ + x_tD.T @ dgu_tJ
-            return _put(dx_PD, dgu_tJ @ wgu_DJ.T, row0), dwgu_DJ, dwd_FD
+            return _put(dx_RD, dgu_tJ @ wgu_DJ.T, row0), dwgu_DJ, dwd_FD
 
         acc = tuple(vma.like(jnp.zeros_like(w), *ops) for w in (wgu_DJ, wd_FD))
-        dx_PD, dwgu_DJ, dwd_FD = _for_tiles(starts_E[e], padded_E[e], sizes, tile, (dx_PD, *acc))
+        dx_RD, dwgu_DJ, dwd_FD = _for_tiles(starts_E[e], padded_E[e], sizes, tile, (dx_RD, *acc))
         put = jax.lax.dynamic_update_index_in_dim
-        return (dx_PD, put(dwg_EDF, dwgu_DJ[:, :F], e, 0), put(dwu_EDF, dwgu_DJ[:, F:], e, 0),
+        return (dx_RD, put(dwg_EDF, dwgu_DJ[:, :F], e, 0), put(dwu_EDF, dwgu_DJ[:, F:], e, 0),
                 put(dwd_EFD, dwd_FD, e, 0))
 
-    init = (jnp.zeros_like(x_PD), jnp.zeros_like(wg_EDF), jnp.zeros_like(wu_EDF),
+    init = (jnp.zeros_like(x_RD), jnp.zeros_like(wg_EDF), jnp.zeros_like(wu_EDF),
             jnp.zeros_like(wd_EFD))
     return jax.lax.fori_loop(0, E, expert, tuple(vma.like(a, *ops) for a in init))
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _ffn_tiled(x_PD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, sizes):
-    return _ffn_tiled_fwd(x_PD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, sizes)[0]
+def _ffn_tiled(x_RD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, sizes):
+    return _ffn_tiled_fwd(x_RD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, sizes)[0]
 
 
-def _ffn_tiled_fwd(x_PD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, sizes):
+def _ffn_tiled_fwd(x_RD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, sizes):
     starts_E, padded_E = padded_runs(group_sizes_E, sizes[-1])
-    y_PD, gu_PJ = _fwd_loop(x_PD, starts_E, padded_E, w_gate_EDF, w_up_EDF, w_down_EFD, sizes)
-    return y_PD, (x_PD, gu_PJ, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD)
+    y_RD, gu_RJ = _fwd_loop(x_RD, starts_E, padded_E, w_gate_EDF, w_up_EDF, w_down_EFD, sizes)
+    return y_RD, (x_RD, gu_RJ, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD)
 
 
-def _ffn_tiled_bwd(sizes, res, dy_PD):
-    x_PD, gu_PJ, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD = res
+def _ffn_tiled_bwd(sizes, res, dy_RD):
+    x_RD, gu_RJ, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD = res
     starts_E, padded_E = padded_runs(group_sizes_E, sizes[-1])
-    dx_PD, dwg_EDF, dwu_EDF, dwd_EFD = _bwd_loop(
-        x_PD, gu_PJ, dy_PD.astype(x_PD.dtype), starts_E, padded_E, w_gate_EDF, w_up_EDF,
+    dx_RD, dwg_EDF, dwu_EDF, dwd_EFD = _bwd_loop(
+        x_RD, gu_RJ, dy_RD.astype(x_RD.dtype), starts_E, padded_E, w_gate_EDF, w_up_EDF,
         w_down_EFD, sizes)
-    return (cotangent_like(dx_PD, x_PD), None, cotangent_like(dwg_EDF, w_gate_EDF),
+    return (cotangent_like(dx_RD, x_RD), None, cotangent_like(dwg_EDF, w_gate_EDF),
             cotangent_like(dwu_EDF, w_up_EDF), cotangent_like(dwd_EFD, w_down_EFD))
 
 
 _ffn_tiled.defvjp(_ffn_tiled_fwd, _ffn_tiled_bwd)
 
 
-def ffn_tiled(x_PD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD,
+@shapes.check("-> R D")
+def ffn_tiled(x_RD, group_sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD,
               sizes: tuple[int, ...] | None = None):
     """SwiGLU over the padded sorted layout: expert e's group_sizes_E[e] rows start at
     row sum_{e' < e} pad8(group_sizes_E[e']); rows outside the runs give zeros. `sizes`:
     the tile sizes (default tile_sizes()); the last is the padding multiple."""
     sizes = tile_sizes() if sizes is None else tuple(sizes)
     # Tiles larger than the buffer never fit a run: the largest that does leads the loop.
-    sizes = tuple(s for s in sizes[:-1] if s <= x_PD.shape[0]) + sizes[-1:]
-    return _ffn_tiled(x_PD, group_sizes_E.astype(jnp.int32), w_gate_EDF, w_up_EDF,
+    sizes = tuple(s for s in sizes[:-1] if s <= x_RD.shape[0]) + sizes[-1:]
+    return _ffn_tiled(x_RD, group_sizes_E.astype(jnp.int32), w_gate_EDF, w_up_EDF,
                       w_down_EFD, sizes)

@@ -1,11 +1,13 @@
 """All-gather expert-parallel dispatch (dropless): every rank gathers all tokens of its
-`expert` group, applies its local experts to the assignments routed to them, and the
-partial outputs are reduce-scattered back to the tokens' owners.
+`expert` group and lays out the assignments routed to its local experts (`buffer.Runs`;
+the MoE layer runs the experts on them); the combine reduce-scatters the partial outputs
+back to the tokens' owners.
 
 Each rank lays the gathered assignments out for its El local experts, the assignments of
-other ranks' experts going to a trailing group that is computed but weighted zero (a
-static buffer sized for the worst case: every assignment routed here). Combine applies
-the router weights in float32 before the reduce-scatter.
+other ranks' experts going to a trailing run outside every group (the FFN leaves its rows
+zero, or the combine weights them zero; a static buffer sized for the worst case,
+`buffer_rows`: every assignment routed here). Combine applies the router weights in
+float32 before the reduce-scatter.
 """
 
 from __future__ import annotations
@@ -13,35 +15,36 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from olmo_jax.model.moe import dispatch, payload
-from olmo_jax.model.moe.experts import resolve_gmm_impl
-from olmo_jax.model.moe.layer import block_size
-from olmo_jax.model.moe.mxfp8_experts import expert_ffns
-from olmo_jax.model.moe.tiled import TILE_MULTIPLE
+from olmo_jax import shapes
+from olmo_jax.model.moe import dispatch, payload, sizing
+from olmo_jax.model.moe.buffer import Dispatched, Runs
 
 
-def allgather_dispatch(x_SD, routing, experts, cfg, dtype, *, axis: str):
+def buffer_rows(n_tokens: int, cfg, impl: str, ep: int) -> int:
+    """Rows of a rank's buffer: the ep ranks' assignments in El + 1 runs, sized for the
+    worst case (every one of them routed here), each run padded for the FFN `impl`."""
+    groups, n = cfg.num_experts // ep + 1, ep * n_tokens * cfg.top_k
+    return sizing.runs_rows(n, groups, sizing.run_multiple(impl, n, groups))
+
+
+@shapes.check("routing.*", "-> *")
+def allgather_dispatch(x_SD, routing, cfg, impl: str, *, axis: str) -> Dispatched:
+    """Buffer: Runs over the El local experts; the trailing run (other ranks' experts)
+    is outside every group, so the FFN leaves it zero or its rows are weighted zero."""
     ep = jax.lax.axis_size(axis)
     El = cfg.num_experts // ep
     me = jax.lax.axis_index(axis)
     gather = lambda a: jax.lax.all_gather(a, axis, axis=0, tiled=True)  # noqa: E731
-    x_GD = payload.transfer(x_SD.astype(dtype), gather, cfg.precision)
-    idx_Gk, weights_Gk = gather(routing.idx_Sk), gather(routing.weights_Sk)
-    local_Gk = idx_Gk // El == me
-    lidx_Gk = jnp.where(local_Gk, idx_Gk - me * El, El)  # El = not mine
-    w = experts.weights(dtype)
-    impl = resolve_gmm_impl(cfg.gmm_impl, dtype, cfg.precision, (x_SD.shape[-1], cfg.expert_hidden))
-    ffn = expert_ffns(cfg, impl)
-    if impl == "tiled":  # the trailing group (not mine) is never computed: rows stay zero
-        plan = dispatch.padded_plan(lidx_Gk, El + 1, TILE_MULTIPLE)
-        y_PD = ffn.tiled(dispatch.gather_rows(x_GD, plan), plan.group_sizes_E[:El], *w)
-    elif impl == "einsum":
-        plan, owner_B = dispatch.blocked_plan(lidx_Gk, El + 1, block_size(lidx_Gk.size, El + 1))
-        y_PD = ffn.blocked(dispatch.gather_rows(x_GD, plan), jnp.minimum(owner_B, El - 1), *w)
-    else:
-        plan = dispatch.sorted_plan(lidx_Gk, El + 1)
-        y_PD = ffn.ragged(dispatch.gather_rows(x_GD, plan), plan.group_sizes_E[:El], *w)
-    y_GD = dispatch.combine_rows(y_PD, plan._replace(keep_Sk=local_Gk), weights_Gk)
-    y_SD = jax.lax.psum_scatter(y_GD, axis, scatter_dimension=0, tiled=True)
-    return y_SD, jnp.zeros((), jnp.float32)
+    x_YD = payload.transfer(x_SD, gather, cfg.precision)
+    idx_Yk, weights_Yk = gather(routing.idx_Sk), gather(routing.weights_Sk)
+    local_Yk = idx_Yk // El == me
+    lidx_Yk = jnp.where(local_Yk, idx_Yk - me * El, El)  # El = not mine
+    multiple = sizing.run_multiple(impl, lidx_Yk.size, El + 1)
+    plan = dispatch.runs_plan(lidx_Yk, El + 1, multiple)
 
+    def combine(y_RD):
+        y_YD = dispatch.combine_rows(y_RD, plan._replace(keep_Sk=local_Yk), weights_Yk)
+        return jax.lax.psum_scatter(y_YD, axis, scatter_dimension=0, tiled=True)
+
+    return Dispatched(dispatch.gather_rows(x_YD, plan), Runs(plan.group_sizes_E[:El], multiple),
+                      combine, jnp.zeros((), jnp.float32))

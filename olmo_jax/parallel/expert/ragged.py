@@ -8,13 +8,13 @@ the same layout of every receive buffer: grouped by local expert j, then by send
 
     output_offset(s, e) = base(e) + sum_{s' < s} count(s', e),
     base(e) = sum over the owner's earlier local experts j' < j of total(j')
-    (each total rounded up to `block` rows when the receiver runs the blocked matmul).
+    (each total rounded up to `sizing.run_multiple` rows: the blocked matmul's blocks,
+    the tiled loop's 8 rows, or 1 for a grouped GEMM).
 
-So a rank receives its experts' rows contiguous and grouped (a grouped GEMM,
-`ragged_dot`, the tiled per-expert loop on CPU: runs padded to 8 rows, or the blocked
-batched matmul) with no permutation; the combine is
-the exact reverse ragged_all_to_all. The receive buffer is sized for the worst case
-(every assignment of the ep senders to one rank): static shapes, never a host sync.
+So a rank receives its experts' rows contiguous and grouped (`buffer.Runs`), and the MoE
+layer runs the experts on them with no permutation; the combine is the exact reverse
+ragged_all_to_all. The receive buffer (`buffer_rows`) is sized for the worst case (every
+assignment of the ep senders to one rank): static shapes, never a host sync.
 """
 
 from __future__ import annotations
@@ -24,12 +24,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from olmo_jax import shapes
 from olmo_jax.kernels import vma
-from olmo_jax.model.moe import dispatch, payload
-from olmo_jax.model.moe.experts import resolve_gmm_impl
-from olmo_jax.model.moe.layer import block_size
-from olmo_jax.model.moe.mxfp8_experts import expert_ffns
-from olmo_jax.model.moe.tiled import TILE_MULTIPLE
+from olmo_jax.model.moe import dispatch, payload, sizing
+from olmo_jax.model.moe.buffer import Dispatched, Runs
 from olmo_jax.parallel.expert.ragged_a2a import ragged_all_to_all
 
 
@@ -44,82 +42,73 @@ class RaggedLayout(NamedTuple):
     bwd_send_sizes: jax.Array
     bwd_output_offsets: jax.Array
     bwd_recv_sizes: jax.Array  # [E]
-    group_sizes_J: jax.Array  # rows per local expert (before block padding)
-    padded_sizes_J: jax.Array  # rows per local expert run in the receive buffer
+    group_sizes_E: jax.Array  # rows per local expert (before padding its run)
 
 
 def ragged_layout(counts_E: jax.Array, ep: int, block: int, axis: str) -> RaggedLayout:
     E = counts_E.shape[0]
     El = E // ep
     me = jax.lax.axis_index(axis)
-    counts_sE = jax.lax.all_gather(counts_E, axis)  # [sender, E]
-    totals_E = jnp.sum(counts_sE, axis=0)
-    padded_rJ = ((totals_E + block - 1) // block * block).reshape(ep, El)
-    base_E = (jnp.cumsum(padded_rJ, axis=1) - padded_rJ).reshape(E)
-    before_sE = jnp.cumsum(counts_sE, axis=0) - counts_sE  # rows from lower-ranked senders
-    starts_sE = jnp.cumsum(counts_sE, axis=1) - counts_sE  # each sender's sorted-buffer starts
+    counts_PE = jax.lax.all_gather(counts_E, axis)  # [sender, E]
+    totals_E = jnp.sum(counts_PE, axis=0)
+    padded_PE = ((totals_E + block - 1) // block * block).reshape(ep, El)
+    base_E = (jnp.cumsum(padded_PE, axis=1) - padded_PE).reshape(E)
+    before_PE = jnp.cumsum(counts_PE, axis=0) - counts_PE  # rows from lower-ranked senders
+    starts_PE = jnp.cumsum(counts_PE, axis=1) - counts_PE  # each sender's sorted-buffer starts
     mine = lambda a: jax.lax.dynamic_slice_in_dim(a, me * El, El, axis=a.ndim - 1)  # noqa: E731
-    in_recv_sJ = mine(base_E)[None, :] + mine(before_sE)
+    in_recv_PE = mine(base_E)[None, :] + mine(before_PE)
     return RaggedLayout(
-        fwd_input_offsets=starts_sE[me],
+        fwd_input_offsets=starts_PE[me],
         fwd_send_sizes=counts_E,
-        fwd_output_offsets=base_E + before_sE[me],
-        fwd_recv_sizes=mine(counts_sE).reshape(-1),
-        bwd_input_offsets=in_recv_sJ.reshape(-1),
-        bwd_send_sizes=mine(counts_sE).reshape(-1),
-        bwd_output_offsets=mine(starts_sE).reshape(-1),
+        fwd_output_offsets=base_E + before_PE[me],
+        fwd_recv_sizes=mine(counts_PE).reshape(-1),
+        bwd_input_offsets=in_recv_PE.reshape(-1),
+        bwd_send_sizes=mine(counts_PE).reshape(-1),
+        bwd_output_offsets=mine(starts_PE).reshape(-1),
         bwd_recv_sizes=counts_E,
-        group_sizes_J=mine(totals_E),
-        padded_sizes_J=padded_rJ[me],
+        group_sizes_E=mine(totals_E),
     )
 
 
-def block_owners(padded_sizes_J: jax.Array, n_rows: int, block: int) -> jax.Array:
-    """The local expert owning each block of a buffer whose expert runs are padded to
-    `block` rows (trailing empty blocks go to the last expert; their rows are zeros)."""
-    ends_J = jnp.cumsum(padded_sizes_J)
-    starts_B = jnp.arange(n_rows // block, dtype=jnp.int32) * block
-    owner_B = jnp.searchsorted(ends_J, starts_B, side="right").astype(jnp.int32)
-    return jnp.minimum(owner_B, padded_sizes_J.shape[0] - 1)
+def buffer_rows(n_tokens: int, cfg, impl: str, ep: int) -> int:
+    """Receive rows of a rank, for the worst case: every assignment of the ep senders
+    routed to its El experts, each local expert's run padded for the FFN `impl`."""
+    El, n = cfg.num_experts // ep, ep * n_tokens * cfg.top_k
+    return sizing.runs_rows(n, El, sizing.run_multiple(impl, n, El))
 
 
-def ragged_dispatch(x_SD, routing, experts, cfg, dtype, *, axis: str, emulate: bool | None = None):
+@shapes.check("routing.*", "-> *")
+def ragged_dispatch(x_SD, routing, cfg, impl: str, *, axis: str,
+                    emulate: bool | None = None) -> Dispatched:
+    """Receive buffer grouped by local expert: Runs(rows per local expert, multiple)."""
     ep = jax.lax.axis_size(axis)
     E = cfg.num_experts
     El = E // ep
-    S, D = x_SD.shape
-    N = S * cfg.top_k
-    impl = resolve_gmm_impl(cfg.gmm_impl, dtype, cfg.precision, (x_SD.shape[-1], cfg.expert_hidden))
-    blocked = impl == "einsum"
-    block = block_size(ep * N, El) if blocked else TILE_MULTIPLE if impl == "tiled" else 1
-    rows = dispatch.blocked_rows(ep * N, El, block) if block > 1 else ep * N
+    N = x_SD.shape[0] * cfg.top_k
+    multiple = sizing.run_multiple(impl, ep * N, El)
+    rows = buffer_rows(x_SD.shape[0], cfg, impl, ep)
 
     plan = dispatch.sorted_plan(routing.idx_Sk, E)
-    send_ND = dispatch.gather_rows(x_SD.astype(dtype), plan)
-    lay = ragged_layout(plan.group_sizes_E, ep, block, axis)
+    send_YD = dispatch.gather_rows(x_SD, plan)
+    lay = ragged_layout(plan.group_sizes_E, ep, multiple, axis)
     a2a = lambda *args: ragged_all_to_all(*args, axis_name=axis, emulate=emulate)  # noqa: E731
 
-    def buffer(n_rows, like_X):
+    def buffer(n_rows, like_J):
         """The receive buffer, typed varying like the rows sent into it: ragged_all_to_all
         types its result like this operand, and an invariant one would make the backward
         pass psum the receive buffer's cotangent over the devices (different tokens)."""
-        return vma.like(jnp.zeros((n_rows, like_X.shape[-1]), like_X.dtype), like_X)
+        return vma.like(jnp.zeros((n_rows, like_J.shape[-1]), like_J.dtype), like_J)
 
-    def exchange(a_NX, *offsets):  # any payload width X (the MXFP8 payload: packed uint8 rows)
-        return a2a(a_NX, buffer(rows, a_NX), *offsets)
+    def exchange(a_YJ, *offsets):  # any payload width X (the MXFP8 payload: packed uint8 rows)
+        return a2a(a_YJ, buffer(rows, a_YJ), *offsets)
 
-    recv_RD = payload.transfer(send_ND, exchange, cfg.precision, lay.fwd_input_offsets,
+    recv_RD = payload.transfer(send_YD, exchange, cfg.precision, lay.fwd_input_offsets,
                                lay.fwd_send_sizes, lay.fwd_output_offsets, lay.fwd_recv_sizes)
-    w = experts.weights(dtype)
-    ffn = expert_ffns(cfg, impl)
-    if blocked:
-        y_RD = ffn.blocked(recv_RD, block_owners(lay.padded_sizes_J, rows, block), *w)
-    elif impl == "tiled":  # runs only the received rows, however large the buffer
-        y_RD = ffn.tiled(recv_RD, lay.group_sizes_J, *w)
-    else:
-        y_RD = ffn.ragged(recv_RD, lay.group_sizes_J, *w)
-    back_ND = a2a(y_RD, buffer(N, y_RD), lay.bwd_input_offsets,
-                  lay.bwd_send_sizes, lay.bwd_output_offsets, lay.bwd_recv_sizes)
-    y_SD = dispatch.combine_rows(back_ND, plan, routing.weights_Sk)
-    return y_SD, jnp.zeros((), jnp.float32)
 
+    def combine(y_RD):
+        back_YD = a2a(y_RD, buffer(N, y_RD), lay.bwd_input_offsets,
+                      lay.bwd_send_sizes, lay.bwd_output_offsets, lay.bwd_recv_sizes)
+        return dispatch.combine_rows(back_YD, plan, routing.weights_Sk)
+
+    return Dispatched(recv_RD, Runs(lay.group_sizes_E, multiple), combine,
+                      jnp.zeros((), jnp.float32))

@@ -61,16 +61,16 @@ def check_output_typing(operand, output) -> None:
 
 
 def _slot_of_rows(sizes_PQ: jax.Array, n_rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """For slabs holding slices of sizes_PQ[p] back to back: (slice q of each row [P, N],
+    """For slabs holding slices of sizes_PQ[p] back to back: (slice q of each row [P, Y],
     the row's offset inside its slice, valid mask)."""
     ends_PQ = jnp.cumsum(sizes_PQ, axis=1)
     starts_PQ = ends_PQ - sizes_PQ
-    r_N = jnp.arange(n_rows, dtype=jnp.int32)
-    q_PN = jax.vmap(lambda e: jnp.searchsorted(e, r_N, side="right"))(ends_PQ).astype(jnp.int32)
-    valid_PN = q_PN < sizes_PQ.shape[1]
-    q_PN = jnp.minimum(q_PN, sizes_PQ.shape[1] - 1)
-    within_PN = r_N[None, :] - jnp.take_along_axis(starts_PQ, q_PN, axis=1)
-    return q_PN, within_PN, valid_PN
+    r_Y = jnp.arange(n_rows, dtype=jnp.int32)
+    q_PY = jax.vmap(lambda e: jnp.searchsorted(e, r_Y, side="right"))(ends_PQ).astype(jnp.int32)
+    valid_PY = q_PY < sizes_PQ.shape[1]
+    q_PY = jnp.minimum(q_PY, sizes_PQ.shape[1] - 1)
+    within_PY = r_Y[None, :] - jnp.take_along_axis(starts_PQ, q_PY, axis=1)
+    return q_PY, within_PY, valid_PY
 
 
 def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
@@ -82,23 +82,23 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
     q = K // ep
     N, M = operand.shape[0], output.shape[0]
     # Sender: slab p holds the slices for peer p back to back.
-    q_PN, within_PN, valid_PN = _slot_of_rows(send_sizes.reshape(ep, q), N)
+    q_PY, within_PY, valid_PY = _slot_of_rows(send_sizes.reshape(ep, q), N)
     in_off_PQ = input_offsets.reshape(ep, q)
-    src_PN = jnp.take_along_axis(in_off_PQ, q_PN, axis=1) + within_PN
-    src_PN = jnp.where(valid_PN, src_PN, N)
+    src_PY = jnp.take_along_axis(in_off_PQ, q_PY, axis=1) + within_PY
+    src_PY = jnp.where(valid_PY, src_PY, N)
     padded = jnp.concatenate([operand, jnp.zeros((1, *operand.shape[1:]), operand.dtype)])
-    slab_PN = padded[src_PN]
-    recv_PN = jax.lax.all_to_all(slab_PN, axis_name, 0, 0)  # [sender, N, ...]
+    slab_PY = padded[src_PY]
+    recv_PY = jax.lax.all_to_all(slab_PY, axis_name, 0, 0)  # [sender, N, ...]
     # Receiver: where each sender's slices go, and how long they are.
     out_off_PQ = jax.lax.all_to_all(output_offsets.reshape(ep, q), axis_name, 0, 0)
-    q_PN, within_PN, valid_PN = _slot_of_rows(recv_sizes.reshape(ep, q), N)
-    dest_PN = jnp.take_along_axis(out_off_PQ, q_PN, axis=1) + within_PN
-    dest_PN = jnp.where(valid_PN, dest_PN, M)
+    q_PY, within_PY, valid_PY = _slot_of_rows(recv_sizes.reshape(ep, q), N)
+    dest_PY = jnp.take_along_axis(out_off_PQ, q_PY, axis=1) + within_PY
+    dest_PY = jnp.where(valid_PY, dest_PY, M)
     # Each output row's source row in the received slabs (-1: keeps `output`), then one
     # gather: linear in (operand, output) with a gather's transpose (a scatter-add), so
     # the emulation is differentiable and transposable like the primitive.
-    flat = recv_PN.reshape(ep * N, *operand.shape[1:])
-    src_M = jnp.full((M,), -1, jnp.int32).at[dest_PN.reshape(-1)].set(
+    flat = recv_PY.reshape(ep * N, *operand.shape[1:])
+    src_R = jnp.full((M,), -1, jnp.int32).at[dest_PY.reshape(-1)].set(
         jnp.arange(ep * N, dtype=jnp.int32), mode="drop")
-    keep = (src_M >= 0).reshape((M,) + (1,) * (operand.ndim - 1))
-    return jnp.where(keep, flat[jnp.maximum(src_M, 0)], output)
+    keep = (src_R >= 0).reshape((M,) + (1,) * (operand.ndim - 1))
+    return jnp.where(keep, flat[jnp.maximum(src_R, 0)], output)

@@ -9,14 +9,15 @@ C slots per (sender, local expert), so the row of an assignment is
 order (`dispatch.rank_within_expert`: every token's first choice, in token order, before
 any second choice). Assignments with rank >= C are dropped and counted. The sender
 scatters its tokens into a [El, ep, C, D] send buffer in exactly that order, so a single
-`all_to_all` over `expert` delivers each rank a buffer already grouped by local expert;
-the experts run on it as one batched matmul, with no permutation on the receiver. The
-combine is the mirror image (all_to_all back, then the sender gathers each assignment's
-row and applies the router weight in float32). With `model.moe.precision = "mxfp8"` the
-dispatch payload travels as packed MXFP8 rows (`olmo_jax.model.moe.payload`) and the
-experts run their MXFP8 GEMMs; the combine travels in the compute dtype.
+`all_to_all` over `expert` delivers each rank a buffer already grouped by local expert
+(`buffer.Slots(El, ep * C)`); the MoE layer runs the experts on it (one batched matmul),
+with no permutation on the receiver. The combine is the mirror image (all_to_all back,
+then the sender gathers each assignment's row and applies the router weight in float32).
+With `model.moe.precision = "mxfp8"` the dispatch payload travels as packed MXFP8 rows
+(`olmo_jax.model.moe.payload`); the combine travels in the compute dtype.
 
-Capacity: C = ceil(capacity_factor * S * k / E) slots per (sender, expert), i.e. a rank
+Capacity: C = sizing.capacity(S, k, E, capacity_factor) = ceil(capacity_factor * S * k /
+E) slots per (sender, expert), i.e. a rank
 accepts El * C = ceil(capacity_factor * S * k / ep) rows from each sender (exactly when
 E divides capacity_factor * S * k); S is the sender's token count. capacity_factor >=
 E / k can never drop (an expert gets at most one assignment per token).
@@ -24,19 +25,17 @@ E / k can never drop (an expert gets at most one assignment per token).
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
-from olmo_jax.model.moe import dispatch, payload
-from olmo_jax.model.moe.experts import resolve_gmm_impl
-from olmo_jax.model.moe.mxfp8_experts import expert_ffns
+from olmo_jax import shapes
+from olmo_jax.model.moe import dispatch, payload, sizing
+from olmo_jax.model.moe.buffer import Dispatched, Slots
 
 
-def slots_per_expert(n_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
-    """C: receive slots per (sender, expert) for a sender with n_tokens tokens."""
-    return max(1, math.ceil(capacity_factor * n_tokens * top_k / num_experts))
+def buffer_rows(n_tokens: int, cfg, impl: str, ep: int, capacity_factor: float) -> int:
+    """Receive rows of a rank: El local experts x ep senders x C slots."""
+    return cfg.num_experts * sizing.capacity(n_tokens, cfg.top_k, cfg.num_experts, capacity_factor)
 
 
 def destination_expert(idx_Sk: jax.Array, num_experts: int, ep: int) -> jax.Array:
@@ -54,28 +53,27 @@ def rowwise_plan(idx_Sk: jax.Array, num_experts: int, ep: int, capacity: int):
     return dispatch.capacity_plan(relabelled_Sk, num_experts, capacity)
 
 
-def rowwise_dispatch(x_SD, routing, experts, cfg, dtype, *, capacity_factor: float, axis: str):
+@shapes.check("routing.*", "-> *")
+def rowwise_dispatch(x_SD, routing, cfg, impl: str, *, capacity_factor: float,
+                     axis: str) -> Dispatched:
+    """Receive buffer [El * ep * C, D], grouped by local expert: Slots(El, ep * C)."""
     ep = jax.lax.axis_size(axis)
     E, k = cfg.num_experts, cfg.top_k
     El = E // ep
     S, D = x_SD.shape
-    C = slots_per_expert(S, k, E, capacity_factor)
+    C = sizing.capacity(S, k, E, capacity_factor)
     plan = rowwise_plan(routing.idx_Sk, E, ep, C)
-    send_RD = dispatch.gather_rows(x_SD.astype(dtype), plan)  # rows [El, ep, C]
+    send_RD = dispatch.gather_rows(x_SD, plan)  # rows [El, ep, C]
 
-    def exchange(a_RX):  # [El, dest rank, C, X] -> [El, sender, C, X], any payload width X
-        return jax.lax.all_to_all(a_RX.reshape(El, ep, C, -1), axis, 1, 1).reshape(El * ep * C, -1)
+    def exchange(a_YJ):  # [El, dest rank, C, X] -> [El, sender, C, X], any payload width X
+        return jax.lax.all_to_all(a_YJ.reshape(El, ep, C, -1), axis, 1, 1).reshape(El * ep * C, -1)
 
     # The payload travels in model.moe.precision (MXFP8: 33/64 of bf16's bytes).
-    recv = payload.transfer(send_RD, exchange, cfg.precision).reshape(El, ep * C, D)
-    impl = resolve_gmm_impl(cfg.gmm_impl, dtype, cfg.precision, (D, cfg.expert_hidden))
-    ffn = expert_ffns(cfg, impl)
-    if impl in ("ragged_dot", "pallas"):  # the grouped GEMM over ep * C rows per local expert
-        sizes_J = jnp.full((El,), ep * C, jnp.int32)
-        y = ffn.ragged(recv.reshape(El * ep * C, D), sizes_J, *experts.weights(dtype))
-    else:  # einsum, tiled: one batched product over the capacity buffers
-        y = ffn.batched(recv, *experts.weights(dtype))
-    back = jax.lax.all_to_all(y.reshape(El, ep, C, D), axis, 1, 1)  # [El, expert rank, C, D]
-    y_SD = dispatch.combine_rows(back.reshape(E * C, D), plan, routing.weights_Sk)
-    return y_SD, jnp.sum(~plan.keep_Sk).astype(jnp.float32)
+    recv_RD = payload.transfer(send_RD, exchange, cfg.precision)
 
+    def combine(y_RD):
+        back = jax.lax.all_to_all(y_RD.reshape(El, ep, C, D), axis, 1, 1)  # [El, expert rank, C, D]
+        return dispatch.combine_rows(back.reshape(E * C, D), plan, routing.weights_Sk)
+
+    return Dispatched(recv_RD, Slots(El, ep * C), combine,
+                      jnp.sum(~plan.keep_Sk).astype(jnp.float32))

@@ -10,10 +10,10 @@ The pieces: schedule.py (pure tables: which op each stage runs at each tick, buf
 slots, bubble fraction), layout.py (which layers each stage runs, parameter storage and
 the per-step gather / gradient reduction over `pipe`), run.py (the executor), stash.py
 (a jax.vjp's residuals kept across ticks). `ParallelPlan` (strategy.py) holds a
-`Pipeline` when P > 1; the trainer's step then takes its gradients from
-`Pipeline.grad_fn` (M microbatches = M-step gradient accumulation on one device, the
-losses and router statistics summed exactly as there) and its evaluation from
-`Pipeline.eval_fn`.
+`Pipeline` when P > 1 (an `objective.PipelineRunner`); the trainer's step then takes its
+gradients from `Pipeline.grad_fn` (M microbatches = M-step gradient accumulation on one
+device, the losses and router statistics summed exactly as there) and its evaluation
+from `Pipeline.eval_fn`.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import dataclasses
 from jax.sharding import Mesh
 
 from olmo_jax.model.config import ConfigError, TransformerConfig
+from olmo_jax.objective import Plan
 from olmo_jax.parallel.pipeline import layout, run, schedule
 from olmo_jax.parallel.pipeline.layout import Chunking, StageLayout, chunking
 from olmo_jax.parallel.pipeline.schedule import SCHEDULES, Schedule, textbook_bubble
@@ -50,10 +51,10 @@ class Pipeline:
     def reduce(self, grads):
         return layout.reduce(grads, self.layouts, self.chunks)
 
-    def grad_fn(self, graphdef, cfg: TransformerConfig, row_shards: int, ops):
-        return run.make_grad_fn(self.schedule, self.chunks, graphdef, cfg, row_shards, ops)
+    def grad_fn(self, graphdef, cfg: TransformerConfig, ops: Plan):
+        return run.make_grad_fn(self.schedule, self.chunks, graphdef, cfg, ops)
 
-    def eval_fn(self, graphdef, cfg: TransformerConfig, ops):
+    def eval_fn(self, graphdef, cfg: TransformerConfig, ops: Plan):
         s = self.schedule
         return run.make_eval_fn(s.stages, s.virtual, s.microbatches, self.chunks, graphdef, cfg, ops)
 

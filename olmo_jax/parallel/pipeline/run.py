@@ -25,9 +25,14 @@ GPipe all M.
 
 Router statistics travel with the activations: a RouterStats buffer with a row per MoE
 block that every chunk fills in; the last chunk computes the losses from the whole buffer
-exactly as the single-device step does (`trainer.step.loss_parts`), and the cotangents
+exactly as the single-device step does (`objective.loss_parts`), and the cotangents
 of every block's statistics travel back with the activation cotangent, so load-balancing
 and z-loss gradients reach each router on the stage that owns it.
+
+The ticks are methods of one object per trace: `_Ticks` holds the scan, the tick and the
+FWD op; `_TrainTicks` (make_grad_fn) adds what a training forward keeps and the BWD op;
+`_EvalTicks` (make_eval_fn) runs the same ticks forwards only over the `forward_only`
+table (no stash), the last chunk summing cross-entropy and tokens.
 
 Gradients come back in the compute layout: the stage's [V * c] chunk rows for the MoE
 blocks, per-device partial sums for everything else (zero outside the first / last
@@ -36,6 +41,7 @@ stage); `layout.reduce` turns them into the stored placement.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -48,11 +54,12 @@ from olmo_jax.model.config import TransformerConfig
 from olmo_jax.model.moe.losses import RouterStats
 from olmo_jax.model.rope import rope_tables
 from olmo_jax.model.transformer import run_blocks
+from olmo_jax.objective import LossParts, Plan, loss_parts, total_loss
 from olmo_jax.parallel.mesh import AXES
 from olmo_jax.parallel.pipeline import schedule as sched_lib
 from olmo_jax.parallel.pipeline.layout import PIPE, STAGE_KEY, Chunking
+from olmo_jax.parallel.pipeline.schedule import COL
 from olmo_jax.parallel.pipeline.stash import SavedVJP
-from olmo_jax.trainer.step import LossParts, loss_parts, total_loss
 
 PROLOGUE_KEYS = ("embedding", "dense_blocks")  # weights stage 0 uses before chunk 0
 # model.remat = none: what a stashed VJP recomputes instead of keeping (cheap, and the
@@ -158,8 +165,8 @@ class StageProgram:
     from the step's (compute-layout) params and model state."""
 
     def __init__(self, graphdef, cfg: TransformerConfig, chunks: Chunking, params, model_state,
-                 row_shards: int, ops):
-        self.cfg, self.chunks, self.ops, self.row_shards = cfg, chunks, ops, row_shards
+                 ops: Plan):
+        self.cfg, self.chunks, self.ops = cfg, chunks, ops
         self.graphdef = graphdef
         P, c = chunks.stages, chunks.slots
         self.P, self.c, self.K = P, c, chunks.chunks
@@ -215,7 +222,7 @@ class StageProgram:
         logits_BTV = self._model(head_params).head(x_BTD)
         L = self.chunks.n_layers
         stats = jax.tree.map(lambda a: a[:L], stats)
-        parts = loss_parts(logits_BTV, targets_BT, stats, self.cfg, self.row_shards, self.ops)
+        parts = loss_parts(logits_BTV, targets_BT, stats, self.cfg, self.ops)
         return total_loss(parts, self.cfg) / microbatches, parts
 
     def layer_keys(self, key_m, v):
@@ -254,52 +261,141 @@ def _ring(P: int, step: int):
     return [(i, (i + step) % P) for i in range(P)]
 
 
-def make_grad_fn(schedule: sched_lib.Schedule, chunks: Chunking, graphdef, cfg: TransformerConfig,
-                 row_shards: int, ops):
-    """grad_fn(params, model_state, batch_BT1, rng) -> ((loss, LossParts), grads): the mean
-    over the schedule's M microbatches (rows of batch_BT1 split in M, in order), like
-    M-step gradient accumulation on one device; params / grads in the compute layout."""
-    P, M = schedule.stages, schedule.microbatches
-    table = np.asarray(schedule.table)
-    col = sched_lib.COL
+def _skip(carry, _cell):
+    """The branch of a tick's op that does not run."""
+    return carry
 
-    def grad_fn(params, model_state, batch_BT1, rng):
-        prog = StageProgram(graphdef, cfg, chunks, params, model_state, row_shards, ops)
-        K, c = prog.K, prog.c
-        micro = batch_BT1.reshape(M, -1, batch_BT1.shape[-1])
-        T = micro.shape[-1] - 1
-        cos_TH, sin_TH = rope_tables(jnp.arange(T), cfg.head_size, cfg.rope_theta)
-        keys_M = None if rng is None else jax.random.split(rng, M)
-        pro_saver, body_saver = SavedVJP(), SavedVJP()
 
-        def key_of(m):
-            return None if keys_M is None else keys_M[m]
+def _kept(state):
+    return state
 
-        # ---- the forward pieces through jax.vjp (used by the probe and the FWD branch) ----
-        def prologue_vjp(m):
-            fn = _stashable(lambda p: prog.prologue(p, micro[m, :, :-1], cos_TH, sin_TH), cfg.remat)
-            x, vjp = jax.vjp(fn, prog.prologue_params)
-            return x, pro_saver.save(vjp, prog.prologue_params)
 
-        def body_vjp(x_BTD, m, v):
-            chunk_p = prog.chunk_rows(prog.stage_params, v)
-            keys = prog.layer_keys(key_of(m), v)
-            fn = _stashable(lambda p, x: prog.body(p, x, v, cos_TH, sin_TH, keys), cfg.remat)
-            (y, stats_c), vjp = jax.vjp(fn, chunk_p, x_BTD)
-            return y, stats_c, body_saver.save(vjp, chunk_p)
+def _fields(carry, names) -> tuple:
+    return tuple(getattr(carry, n) for n in names)
 
-        # Shapes of everything a tick keeps (traced once, nothing computed), with inputs
-        # typed as in the scan, so the residuals come out exactly as there.
-        x_shape, pro_res_shape = jax.eval_shape(lambda: prologue_vjp(_stage_index()))
+
+class _Ticks:
+    """One trace of a schedule over a step's microbatches (rows of batch_BT1 split in M, in
+    order): the scan over the table's ticks, a tick (its stage's op, then the sends to the
+    neighbouring stages) and the FWD op, shared by training (_TrainTicks, which
+    adds BWD) and evaluation (_EvalTicks). The FWD op runs chunk k = v * P + s: at k = 0 the
+    prologue first (`first`), then the chunk (`chunk`), at k = K - 1 the head and loss
+    after (`head`); `first` and `head` run in conds over the carry fields FIRST / HEAD,
+    and what they keep is the subclass's."""
+
+    BACKWARD = False  # ticks run BWD ops and send cotangents back
+    FIRST: tuple[str, ...] = ()
+    HEAD: tuple[str, ...] = ()
+
+    def __init__(self, prog: StageProgram, schedule: sched_lib.Schedule, batch_BT1):
+        cfg = prog.cfg
+        self.prog, self.cfg, self.M, self.slots = prog, cfg, schedule.microbatches, schedule.slots
+        self.micro = batch_BT1.reshape(self.M, -1, batch_BT1.shape[-1])
+        T = self.micro.shape[-1] - 1
+        self.cos_TH, self.sin_TH = rope_tables(jnp.arange(T), cfg.head_size, cfg.rope_theta)
+
+    def inputs(self, m):
+        return self.micro[m, :, :-1]
+
+    def targets(self, m):
+        return self.micro[m, :, 1:]
+
+    def run(self, carry, table):
+        """The carry after every tick of `table`."""
+        carry, _ = jax.lax.scan(self.tick, carry, jnp.asarray(table))
+        return carry
+
+    def tick(self, carry, row):
+        cell = row[self.prog.s]
+        op = cell[COL["op"]]
+        with jax.named_scope("pipe_fwd"):
+            carry = jax.lax.cond(op == sched_lib.FWD, self.fwd, _skip, carry, cell)
+        if self.BACKWARD:
+            with jax.named_scope("pipe_bwd"):
+                carry = jax.lax.cond(op == sched_lib.BWD, self.bwd, _skip, carry, cell)
+        return self.send(carry, cell), None
+
+    def send(self, carry, cell):
+        """The latest forward output to stage s + 1 (and, training, the latest input
+        cotangent to stage s - 1), into the inbox slots the table names."""
+        P = self.prog.P
+        with jax.named_scope("pipe_send"):
+            arrived_f = jax.lax.ppermute(carry.out_fwd, PIPE, _ring(P, 1))
+            if self.BACKWARD:
+                arrived_b = jax.lax.ppermute(carry.out_bwd, PIPE, _ring(P, -1))
+        inboxes = {"fwd_in": _write(carry.fwd_in, _slot(cell[COL["recv_fwd"]], self.slots["fwd_in"]),
+                                    arrived_f)}
+        if self.BACKWARD:
+            inboxes["bwd_in"] = _write(carry.bwd_in, _slot(cell[COL["recv_bwd"]], self.slots["bwd_in"]),
+                                       arrived_b)
+        return carry._replace(**inboxes)
+
+    def fwd(self, carry, cell):
+        m, v = cell[COL["mb"]], cell[COL["virtual"]]
+        k = v * self.prog.P + self.prog.s
+        x_in, stats_in = _read(carry.fwd_in, cell[COL["fwd_in"]])
+        with jax.named_scope("pipe_first"):
+            first, x0, stats_in = jax.lax.cond(
+                k == 0, functools.partial(self.first, m=m, cell=cell),
+                lambda state: (state, x_in, stats_in), _fields(carry, self.FIRST))
+        y, stats_c, carry = self.chunk(carry, x0, m, v, cell)
+        stats_out = self.prog.stats_write(stats_in, stats_c, k)
+        with jax.named_scope("pipe_last"):
+            head = jax.lax.cond(
+                k == self.prog.K - 1, functools.partial(self.head, y=y, stats=stats_out, m=m, cell=cell),
+                _kept, _fields(carry, self.HEAD))
+        return carry._replace(**dict(zip(self.FIRST, first, strict=True)),
+                              **dict(zip(self.HEAD, head, strict=True)),
+                              out_fwd=_vary((y, stats_out)))
+
+
+class _TrainTicks(_Ticks):
+    """Training: FWD through `jax.vjp`, the VJPs' residuals kept in the stash / prologue
+    buffers, the head's cotangent left in bwd_in; BWD applies them (module docstring)."""
+
+    BACKWARD = True
+    FIRST = ("prologue",)
+    HEAD = ("bwd_in", "g_head", "parts")
+
+    def __init__(self, prog: StageProgram, schedule: sched_lib.Schedule, batch_BT1, rng):
+        super().__init__(prog, schedule, batch_BT1)
+        self.keys_M = None if rng is None else jax.random.split(rng, self.M)
+        self.pro_saver, self.body_saver = SavedVJP(), SavedVJP()
+
+    def key_of(self, m):
+        return None if self.keys_M is None else self.keys_M[m]
+
+    # ---- the forward pieces through jax.vjp (used by the probe and the FWD op) ----------
+    def prologue_vjp(self, m):
+        prog = self.prog
+        fn = _stashable(lambda p: prog.prologue(p, self.inputs(m), self.cos_TH, self.sin_TH),
+                        self.cfg.remat)
+        x, vjp = jax.vjp(fn, prog.prologue_params)
+        return x, self.pro_saver.save(vjp, prog.prologue_params)
+
+    def body_vjp(self, x_BTD, m, v):
+        prog = self.prog
+        chunk_p = prog.chunk_rows(prog.stage_params, v)
+        keys = prog.layer_keys(self.key_of(m), v)
+        fn = _stashable(lambda p, x: prog.body(p, x, v, self.cos_TH, self.sin_TH, keys), self.cfg.remat)
+        (y, stats_c), vjp = jax.vjp(fn, chunk_p, x_BTD)
+        return y, stats_c, self.body_saver.save(vjp, chunk_p)
+
+    def init_carry(self) -> _Carry:
+        """Zeros of everything a tick keeps. Their shapes are traced once (nothing
+        computed), with inputs typed as in the scan, so the residuals come out exactly as
+        there."""
+        prog = self.prog
+        x_shape, pro_res_shape = jax.eval_shape(lambda: self.prologue_vjp(_stage_index()))
         _, stats_c_shape, body_res_shape = jax.eval_shape(
-            lambda: body_vjp(_zeros(x_shape), _stage_index(), _stage_index()))
-        stats_shape = _stats_buffer_shape(stats_c_shape, chunks.n_layers, c)
+            lambda: self.body_vjp(_zeros(x_shape), _stage_index(), _stage_index()))
+        self.stats_shape = _stats_buffer_shape(stats_c_shape, prog.chunks.n_layers, prog.c)
         parts_shape = jax.eval_shape(
             lambda: prog.head_loss(prog.head_params, jnp.zeros(x_shape.shape, x_shape.dtype),
-                                   _zeros(stats_shape), micro[0, :, 1:], M)[1])
-        slots = schedule.slots
-        act = (x_shape, stats_shape)
-        carry = _Carry(
+                                   _zeros(self.stats_shape), self.targets(0), self.M)[1])
+        slots = self.slots
+        act = (x_shape, self.stats_shape)
+        return _Carry(
             stash=_zeros(body_res_shape, slots["stash"], axes=None),
             prologue=_zeros(pro_res_shape, slots["prologue"], axes=None),
             fwd_in=_zeros(act, slots["fwd_in"] + 1),  # + 1: the scratch slot
@@ -312,152 +408,145 @@ def make_grad_fn(schedule: sched_lib.Schedule, chunks: Chunking, graphdef, cfg: 
             parts=_zeros(parts_shape, axes=(PIPE,)),
         )
 
-        def fwd(carry: _Carry, cell):
-            m, v = cell[col["mb"]], cell[col["virtual"]]
-            k = v * P + prog.s
-            x_in, stats_in = _read(carry.fwd_in, cell[col["fwd_in"]])
+    # ---- FWD -------------------------------------------------------------------------
+    def first(self, state, m, cell):
+        (bufs,) = state
+        x0, res = self.prologue_vjp(m)
+        return (_write(bufs, cell[COL["prologue"]], res),), x0, _zeros(self.stats_shape)
 
-            def first(bufs):
-                x0, res = prologue_vjp(m)
-                return _write(bufs, cell[col["prologue"]], res), x0, _zeros(stats_shape)
+    def chunk(self, carry: _Carry, x0, m, v, cell):
+        y, stats_c, res = self.body_vjp(x0, m, v)
+        return y, stats_c, carry._replace(stash=_write(carry.stash, cell[COL["stash"]], res))
 
-            with jax.named_scope("pipe_first"):
-                pro_buf, x0, stats_in = jax.lax.cond(
-                    k == 0, first, lambda bufs: (bufs, x_in, stats_in), carry.prologue)
-            y, stats_c, res = body_vjp(x0, m, v)
-            stash = _write(carry.stash, cell[col["stash"]], res)
-            stats_out = prog.stats_write(stats_in, stats_c, k)
+    def head(self, state, y, stats, m, cell):
+        """The head and loss forward and backward at once; the cotangent into bwd_in."""
+        bwd_in, g_head, parts = state
+        prog = self.prog
+        (loss, vjp, parts_m) = jax.vjp(
+            lambda p, x, st: prog.head_loss(p, x, st, self.targets(m), self.M),
+            prog.head_params, y, stats, has_aux=True)
+        # d(step loss) / d(this microbatch's share) = 1, typed like the loss
+        g, dx, dstats = vjp(_vary(jnp.ones((), loss.dtype), _own_axes(loss)))
+        bwd_in = _write(bwd_in, cell[COL["head_out"]], (dx, dstats))
+        g_head = jax.tree.map(jnp.add, g_head, g)
+        parts = jax.tree.map(jnp.add, parts, _vary(parts_m, (PIPE,)))
+        return bwd_in, g_head, parts
 
-            def head(state):
-                bwd_in, g_head, parts = state
-                (loss, vjp, parts_m) = jax.vjp(
-                    lambda p, x, st: prog.head_loss(p, x, st, micro[m, :, 1:], M),
-                    prog.head_params, y, stats_out, has_aux=True)
-                # d(step loss) / d(this microbatch's share) = 1, typed like the loss
-                g, dx, dstats = vjp(_vary(jnp.ones((), loss.dtype), _own_axes(loss)))
-                bwd_in = _write(bwd_in, cell[col["head_out"]], (dx, dstats))
-                g_head = jax.tree.map(jnp.add, g_head, g)
-                parts = jax.tree.map(jnp.add, parts, _vary(parts_m, (PIPE,)))
-                return bwd_in, g_head, parts
+    # ---- BWD -------------------------------------------------------------------------
+    def bwd(self, carry: _Carry, cell):
+        """BWD (m, v): the chunk's VJP, rebuilt from the stash, on the inbox cotangent; its
+        weight gradients added to the chunk's rows; for k = 0 the prologue's VJP."""
+        prog, c = self.prog, self.prog.c
+        v = cell[COL["virtual"]]
+        k = v * prog.P + prog.s
+        dy, dstats_out = _read(carry.bwd_in, cell[COL["bwd_in"]])
+        chunk_p = prog.chunk_rows(prog.stage_params, v)
+        vjp = self.body_saver.restore(_read(carry.stash, cell[COL["stash"]]), chunk_p)
+        d_chunk, dx = vjp((dy, prog.stats_rows(dstats_out, k, v)))
+        g_stage = jax.tree.map(
+            lambda g, d: jax.lax.dynamic_update_slice_in_dim(
+                g, jax.lax.dynamic_slice_in_dim(g, v * c, c, 0) + d, v * c, 0),
+            carry.g_stage, d_chunk)
+        with jax.named_scope("pipe_first"):
+            g_pro = jax.lax.cond(k == 0, functools.partial(self.bwd_first, dx=dx, carry=carry, cell=cell),
+                                 _kept, carry.g_prologue)
+        return carry._replace(g_stage=g_stage, g_prologue=g_pro,
+                              out_bwd=_vary((dx, prog.stats_clear(dstats_out, k))))
 
-            with jax.named_scope("pipe_last"):
-                bwd_in, g_head, parts = jax.lax.cond(
-                    k == K - 1, head, lambda state: state,
-                    (carry.bwd_in, carry.g_head, carry.parts))
-            return carry._replace(stash=stash, prologue=pro_buf, bwd_in=bwd_in, g_head=g_head,
-                                  parts=parts, out_fwd=_vary((y, stats_out)))
+    def bwd_first(self, g_pro, dx, carry: _Carry, cell):
+        """The prologue's VJP (embedding and dense-block gradients), for chunk 0."""
+        pro_vjp = self.pro_saver.restore(_read(carry.prologue, cell[COL["prologue"]]),
+                                         self.prog.prologue_params)
+        (d_pro,) = pro_vjp(dx)
+        return jax.tree.map(jnp.add, g_pro, d_pro)
 
-        def bwd(carry: _Carry, cell):
-            v = cell[col["virtual"]]
-            k = v * P + prog.s
-            dy, dstats_out = _read(carry.bwd_in, cell[col["bwd_in"]])
-            chunk_p = prog.chunk_rows(prog.stage_params, v)
-            vjp = body_saver.restore(_read(carry.stash, cell[col["stash"]]), chunk_p)
-            d_chunk, dx = vjp((dy, prog.stats_rows(dstats_out, k, v)))
-            g_stage = jax.tree.map(
-                lambda g, d: jax.lax.dynamic_update_slice_in_dim(
-                    g, jax.lax.dynamic_slice_in_dim(g, v * c, c, 0) + d, v * c, 0),
-                carry.g_stage, d_chunk)
-
-            def first(g_pro):
-                pro_vjp = pro_saver.restore(_read(carry.prologue, cell[col["prologue"]]),
-                                            prog.prologue_params)
-                (d_pro,) = pro_vjp(dx)
-                return jax.tree.map(jnp.add, g_pro, d_pro)
-
-            with jax.named_scope("pipe_first"):
-                g_pro = jax.lax.cond(k == 0, first, lambda g: g, carry.g_prologue)
-            return carry._replace(g_stage=g_stage, g_prologue=g_pro,
-                                  out_bwd=_vary((dx, prog.stats_clear(dstats_out, k))))
-
-        def tick(carry: _Carry, row):
-            cell = row[prog.s]
-            op = cell[col["op"]]
-            with jax.named_scope("pipe_fwd"):
-                carry = jax.lax.cond(op == sched_lib.FWD, fwd, lambda cr, _: cr, carry, cell)
-            with jax.named_scope("pipe_bwd"):
-                carry = jax.lax.cond(op == sched_lib.BWD, bwd, lambda cr, _: cr, carry, cell)
-            with jax.named_scope("pipe_send"):
-                arrived_f = jax.lax.ppermute(carry.out_fwd, PIPE, _ring(P, 1))
-                arrived_b = jax.lax.ppermute(carry.out_bwd, PIPE, _ring(P, -1))
-            fwd_in = _write(carry.fwd_in, _slot(cell[col["recv_fwd"]], slots["fwd_in"]), arrived_f)
-            bwd_in = _write(carry.bwd_in, _slot(cell[col["recv_bwd"]], slots["bwd_in"]), arrived_b)
-            return carry._replace(fwd_in=fwd_in, bwd_in=bwd_in), None
-
-        carry, _ = jax.lax.scan(tick, carry, jnp.asarray(table))
+    # ---- after the last tick ---------------------------------------------------------
+    def result(self, carry: _Carry, params):
+        """((loss, LossParts), grads) of the step from the final carry."""
         parts = jax.lax.psum(carry.parts, PIPE)  # only the last stage computed losses
-        parts = parts._replace(**{f: getattr(parts, f) / M
+        parts = parts._replace(**{f: getattr(parts, f) / self.M
                                   for f in ("lb_loss", "z_loss", "lb_L", "z_L")})
-        grads = {STAGE_KEY: carry.g_stage}
-        for key in params.keys():
-            if key == STAGE_KEY:
-                continue
-            pieces = [g[key] for g in (carry.g_prologue, carry.g_head) if key in g]
-            grads[key] = pieces[0] if len(pieces) == 1 else jax.tree.map(jnp.add, *pieces)
-        # The params' own tree type (subtrees may have come back as dicts).
-        grads = jax.tree.unflatten(jax.tree.structure(params),
-                                   jax.tree.leaves(nnx.State(grads)))
-        return (total_loss(parts, cfg), parts), grads
+        return (total_loss(parts, self.cfg), parts), _grads(carry, params)
+
+
+def _grads(carry: _Carry, params):
+    """The gradients in the params' tree: the stage's chunk rows, and the prologue's and
+    head's (summed where a weight is both: tied embeddings)."""
+    grads = {STAGE_KEY: carry.g_stage}
+    for key in params.keys():
+        if key == STAGE_KEY:
+            continue
+        pieces = [g[key] for g in (carry.g_prologue, carry.g_head) if key in g]
+        grads[key] = pieces[0] if len(pieces) == 1 else jax.tree.map(jnp.add, *pieces)
+    # The params' own tree type (subtrees may have come back as dicts).
+    return jax.tree.unflatten(jax.tree.structure(params), jax.tree.leaves(nnx.State(grads)))
+
+
+class _EvalCarry(NamedTuple):
+    fwd_in: tuple  # (x [slots + 1, ...], RouterStats of [slots + 1, ...])
+    out_fwd: tuple
+    sums: tuple  # (ce_sum, n_tokens) over this stage's microbatches
+
+
+class _EvalTicks(_Ticks):
+    """Evaluation: forwards only, the last chunk summing cross-entropy and tokens."""
+
+    HEAD = ("sums",)
+
+    def prologue(self, m):
+        return self.prog.prologue(self.prog.prologue_params, self.inputs(m), self.cos_TH, self.sin_TH)
+
+    def body(self, x, v):
+        prog = self.prog
+        return prog.body(prog.chunk_rows(prog.stage_params, v), x, v, self.cos_TH, self.sin_TH, None)
+
+    def init_carry(self) -> _EvalCarry:
+        x_shape = jax.eval_shape(lambda: self.prologue(_stage_index()))
+        stats_c_shape = jax.eval_shape(lambda: self.body(_zeros(x_shape), _stage_index()))[1]
+        self.stats_shape = _stats_buffer_shape(stats_c_shape, self.prog.chunks.n_layers, self.prog.c)
+        act = (x_shape, self.stats_shape)
+        sums = (jax.ShapeDtypeStruct((), jnp.float32),) * 2
+        return _EvalCarry(_zeros(act, self.slots["fwd_in"] + 1), _zeros(act), _zeros(sums, axes=(PIPE,)))
+
+    def first(self, state, m, cell):
+        return state, self.prologue(m), _zeros(self.stats_shape)
+
+    def chunk(self, carry: _EvalCarry, x0, m, v, cell):
+        y, stats_c = self.body(x0, v)
+        return y, stats_c, carry
+
+    def head(self, state, y, stats, m, cell):
+        (sums,) = state
+        parts = self.prog.head_loss(self.prog.head_params, y, stats, self.targets(m), self.M)[1]
+        return (jax.tree.map(jnp.add, sums, _vary((parts.ce_sum, parts.n_tokens), (PIPE,))),)
+
+
+def make_grad_fn(schedule: sched_lib.Schedule, chunks: Chunking, graphdef, cfg: TransformerConfig,
+                 ops: Plan):
+    """grad_fn(params, model_state, batch_BT1, rng) -> ((loss, LossParts), grads): the mean
+    over the schedule's M microbatches (rows of batch_BT1 split in M, in order), like
+    M-step gradient accumulation on one device; params / grads in the compute layout."""
+    table = np.asarray(schedule.table)
+
+    def grad_fn(params, model_state, batch_BT1, rng):
+        prog = StageProgram(graphdef, cfg, chunks, params, model_state, ops)
+        ticks = _TrainTicks(prog, schedule, batch_BT1, rng)
+        return ticks.result(ticks.run(ticks.init_carry(), table), params)
 
     return grad_fn
 
 
 def make_eval_fn(stages: int, virtual: int, microbatches: int, chunks: Chunking, graphdef,
-                 cfg: TransformerConfig, ops):
+                 cfg: TransformerConfig, ops: Plan):
     """eval_fn(params, model_state, batch_BT1) -> (ce_sum, n_tokens): forwards only, the
     local rows split into `microbatches` when they divide (else one)."""
-    P = stages
-    col = sched_lib.COL
 
     def eval_fn(params, model_state, batch_BT1):
         rows = batch_BT1.shape[0]
         M = microbatches if rows % microbatches == 0 else 1
-        schedule = sched_lib.forward_only(P, virtual, M)
-        prog = StageProgram(graphdef, cfg, chunks, params, model_state, 1, ops)
-        K, c = prog.K, prog.c
-        micro = batch_BT1.reshape(M, -1, batch_BT1.shape[-1])
-        T = micro.shape[-1] - 1
-        cos_TH, sin_TH = rope_tables(jnp.arange(T), cfg.head_size, cfg.rope_theta)
-
-        def prologue(m):
-            return prog.prologue(prog.prologue_params, micro[m, :, :-1], cos_TH, sin_TH)
-
-        def body(x, v):
-            return prog.body(prog.chunk_rows(prog.stage_params, v), x, v, cos_TH, sin_TH, None)
-
-        x_shape = jax.eval_shape(lambda: prologue(_stage_index()))
-        stats_c_shape = jax.eval_shape(lambda: body(_zeros(x_shape), _stage_index()))[1]
-        act = (x_shape, _stats_buffer_shape(stats_c_shape, chunks.n_layers, c))
-        n_in = schedule.slots["fwd_in"]
-        carry0 = (_zeros(act, n_in + 1), _zeros(act), _zeros((jax.ShapeDtypeStruct((), jnp.float32),) * 2,
-                                                              axes=(PIPE,)))
-
-        def fwd(carry, cell):
-            fwd_in, _, sums = carry
-            m, v = cell[col["mb"]], cell[col["virtual"]]
-            k = v * P + prog.s
-            x_in, stats_in = _read(fwd_in, cell[col["fwd_in"]])
-            x0, stats_in = jax.lax.cond(k == 0, lambda: (prologue(m), _zeros(act[1])),
-                                        lambda: (x_in, stats_in))
-            y, stats_c = body(x0, v)
-            stats_out = prog.stats_write(stats_in, stats_c, k)
-
-            def head(sums):
-                parts = prog.head_loss(prog.head_params, y, stats_out, micro[m, :, 1:], M)[1]
-                return jax.tree.map(jnp.add, sums, _vary((parts.ce_sum, parts.n_tokens), (PIPE,)))
-
-            sums = jax.lax.cond(k == K - 1, head, lambda s: s, sums)
-            return fwd_in, _vary((y, stats_out)), sums
-
-        def tick(carry, row):
-            cell = row[prog.s]
-            carry = jax.lax.cond(cell[col["op"]] == sched_lib.FWD, fwd, lambda cr, _: cr, carry, cell)
-            fwd_in, out, sums = carry
-            arrived = jax.lax.ppermute(out, PIPE, _ring(P, 1))
-            fwd_in = _write(fwd_in, _slot(cell[col["recv_fwd"]], n_in), arrived)
-            return (fwd_in, out, sums), None
-
-        (_, _, sums), _ = jax.lax.scan(tick, carry0, jnp.asarray(schedule.table))
-        return jax.lax.psum(sums, PIPE)
+        schedule = sched_lib.forward_only(stages, virtual, M)
+        prog = StageProgram(graphdef, cfg, chunks, params, model_state, ops)
+        ticks = _EvalTicks(prog, schedule, batch_BT1)
+        return jax.lax.psum(ticks.run(ticks.init_carry(), schedule.table).sums, PIPE)
 
     return eval_fn

@@ -1,4 +1,7 @@
-"""Checkpoints inside a training run (what `olmo_jax/trainer/loop.py` calls).
+"""Checkpoints inside a training run (what `olmo_jax/trainer/loop.py` calls): when the run
+saves, what it resumes from and what it checks first. The storage itself (orbax, the
+folder layout, the saved config) is olmo_jax/checkpoint's, which knows nothing of the
+trainer.
 
 - Start: a run_dir that already holds checkpoints continues from the latest COMPLETE one
   (`trainer.resume`, default on): params, optimizer state, step, RNG, data position, all

@@ -399,9 +399,13 @@ def collectives(program) -> list[Collective]:
         if kind not in KINDS or op.endswith("-done"):
             continue
         size, shapes = _shape_bytes(ins.type_str)
-        started = op.endswith("-start") and kind in ("all-gather", "collective-permute")
-        if started and len(shapes) > 1:  # an (operand, result) tuple: count the result
-            size, shapes = _shape_bytes(shapes[-1])
+        parts = tuple_elements(ins.type_str)
+        if op.endswith("-start") and len(parts) > 1 and (
+                parts[0].startswith("(") or kind in ("all-gather", "collective-permute")):
+            # An async start's ((operands), results[, context]) (XLA:GPU: every kind, one
+            # array or a tuple of them for a combined collective), or an older (operand,
+            # result, ...) all-gather / collective-permute: count the results.
+            size, shapes = _shape_bytes(parts[1])
         group, axes = _group(ins.args, module.num_partitions)
         if kind == "reduce-scatter":
             size *= group

@@ -1,4 +1,4 @@
-"""The loss over OLMo-core instance rows (data/labels.py): the unlabelled last position adds
+"""The loss over OLMo-core instance rows (olmo_jax/labels.py): the unlabelled last position adds
 nothing and is not counted; a row the repetition filter dropped adds nothing but its
 seq_len - 1 labels are counted, as in OLMo-core's train module."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from olmo_jax.data.labels import FILTERED, NO_LABEL
-from olmo_jax.trainer.step import cross_entropy_sum, labelled
+from olmo_jax.labels import FILTERED, NO_LABEL
+from olmo_jax.objective import cross_entropy_sum, labelled
 
 
 def reference_ce(logits_BTV: np.ndarray, targets_BT: np.ndarray, dropped_B: np.ndarray):

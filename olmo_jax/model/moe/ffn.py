@@ -1,0 +1,94 @@
+"""The routed experts' SwiGLU over a dispatched buffer: the one place that chooses the
+expert FFN from the buffer's group layout (olmo_jax/model/moe/buffer.py), the resolved
+gmm_impl and model.moe.precision.
+
+  Slots  ragged_dot, pallas: the grouped GEMM with every group `capacity` rows;
+         einsum, tiled: one batched product over the [G, C, D] capacity buffers
+  Runs   einsum: the blocked batched matmul (runs padded to blocks, each block's owner
+         from the run sizes); tiled: the per-expert GEMM loop (runs padded to 8 rows);
+         ragged_dot, pallas: the grouped GEMM over the runs
+bf16 FFNs: olmo_jax/model/moe/experts.py and tiled.py; MXFP8: mxfp8_experts.py.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from olmo_jax import shapes
+from olmo_jax.model import mxfp8
+from olmo_jax.model.config import MoEConfig
+from olmo_jax.model.moe import dispatch, experts, mxfp8_experts, tiled
+from olmo_jax.model.moe.buffer import GroupLayout, Runs, Slots
+
+GROUPED_GEMMS = ("ragged_dot", "pallas")
+
+
+class ExpertFFNs(NamedTuple):
+    """The expert feed-forward per layout, with experts.ffn_* signatures."""
+
+    ragged: object  # (x_RD, group_sizes_E, w_gate, w_up, w_down) -> y_RD
+    batched: object  # (x_ECD, w_gate_EDF, w_up_EDF, w_down_EFD) -> y_ECD
+    blocked: object  # (x_RD, block_expert_U, w_gate, w_up, w_down) -> y_RD
+    tiled: object  # (x_RD, group_sizes_E, w_gate, w_up, w_down) -> y_RD, padded layout
+
+
+def expert_ffns(cfg: MoEConfig, impl: str) -> ExpertFFNs:
+    """The expert FFNs for cfg.precision; `impl` (resolved gmm_impl) picks the ragged
+    product: jax.lax.ragged_dot, or the Pallas grouped matmul for "pallas"."""
+    if cfg.precision == "bf16":
+        if impl == "pallas":
+            from olmo_jax.kernels.grouped_matmul import grouped_matmul
+
+            ragged = functools.partial(experts.ffn_ragged, gmm=grouped_matmul)
+        else:
+            ragged = experts.ffn_ragged
+        return ExpertFFNs(ragged, experts.ffn_batched, experts.ffn_blocked, tiled.ffn_tiled)
+    rounding, qw = "rceil", cfg.mxfp8_wgrad
+    grouped = mxfp8.Pallas if impl == "pallas" else mxfp8.Ragged
+
+    def ragged_mx(x_RD, group_sizes_E, w_gate, w_up, w_down):
+        layout = grouped(group_sizes_E.astype(jnp.int32))
+        return mxfp8_experts.swiglu(x_RD, w_gate, w_up, w_down, layout, rounding, qw)
+
+    def batched_mx(x_ECD, w_gate, w_up, w_down):
+        return mxfp8_experts.swiglu(x_ECD, w_gate, w_up, w_down, mxfp8.Batched(), rounding, qw)
+
+    def blocked_mx(x_RD, block_expert_U, w_gate, w_up, w_down):
+        R, D = x_RD.shape
+        nb = block_expert_U.shape[0]
+        x_UbD = x_RD.reshape(nb, R // nb, D)
+        y = mxfp8_experts.swiglu(x_UbD, w_gate, w_up, w_down, mxfp8.Blocked(block_expert_U),
+                                 rounding, qw)
+        return y.reshape(R, D)
+
+    def tiled_mx(*args):
+        raise ValueError("model.moe.gmm_impl=tiled has no MXFP8 version: use gmm_impl=auto or einsum")
+
+    return ExpertFFNs(ragged_mx, batched_mx, blocked_mx, tiled_mx)
+
+
+@shapes.check("-> R D")
+def expert_ffn(x_RD: jax.Array, layout: GroupLayout, weights, cfg: MoEConfig,
+               impl: str) -> jax.Array:
+    """y_RD: every group's SwiGLU over its rows; `weights` (w_gate, w_up, w_down) hold
+    one expert per group, in the compute dtype."""
+    ffn = expert_ffns(cfg, impl)
+    if isinstance(layout, Slots):
+        G, C = layout.groups, layout.capacity
+        if impl in GROUPED_GEMMS:
+            return ffn.ragged(x_RD, jnp.full((G,), C, jnp.int32), *weights)
+        return ffn.batched(x_RD.reshape(G, C, -1), *weights).reshape(G * C, -1)
+    if not isinstance(layout, Runs):
+        raise TypeError(f"expert_ffn: unknown group layout {type(layout).__name__}")
+    if impl == "einsum":
+        owner_U = dispatch.block_owners(layout.sizes_E, x_RD.shape[0], layout.multiple)
+        return ffn.blocked(x_RD, owner_U, *weights)
+    if impl == "tiled":  # runs only the rows of the runs, however large the buffer
+        return ffn.tiled(x_RD, layout.sizes_E, *weights)
+    if impl in GROUPED_GEMMS:
+        return ffn.ragged(x_RD, layout.sizes_E, *weights)
+    raise ValueError(f"unknown gmm_impl {impl!r}")

@@ -1,0 +1,222 @@
+"""The training objective: the loss of a (micro)batch, as parts that sum over the devices
+the batch is split across, and the interface of the parallel plan it runs under.
+
+    parts = forward_losses(graphdef, params, model_state, batch_BT1, cfg, rng, plan)
+    loss = total_loss(parts, cfg)     # CE mean + lb_loss_coef * LB + z_loss_coef * z
+
+`LossParts` holds sums (cross-entropy, tokens) and the router losses and counts of every
+MoE layer, so microbatches and pipeline stages add them up and the step divides once.
+`plan.allsum` / `plan.allgather` sum / stack over the devices holding other parts of the
+batch, so every loss is the one a single device computes on the whole batch; with
+`model.moe.lb_granularity = local` each device's load-balancing loss comes from its own
+tokens and the losses are averaged. Per-shard expert counts (`counts_LGE`, one row per
+device's batch slice) feed the local imbalance metrics.
+
+The plan, as the objective and the train / eval steps (trainer/step.py) see it, is a
+`typing.Protocol`: `BatchReduction` (what the objective needs) and `Plan` (what the
+steps need besides: parameter use, the shard_map wrappers, the optimizer's extra
+arguments, and `pipeline`, None when unpipelined). `olmo_jax.parallel.strategy.
+ParallelPlan` satisfies `Plan` on a mesh, `SingleDevice` without one. This module sits
+below parallel/ and trainer/ (docs/ARCHITECTURE.md): both import it, it imports neither.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from olmo_jax.labels import FILTERED
+from olmo_jax.model import TransformerConfig
+from olmo_jax.model.moe.losses import (
+    RouterStats,
+    load_balancing_loss,
+    load_balancing_per_layer,
+    z_loss_per_layer,
+)
+
+
+class LossParts(NamedTuple):
+    ce_sum: jax.Array  # summed token cross-entropy over the labelled targets
+    n_tokens: jax.Array  # labels counted in the denominator (olmo_jax/labels.py)
+    lb_loss: jax.Array
+    z_loss: jax.Array
+    lb_L: jax.Array  # per MoE layer: OLMo-core LB loss (at the configured granularity)
+    z_L: jax.Array  # per MoE layer: z-loss
+    counts_LGE: jax.Array  # routed assignments per MoE layer, batch shard and expert
+    dropped_L: jax.Array  # per MoE layer: assignments dropped at capacity
+    lm_z_sum: jax.Array  # summed logsumexp(logits)^2 over the labelled tokens (LM z-loss)
+
+    @property
+    def counts_LE(self) -> jax.Array:
+        return jnp.sum(self.counts_LGE, axis=1)
+
+
+# ---- the parallel plan, as the objective and the steps see it ------------------------------
+@runtime_checkable
+class BatchReduction(Protocol):
+    """Reductions over the devices holding the parts of one batch (inside the step's
+    shard_map on a mesh; identities on one device)."""
+
+    def allsum(self, tree):
+        """The tree summed over the batch's devices (replicated)."""
+        ...
+
+    def allgather(self, x: jax.Array) -> jax.Array:
+        """x stacked over the batch's devices, in batch order: [devices, ...]."""
+        ...
+
+
+@runtime_checkable
+class PipelineRunner(Protocol):
+    """What the steps use of a pipeline (olmo_jax.parallel.pipeline.Pipeline)."""
+
+    @property
+    def bubble(self) -> float: ...
+
+    def grad_fn(self, graphdef, cfg: TransformerConfig, ops: Plan) -> Callable: ...
+
+    def eval_fn(self, graphdef, cfg: TransformerConfig, ops: Plan) -> Callable: ...
+
+
+@runtime_checkable
+class Plan(BatchReduction, Protocol):
+    """A run's parallel plan as the train / eval steps see it."""
+
+    @property
+    def pipeline(self) -> PipelineRunner | None:
+        """The pipeline over `pipe` the gradients and evaluation run through; None when the
+        run is not pipelined."""
+        ...
+
+    def use_params(self, params):
+        """The parameters as one microbatch's loss uses them (FSDP gathers here)."""
+        ...
+
+    def shard_grads(self, grads_and_parts: Callable) -> Callable:
+        """grads_and_parts(params, model_state, batch, rng) written for one device -> the same
+        over the stored (global) arrays."""
+        ...
+
+    def shard_eval(self, eval_step: Callable) -> Callable:
+        """eval_step(params, model_state, batch) for one device -> the same over the mesh."""
+        ...
+
+    def optimizer_args(self) -> dict[str, Any]:
+        """Extra arguments of the optimizer's update (Muon's orthogonalize on a mesh)."""
+        ...
+
+
+class SingleDevice:
+    """The Plan of a batch on one device: no collectives, no pipeline, no wrappers."""
+
+    pipeline = None
+
+    def allsum(self, tree):
+        return tree
+
+    def allgather(self, x):
+        return x[None]
+
+    def use_params(self, params):
+        return params
+
+    def shard_grads(self, grads_and_parts):
+        return grads_and_parts
+
+    def shard_eval(self, eval_step):
+        return eval_step
+
+    def optimizer_args(self) -> dict[str, Any]:
+        return {}
+
+
+SINGLE_DEVICE = SingleDevice()
+
+
+# ---- the losses ------------------------------------------------------------------------------
+def labelled(targets_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(loss_BT, counted_BT) masks of a batch's targets (olmo_jax/labels.py): a target is
+    counted in the loss's denominator when it is a token id, and adds to the loss unless its
+    row ends in FILTERED (an instance the repetition filter dropped, counted as OLMo-core
+    does)."""
+    counted_BT = targets_BT >= 0
+    return counted_BT & (targets_BT[:, -1:] != FILTERED), counted_BT
+
+
+def cross_entropy_sums(logits_BTV: jax.Array, targets_BT: jax.Array
+                       ) -> tuple[jax.Array, jax.Array]:
+    """(summed cross-entropy, summed logsumexp^2) over the labelled targets."""
+    logits_BTV = logits_BTV.astype(jnp.float32)
+    loss_BT, _ = labelled(targets_BT)
+    lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
+    target_logit_BT = jnp.take_along_axis(
+        logits_BTV, jnp.maximum(targets_BT, 0)[..., None], axis=-1)[..., 0]
+    return (jnp.sum(jnp.where(loss_BT, lse_BT - target_logit_BT, 0.0)),
+            jnp.sum(jnp.where(loss_BT, jnp.square(lse_BT), 0.0)))
+
+
+def cross_entropy_sum(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
+    return cross_entropy_sums(logits_BTV, targets_BT)[0]
+
+
+def forward_losses(graphdef, params, model_state, batch_BT1, cfg: TransformerConfig,
+                   rng=None, parallel: BatchReduction = SINGLE_DEVICE) -> LossParts:
+    """LossParts of token windows `batch_BT1` (inputs [:, :-1], targets [:, 1:]). `rng`: a
+    key in training (router jitter, random routing)."""
+    model = nnx.merge(graphdef, params, model_state)
+    inputs_BT, targets_BT = batch_BT1[:, :-1], batch_BT1[:, 1:]
+    out = model(inputs_BT, rng=rng)
+    return loss_parts(out.logits_BTV, targets_BT, out.router_stats, cfg, parallel)
+
+
+def loss_parts(logits_BTV, targets_BT, stats: RouterStats | None, cfg: TransformerConfig,
+               parallel: BatchReduction = SINGLE_DEVICE) -> LossParts:
+    """LossParts of one (micro)batch from the model's logits and stacked RouterStats
+    (the pipeline's last stage calls this with the statistics of every stage)."""
+    ce_sum, lm_z_sum = parallel.allsum(cross_entropy_sums(logits_BTV, targets_BT))
+    n = parallel.allsum(jnp.sum(labelled(targets_BT)[1], dtype=jnp.float32))
+    return LossParts(ce_sum, n, lm_z_sum=lm_z_sum, **routing_parts(stats, cfg, parallel))
+
+
+def routing_parts(stats: RouterStats | None, cfg: TransformerConfig,
+                  parallel: BatchReduction = SINGLE_DEVICE) -> dict:
+    """The routing fields of LossParts from the model's stacked (local) RouterStats.
+
+    Shards are the devices' batch slices. The summed stats (`allsum`, tokens_per_row
+    included) describe the whole batch, so row-summed quantities from them are global."""
+    m = cfg.moe
+    if stats is None:
+        zero, none = jnp.zeros((), jnp.float32), jnp.zeros((0,), jnp.float32)
+        return dict(lb_loss=zero, z_loss=zero, lb_L=none, z_L=none, dropped_L=none,
+                    counts_LGE=jnp.zeros((0, 1, m.num_experts), jnp.float32))
+    global_stats = parallel.allsum(stats)
+    if m.lb_granularity == "local":  # each shard's loss from its own counts, averaged
+        devices = parallel.allsum(jnp.ones((), jnp.float32))
+        lb = parallel.allsum(load_balancing_loss(stats, m.top_k, m.lb_loss_type)) / devices
+        lb_L = parallel.allsum(load_balancing_per_layer(stats, m.top_k)) / devices
+    else:
+        lb = load_balancing_loss(global_stats, m.top_k, m.lb_loss_type)
+        lb_L = load_balancing_per_layer(global_stats, m.top_k)
+    z_L = z_loss_per_layer(global_stats)
+    counts_GLE = parallel.allgather(stats.counts_E)
+    return dict(
+        lb_loss=lb,
+        z_loss=jnp.sum(z_L),
+        lb_L=lb_L,
+        z_L=z_L,
+        counts_LGE=jnp.swapaxes(counts_GLE, 0, 1),
+        dropped_L=global_stats.dropped,
+    )
+
+
+def total_loss(parts: LossParts, cfg: TransformerConfig) -> jax.Array:
+    return (
+        parts.ce_sum / parts.n_tokens
+        + cfg.lm_z_loss_coef * parts.lm_z_sum / parts.n_tokens
+        + cfg.moe.lb_loss_coef * parts.lb_loss
+        + cfg.moe.z_loss_coef * parts.z_loss
+    )

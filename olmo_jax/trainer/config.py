@@ -1,0 +1,96 @@
+"""The run config's `trainer` section as typed dataclasses (olmo_jax/config.py generates
+the ConfigDict from them): steps and batch, logging and metric sinks, sampling,
+checkpoints, reliability. Each choice list is imported from the module that implements it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from olmo_jax.errors import ConfigError, check_choice
+from olmo_jax.trainer.guard import POLICIES
+from olmo_jax.trainer.profiler import profile_window
+from olmo_jax.trainer.sinks import WANDB_MODES, loggers
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    mode: str = "offline"  # sinks.WANDB_MODES: online | offline (no network; `wandb sync` later) | disabled
+    project: str = "olmo_jax"
+    entity: str = ""  # "" = the W&B default
+    name: str = ""  # "" = the run_dir's folder name
+    group: str = ""
+    tags: str = ""  # comma-separated
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    max_steps: int = 100
+    seed: int = 0
+    run_dir: str = "runs/default"
+    cache_dir: str = ".cache/olmo_jax"
+    global_batch_size: int = 32
+    seq_len: int = 256
+    grad_accum: int = 1  # microbatches accumulated per step
+    log_every: int = 10
+    eval_every: int = 50  # 0 = only at the end
+    eval_batches: int = 4
+    expert_counts_every: int = 0  # > 0: per-expert counts to {run_dir}/expert_counts.jsonl
+    # Metric sinks (olmo_jax/trainer/sinks.py), comma-separated: jsonl (always) | tensorboard | wandb
+    loggers: str = "jsonl"
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    profile_steps: str = ""  # "START:END": jax.profiler trace of steps [START, END) into {run_dir}/profile
+    sample_prompt: str = "import os\nimport sys\n\n\ndef "
+    sample_tokens: int = 120
+    sample_temperature: float = 0.6  # 0 = greedy
+    # Checkpoints (olmo_jax/checkpoint): {run_dir}/checkpoints, saved asynchronously.
+    save_every: int = 100  # save every N steps (0 = only at the end / at hard_stop)
+    keep_last: int = 3  # keep the N most recent checkpoints (0 = keep all)
+    keep_every: int = 0  # also keep every checkpoint whose step is a multiple of K forever (0 = off)
+    resume: bool = True  # continue from the latest complete checkpoint in run_dir, if any
+    # A checkpoint (e.g. from `python -m olmo_jax.convert hf-to-orbax`) whose weights start a
+    # fresh run (new optimizer state, step 0).
+    init_from: str = ""
+    hard_stop: int = 0  # stop (with a checkpoint) after this step, before max_steps (0 = off)
+    overwrite: bool = False  # accept a config that differs from the one run_dir already holds
+    # Reliability (olmo_jax/trainer/guard.py, preflight.py; olmo_jax/distributed).
+    nan_policy: str = "skip"  # guard.POLICIES: skip | halt: a step with a non-finite loss or grad norm
+    max_skipped: int = 10  # halt after this many skipped steps in a row (0 = never)
+    spike_sigma: float = 0.0  # skip steps whose loss / grad norm is this many std above the mean (0 = off)
+    spike_window: int = 128  # ... of the last N steps
+    memory_limit_gb: float = 0.0  # per device; 0 = the device's memory (CPU: RAM / local devices); < 0 = no check
+    peer_timeout_s: float = 60.0  # multi-process: a process silent this long is lost; the others exit
+
+    def validate(self, prefix: str = "trainer") -> TrainerConfig:
+        check_choice(f"{prefix}.nan_policy", self.nan_policy, POLICIES)
+        check_choice(f"{prefix}.wandb.mode", self.wandb.mode, WANDB_MODES)
+        for name in ("max_steps", "global_batch_size", "seq_len", "grad_accum", "log_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{prefix}.{name} must be >= 1, got {getattr(self, name)}")
+        if self.expert_counts_every < 0:
+            raise ConfigError(
+                f"{prefix}.expert_counts_every must be >= 0 (0 = off), got {self.expert_counts_every}"
+            )
+        if self.global_batch_size % self.grad_accum:
+            raise ConfigError(
+                f"{prefix}.grad_accum={self.grad_accum} must divide {prefix}.global_batch_size="
+                f"{self.global_batch_size}"
+            )
+        for name in ("save_every", "keep_last", "keep_every", "hard_stop"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{prefix}.{name} must be >= 0 (0 = off), got {getattr(self, name)}")
+        if self.hard_stop and self.hard_stop >= self.max_steps:
+            raise ConfigError(
+                f"{prefix}.hard_stop={self.hard_stop} must be below {prefix}.max_steps={self.max_steps} "
+                "(or 0 = run to max_steps)"
+            )
+        if self.max_skipped < 0:
+            raise ConfigError(f"{prefix}.max_skipped must be >= 0 (0 = never halt), got {self.max_skipped}")
+        if self.spike_sigma < 0:
+            raise ConfigError(f"{prefix}.spike_sigma must be >= 0 (0 = off), got {self.spike_sigma}")
+        if self.spike_window < 2:
+            raise ConfigError(f"{prefix}.spike_window must be >= 2, got {self.spike_window}")
+        if self.peer_timeout_s <= 0:
+            raise ConfigError(f"{prefix}.peer_timeout_s must be > 0, got {self.peer_timeout_s}")
+        loggers(self.loggers)
+        profile_window(self.profile_steps)
+        return self

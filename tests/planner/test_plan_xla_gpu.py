@@ -1,0 +1,94 @@
+"""The planner on XLA:GPU: a small bf16 config planned for 4 abstract H200s through
+`planner.cli.run` from this (CPU-only) interpreter, which runs the planner in the GPU
+compile venv (planner/xla_gpu.py; skipped, saying so, where none exists: `make test`
+builds .venv-gpu first). The plan is XLA:GPU's: cuDNN fused attention, whose FLOPs are
+the causal triangle x 7 score GEMMs (2 forward, 5 in the flash backward) against the
+formula's 6; every parameter matmul exactly the formula's (XLA:GPU's GEMM fusions walked);
+the routed experts' batched GEMMs the rowwise capacity padding over it; memory from
+XLA:GPU's buffer assignment; the all-to-all bytes the dispatch formula's at bf16 (the GPU
+sends what the program asks); matmuls and links priced at the stated efficiencies. The
+fallback and its label are checked without a compile."""
+
+import pytest
+
+from olmo_jax.config import default_config
+from olmo_jax.model.config import ConfigError
+from olmo_jax.model.moe import sizing
+from olmo_jax.planner import cli, hardware, xla_gpu
+
+BATCH, SEQ = 8, 64
+EXPERTS, D = 8, 64
+
+NO_XLA_GPU = (f"no XLA:GPU compile venv ({xla_gpu.ROOT / '.venv-gpu'}; `make gpu-venv` or "
+              f"${xla_gpu.GPU_PYTHON_ENV}): the planner falls back to XLA:CPU here")
+
+
+def small_config():
+    c = default_config()
+    m = c.model
+    m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.n_kv_heads = 128, D, 2, 4, 2
+    m.n_dense_layers, m.dense_hidden, m.dtype = 1, 128, "bfloat16"
+    m.moe.num_experts, m.moe.top_k, m.moe.expert_hidden = EXPERTS, 2, 64
+    m.moe.gmm_impl = "einsum"  # batched GEMMs over the capacity groups (ragged_dot: notes)
+    c.parallel.expert, c.parallel.dispatch = 4, "rowwise"
+    c.trainer.global_batch_size, c.trainer.seq_len = BATCH, SEQ
+    return c
+
+
+@pytest.fixture(scope="module")
+def out():
+    if xla_gpu.gpu_python() is None and not xla_gpu.has_cuda_plugin():
+        pytest.skip(NO_XLA_GPU)
+    return cli.run(small_config(), 4, "h200", False, "small")
+
+
+def test_the_plan_is_xla_gpus(out):
+    text, plan = out["text"], out["json"]["plan"]
+    print(text)
+    assert "compiled by XLA:GPU for 4 abstract H200 GPUs" in text and "FALLBACK" not in text
+    assert plan["compiler"] == "XLA:GPU" and plan["attention_impl"] == "cudnn"
+    assert plan["matmul_efficiency"] == pytest.approx(hardware.MATMUL_EFFICIENCY)
+    assert plan["link_efficiency"] == hardware.LINK_EFFICIENCY
+    assert "at 79.2% of peak" in text and "80% of the link bandwidth" in text
+
+
+def test_flops_match_the_formula_term_by_term(out):
+    plan = out["json"]["plan"]
+    f, h = plan["flops_per_token_formula"], plan["flops_per_token_hlo"]
+    for term in ("attention_proj", "router", "dense_mlp", "lm_head"):
+        assert h[term] == pytest.approx(f[term], rel=1e-6), term
+    assert h["attention_scores"] / f["attention_scores"] == pytest.approx(7 / 6, rel=1e-6)
+    assert h["routed_experts"] / f["routed_experts"] == pytest.approx(plan["buffer_factor"],
+                                                                      rel=1e-6)
+    assert plan["matmul_ratio"] == pytest.approx(1, rel=1e-6) and h["other"] == 0
+
+
+def test_memory_is_xla_gpus_buffer_assignment(out):
+    plan = out["json"]["plan"]
+    assert sum(plan["argument_parts"].values()) == plan["argument_bytes"]
+    assert plan["peak_bytes"] >= plan["temp_bytes"] > 0
+    assert plan["peak_bytes_counted"] == plan["peak_bytes"] and plan["scores_bytes"] == 0
+    labels = [g["label"] for g in plan["peak"]]
+    assert "argument: params" in labels and "argument: opt_state" in labels
+    assert "other" not in labels  # every live value found by name in XLA:GPU's module
+
+
+def test_all_to_all_bytes_match_the_dispatch_formula_at_bf16(out):
+    plan = out["json"]["plan"]
+    rows = [r for r in plan["collectives"] if r["kind"] == "all-to-all"]
+    assert {r["purpose"] for r in rows} == {"moe_rowwise"}
+    tokens = BATCH // 4 * SEQ
+    send = EXPERTS * sizing.capacity(tokens, 2, EXPERTS, 1.25) * D * 2  # bf16
+    assert sum(r["jax_bytes_per_device"] for r in rows) == 4 * 1 * send  # 1 MoE layer
+    assert all(r["bytes_per_device"] == r["jax_bytes_per_device"] for r in rows)
+    assert plan["link_s"]["network"] == 0 and plan["link_s"]["nvlink"] > 0
+
+
+def test_without_xla_gpu_the_cpu_fallback_is_labelled(monkeypatch):
+    monkeypatch.setattr(xla_gpu, "has_cuda_plugin", lambda: False)
+    monkeypatch.setattr(xla_gpu, "gpu_python", lambda: None)
+    where = xla_gpu.where("b300")
+    assert where.how == "cpu" and "XLA:CPU FALLBACK" in where.note and "make gpu-venv" in where.note
+    assert xla_gpu.where("cpu").how == "cpu" and not xla_gpu.where("cpu").note
+    with pytest.raises(ConfigError, match="--compiler=xla_gpu: no XLA:GPU here"):
+        cli.run(small_config(), 4, "b300", False, compiler="xla_gpu")
