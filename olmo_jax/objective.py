@@ -179,7 +179,17 @@ def loss_parts(logits_BTV, targets_BT, stats: RouterStats | None, cfg: Transform
     (the pipeline's last stage calls this with the statistics of every stage)."""
     ce_sum, lm_z_sum = parallel.allsum(cross_entropy_sums(logits_BTV, targets_BT))
     n = parallel.allsum(jnp.sum(labelled(targets_BT)[1], dtype=jnp.float32))
-    return LossParts(ce_sum, n, lm_z_sum=lm_z_sum, **routing_parts(stats, cfg, parallel))
+    routing = routing_parts(stats, cfg, parallel)
+    # The router losses are per-token means. OLMo-core divides them, like the LM loss, by the
+    # label count (its train module's loss_div_factor) rather than the routed token count:
+    # with OLMo-core instances (one unlabelled position each) that is T / (T - 1) more. (With
+    # every position labelled the factor is exactly 1; Hugging Face's pooled LB loss is a
+    # plain mean over the routed tokens and keeps it.)
+    positions = parallel.allsum(jnp.asarray(targets_BT.size, jnp.float32))
+    per_label = positions / n
+    scaled = ["z_loss", "z_L", "lb_L"] + (["lb_loss"] if cfg.moe.lb_loss_type == "per_layer" else [])
+    routing.update({f: routing[f] * per_label for f in scaled})
+    return LossParts(ce_sum, n, lm_z_sum=lm_z_sum, **routing)
 
 
 def routing_parts(stats: RouterStats | None, cfg: TransformerConfig,
