@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from olmo_jax.labels import FILTERED
 from olmo_jax.model import TransformerConfig
 from olmo_jax.model.moe.losses import (
     RouterStats,
@@ -39,14 +40,15 @@ from olmo_jax.model.moe.losses import (
 
 
 class LossParts(NamedTuple):
-    ce_sum: jax.Array  # summed token cross-entropy
-    n_tokens: jax.Array
+    ce_sum: jax.Array  # summed token cross-entropy over the labelled targets
+    n_tokens: jax.Array  # labels counted in the denominator (olmo_jax/labels.py)
     lb_loss: jax.Array
     z_loss: jax.Array
     lb_L: jax.Array  # per MoE layer: OLMo-core LB loss (at the configured granularity)
     z_L: jax.Array  # per MoE layer: z-loss
     counts_LGE: jax.Array  # routed assignments per MoE layer, batch shard and expert
     dropped_L: jax.Array  # per MoE layer: assignments dropped at capacity
+    lm_z_sum: jax.Array  # summed logsumexp(logits)^2 over the labelled tokens (LM z-loss)
 
     @property
     def counts_LE(self) -> jax.Array:
@@ -136,11 +138,29 @@ SINGLE_DEVICE = SingleDevice()
 
 
 # ---- the losses ------------------------------------------------------------------------------
-def cross_entropy_sum(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
+def labelled(targets_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(loss_BT, counted_BT) masks of a batch's targets (olmo_jax/labels.py): a target is
+    counted in the loss's denominator when it is a token id, and adds to the loss unless its
+    row ends in FILTERED (an instance the repetition filter dropped, counted as OLMo-core
+    does)."""
+    counted_BT = targets_BT >= 0
+    return counted_BT & (targets_BT[:, -1:] != FILTERED), counted_BT
+
+
+def cross_entropy_sums(logits_BTV: jax.Array, targets_BT: jax.Array
+                       ) -> tuple[jax.Array, jax.Array]:
+    """(summed cross-entropy, summed logsumexp^2) over the labelled targets."""
     logits_BTV = logits_BTV.astype(jnp.float32)
+    loss_BT, _ = labelled(targets_BT)
     lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
-    target_logit_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
-    return jnp.sum(lse_BT - target_logit_BT)
+    target_logit_BT = jnp.take_along_axis(
+        logits_BTV, jnp.maximum(targets_BT, 0)[..., None], axis=-1)[..., 0]
+    return (jnp.sum(jnp.where(loss_BT, lse_BT - target_logit_BT, 0.0)),
+            jnp.sum(jnp.where(loss_BT, jnp.square(lse_BT), 0.0)))
+
+
+def cross_entropy_sum(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
+    return cross_entropy_sums(logits_BTV, targets_BT)[0]
 
 
 def forward_losses(graphdef, params, model_state, batch_BT1, cfg: TransformerConfig,
@@ -157,9 +177,19 @@ def loss_parts(logits_BTV, targets_BT, stats: RouterStats | None, cfg: Transform
                parallel: BatchReduction = SINGLE_DEVICE) -> LossParts:
     """LossParts of one (micro)batch from the model's logits and stacked RouterStats
     (the pipeline's last stage calls this with the statistics of every stage)."""
-    ce_sum = parallel.allsum(cross_entropy_sum(logits_BTV, targets_BT))
-    n = parallel.allsum(jnp.asarray(targets_BT.size, jnp.float32))
-    return LossParts(ce_sum, n, **routing_parts(stats, cfg, parallel))
+    ce_sum, lm_z_sum = parallel.allsum(cross_entropy_sums(logits_BTV, targets_BT))
+    n = parallel.allsum(jnp.sum(labelled(targets_BT)[1], dtype=jnp.float32))
+    routing = routing_parts(stats, cfg, parallel)
+    # The router losses are per-token means. OLMo-core divides them, like the LM loss, by the
+    # label count (its train module's loss_div_factor) rather than the routed token count:
+    # with OLMo-core instances (one unlabelled position each) that is T / (T - 1) more. (With
+    # every position labelled the factor is exactly 1; Hugging Face's pooled LB loss is a
+    # plain mean over the routed tokens and keeps it.)
+    positions = parallel.allsum(jnp.asarray(targets_BT.size, jnp.float32))
+    per_label = positions / n
+    scaled = ["z_loss", "z_L", "lb_L"] + (["lb_loss"] if cfg.moe.lb_loss_type == "per_layer" else [])
+    routing.update({f: routing[f] * per_label for f in scaled})
+    return LossParts(ce_sum, n, lm_z_sum=lm_z_sum, **routing)
 
 
 def routing_parts(stats: RouterStats | None, cfg: TransformerConfig,
@@ -196,6 +226,7 @@ def routing_parts(stats: RouterStats | None, cfg: TransformerConfig,
 def total_loss(parts: LossParts, cfg: TransformerConfig) -> jax.Array:
     return (
         parts.ce_sum / parts.n_tokens
+        + cfg.lm_z_loss_coef * parts.lm_z_sum / parts.n_tokens
         + cfg.moe.lb_loss_coef * parts.lb_loss
         + cfg.moe.z_loss_coef * parts.z_loss
     )

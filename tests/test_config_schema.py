@@ -22,6 +22,7 @@ from olmo_jax.optim.optimizer import OPTIMIZERS
 from olmo_jax.optim.schedules import SCHEDULES as LR_SCHEDULES
 from olmo_jax.parallel.expert import BACKENDS
 from olmo_jax.parallel.pipeline.schedule import SCHEDULES
+from olmo_jax.labels import INSTANCES
 from olmo_jax.parallel.rules import STRATEGIES
 from olmo_jax.trainer.guard import POLICIES
 from olmo_jax.trainer.sinks import LOGGERS, WANDB_MODES
@@ -36,7 +37,7 @@ CHOICES = {
     "model.moe.lb_granularity": LB_GRANULARITIES, "parallel.strategy": STRATEGIES,
     "parallel.dispatch": BACKENDS, "parallel.pipeline_schedule": SCHEDULES,
     "optim.name": OPTIMIZERS, "optim.schedule": LR_SCHEDULES, "trainer.nan_policy": POLICIES,
-    "trainer.wandb.mode": WANDB_MODES,
+    "trainer.wandb.mode": WANDB_MODES, "data.instances": INSTANCES,
 }
 
 

@@ -26,7 +26,7 @@ ROOT = "olmo_jax"  # the package root's own unit (its __init__.py only)
 # Bottom to top; names relative to olmo_jax. docs/ARCHITECTURE.md has the same table with
 # what each row owns (tests/test_layers.py keeps the two equal).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    (ROOT, "compat", "errors", "shapes", "targets"),
+    (ROOT, "compat", "errors", "labels", "shapes", "targets"),
     ("kernels",),
     ("model",),
     ("objective",),

@@ -1,4 +1,4 @@
-"""Tokenizes text files into one OLMo-core token file (flat headerless uint16/uint32 array,
+"""Tokenizes text files into one OLMo-core token file (flat headerless uint8/uint16/uint32 array,
 each input file one document followed by EOS).
 
     python tools/tokenize_files.py notes.txt books/ -o data/mine.npy
@@ -7,7 +7,7 @@ each input file one document followed by EOS).
 
 Directories are searched recursively for files matching the --glob patterns; inputs and
 the files found are taken in sorted order, so the output is deterministic. The dtype is
-uint16 when the tokenizer's vocabulary fits in 65,536 ids, else uint32.
+the smallest dtype holding the tokenizer's largest id, as OLMo-core picks it.
 """
 
 from __future__ import annotations

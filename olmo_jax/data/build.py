@@ -15,6 +15,7 @@ import numpy as np
 from olmo_jax.data.corpus import CORPUS_DTYPE, stdlib_corpus
 from olmo_jax.data.errors import DataError
 from olmo_jax.data.loader import SPLIT_SEED, BatchLoader, TokenWindows, split_windows
+from olmo_jax.data.repetition import RepetitionFilter
 from olmo_jax.data.token_file import TokenFile, dtype_for_vocab, token_dtype
 from olmo_jax.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
@@ -70,14 +71,18 @@ def build_data(
     with `paths` (token files, a list or one comma-separated string; empty: the embedded
     stdlib corpus, cached in `cache_dir`),
     `tokenizer` ('' | 'bytes' | path to tokenizer.json), `vocab_size` (0: the tokenizer's
-    padded vocabulary), `eval_fraction` (default 0.01; at least one global batch is held
-    out, 0 disables eval) and `dtype` ('' from the vocabulary, 'uint16', 'uint32')."""
+    padded vocabulary), `eval_fraction` (default 0: no default split; > 0 holds that share
+    of the windows, at least one global batch, out of training), `dtype` ('' from the
+    vocabulary, 'uint8', 'uint16', 'uint32'), `instances` ('olmo_core' | 'plus_one':
+    loader.py) and `repetition_filter` (with `repetition_max_period`, `_min_period`,
+    `_max_count`: OLMo-core's instance filter, repetition.py)."""
     paths = _paths(_field(data_cfg, "paths", ()))
     tokenizer_spec = str(_field(data_cfg, "tokenizer", ""))
     tokenizer = load_tokenizer(tokenizer_spec)
     vocab_size = int(_field(data_cfg, "vocab_size", 0)) or tokenizer.padded_vocab_size
-    eval_fraction = float(_field(data_cfg, "eval_fraction", 0.01))
+    eval_fraction = float(_field(data_cfg, "eval_fraction", 0.0))
     dtype_name = str(_field(data_cfg, "dtype", ""))
+    layout = _layout(data_cfg)
     if vocab_size < tokenizer.vocab_size:
         raise DataError(
             f"data.vocab_size={vocab_size} is smaller than the tokenizer's vocabulary "
@@ -104,12 +109,12 @@ def build_data(
         files = _token_files(paths, "data.paths", dtype, vocab_size,
                              " (or leave data.paths empty for the embedded stdlib corpus)")
 
-    windows = TokenWindows(files, seq_len)
+    windows = TokenWindows(files, seq_len, **layout)
     n_batches_needed = 2 if eval_fraction > 0 else 1  # train, and eval when enabled
     if len(windows) < n_batches_needed * global_batch_size:
         raise DataError(
             f"the data ({windows.n_tokens} tokens in {len(files)} file(s)) gives "
-            f"{len(windows)} windows of seq_len {seq_len} + 1 tokens, fewer than "
+            f"{len(windows)} windows of seq_len {seq_len} (data.instances={windows.instances!r}), fewer than "
             f"{n_batches_needed} global batch(es) of {global_batch_size} (training"
             + (", and eval since data.eval_fraction > 0" if eval_fraction > 0 else "")
             + "); lower seq_len or the global batch size, or add token files to data.paths"
@@ -130,7 +135,7 @@ def build_data(
         eval_loader = BatchLoader(windows, eval_ids, global_batch_size, SPLIT_SEED)
     dtype = token_dtype(dtype_name) if dtype_name else dtype_for_vocab(vocab_size)
     eval_sets = {
-        name: _eval_set(name, set_paths, seq_len, global_batch_size, dtype, vocab_size)
+        name: _eval_set(name, set_paths, seq_len, global_batch_size, dtype, vocab_size, layout)
         for name, set_paths in _mapping(_field(data_cfg, "eval_sets", {})).items()
     }
     return Data(
@@ -141,6 +146,25 @@ def build_data(
         windows=windows,
         eval_sets=eval_sets,
     )
+
+
+def _layout(data_cfg: Any) -> dict:
+    """TokenWindows' layout arguments: `instances` and the repetition filter, if on."""
+    instances = str(_field(data_cfg, "instances", "olmo_core"))
+    if not bool(_field(data_cfg, "repetition_filter", False)):
+        return {"instances": instances, "repetition_filter": None}
+    rule = RepetitionFilter(
+        max_period=int(_field(data_cfg, "repetition_max_period", 13)),
+        min_period=int(_field(data_cfg, "repetition_min_period", 1)),
+        max_count=int(_field(data_cfg, "repetition_max_count", 32)),
+    )
+    if not 1 <= rule.min_period <= rule.max_period or rule.max_count < 3:
+        raise DataError(
+            f"data.repetition_min_period={rule.min_period}, data.repetition_max_period="
+            f"{rule.max_period}, data.repetition_max_count={rule.max_count}: need "
+            "1 <= min_period <= max_period and max_count >= 3 (a stretch is detected from 3 "
+            "repeats on)")
+    return {"instances": instances, "repetition_filter": rule}
 
 
 def _paths(paths: Any) -> list:
@@ -171,7 +195,7 @@ def _token_files(paths: list, where: str, dtype: np.dtype, vocab_size: int,
 
 
 def _eval_set(name: str, paths: Any, seq_len: int, global_batch_size: int, dtype: np.dtype,
-              vocab_size: int) -> BatchLoader:
+              vocab_size: int, layout: dict) -> BatchLoader:
     """A named eval set: every window of its files, in a fixed shuffled order (seed
     SPLIT_SEED, like the default split), one global batch at a time."""
     where = f"data.eval_sets.{name}"
@@ -182,11 +206,11 @@ def _eval_set(name: str, paths: Any, seq_len: int, global_batch_size: int, dtype
     paths = _paths(paths)
     if not paths:
         raise DataError(f"{where} lists no token files; give it one or more, or remove it")
-    windows = TokenWindows(_token_files(paths, where, dtype, vocab_size), seq_len)
+    windows = TokenWindows(_token_files(paths, where, dtype, vocab_size), seq_len, **layout)
     if len(windows) < global_batch_size:
         raise DataError(
             f"{where}: {windows.n_tokens} tokens give {len(windows)} windows of seq_len "
-            f"{seq_len} + 1 tokens, fewer than one global batch of {global_batch_size} "
+            f"{seq_len}, fewer than one global batch of {global_batch_size} "
             "(evaluation runs whole global batches); add token files to it, or lower "
             "seq_len or the global batch size")
     return BatchLoader(windows, np.arange(len(windows)), global_batch_size, SPLIT_SEED)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from olmo_jax.errors import ConfigError
+from olmo_jax.labels import INSTANCES
+from olmo_jax.errors import ConfigError, check_choice
 
 
 @dataclass(frozen=True)
@@ -13,8 +14,19 @@ class DataConfig:
     paths: str = ""  # comma-separated token files; "" = the embedded stdlib corpus
     tokenizer: str = "bytes"  # bytes | path to a tokenizer.json
     vocab_size: int = 0  # vocab of the token files (0 = the tokenizer's padded vocab)
-    dtype: str = ""  # "" = from the vocab size; uint16 | uint32
-    eval_fraction: float = 0.01  # the default eval split: this share of the windows held out of training
+    dtype: str = ""  # "" = from the vocab size (OLMo-core's rule); uint8 | uint16 | uint32
+    # > 0: this share of the instances held out of training as the eval split (at least one
+    # global batch); 0 = none (OLMo-core trains on every instance).
+    eval_fraction: float = 0.0
+    # loader.INSTANCES: olmo_core (seq_len tokens at stride seq_len, the last position
+    # unlabelled: OLMo-core's NumpyFSLDataset) | plus_one (seq_len + 1 tokens, all labelled).
+    instances: str = "olmo_core"
+    # OLMo-core's instance filter (data/repetition.py): an instance with a pattern of period
+    # in [min_period, max_period] repeated max_count times or more adds no loss.
+    repetition_filter: bool = False
+    repetition_max_period: int = 13
+    repetition_min_period: int = 1
+    repetition_max_count: int = 32
     # Named eval sets {name: token files (a list or comma-separated)}, held out by the user;
     # each logged as eval/<name>/loss and eval/<name>/perplexity (olmo_jax/data/loader.py).
     eval_sets: dict = field(default_factory=dict)
@@ -23,4 +35,18 @@ class DataConfig:
     def validate(self, prefix: str = "data") -> DataConfig:
         if self.prefetch < 0:
             raise ConfigError(f"{prefix}.prefetch must be >= 0 (0 = no read-ahead), got {self.prefetch}")
+        check_choice(f"{prefix}.instances", self.instances, INSTANCES)
+        if self.repetition_filter and self.instances != "olmo_core":
+            raise ConfigError(
+                f"{prefix}.repetition_filter needs {prefix}.instances='olmo_core' (a filtered "
+                "instance is marked in its unlabelled last position); set it, or "
+                f"{prefix}.repetition_filter=False")
+        if self.repetition_filter and not (
+                1 <= self.repetition_min_period <= self.repetition_max_period
+                and self.repetition_max_count >= 3):
+            raise ConfigError(
+                f"{prefix}.repetition_min_period={self.repetition_min_period}, "
+                f"repetition_max_period={self.repetition_max_period}, repetition_max_count="
+                f"{self.repetition_max_count}: need 1 <= min_period <= max_period and "
+                "max_count >= 3 (a stretch is detected from 3 repeats on)")
         return self

@@ -1,8 +1,17 @@
 """From token files to training batches.
 
-- `TokenWindows`: the files viewed as fixed windows of `seq_len + 1` tokens at stride
-  `seq_len` (inputs = window[:-1], targets = window[1:], so each token is predicted once);
-  a window never crosses a file boundary, and a file's last `< seq_len` tokens are unused.
+- `TokenWindows`: the files viewed as fixed windows, each a row of `seq_len + 1` ints
+  (inputs = row[:-1], targets = row[1:]); a window never crosses a file boundary. Two
+  layouts (`data.instances`):
+  - `olmo_core` (default): OLMo-core's fixed-length instances, `seq_len` tokens at stride
+    `seq_len`, so a file of k * seq_len tokens gives k instances. The model reads all
+    `seq_len` tokens; the last position has no label: the row's last entry is a sentinel
+    (labels.py), `NO_LABEL`, or `FILTERED` when the instance fails the repetition filter
+    (repetition.py), which zeroes its loss but still counts its seq_len - 1 labels, as
+    OLMo-core does. A file's last `< seq_len` tokens are unused.
+  - `plus_one`: windows of `seq_len + 1` tokens at stride `seq_len`, every position
+    labelled (the window's last token is the next window's first); a file's last
+    `< seq_len + 1` tokens beyond the last window are unused.
 - `split_windows`: the deterministic train / held-out split of window ids.
 - `BatchLoader`: batches addressed by global step. The windows of one split form an
   endless stream, epoch after epoch, each epoch a permutation (grain's shuffle, seeded by
@@ -21,7 +30,9 @@ from collections.abc import Iterator, Mapping, Sequence
 import numpy as np
 
 from olmo_jax.data.errors import DataError
+from olmo_jax.labels import FILTERED, INSTANCES, NO_LABEL
 from olmo_jax.data.pipeline import BatchStream, window_order
+from olmo_jax.data.repetition import RepetitionFilter
 from olmo_jax.data.token_file import TokenFile
 
 # The hold-out depends only on the data, never on the training seed, so runs with
@@ -30,14 +41,26 @@ SPLIT_SEED = 0
 
 
 class TokenWindows:
-    """Windows of `seq_len + 1` tokens at stride `seq_len` over each file in turn."""
+    """Rows of `seq_len + 1` ints over each file in turn, in the `instances` layout."""
 
-    def __init__(self, files: Sequence[TokenFile], seq_len: int):
+    def __init__(self, files: Sequence[TokenFile], seq_len: int, instances: str = "olmo_core",
+                 repetition_filter: RepetitionFilter | None = None):
         if seq_len < 1:
             raise DataError(f"seq_len={seq_len} must be at least 1")
+        if instances not in INSTANCES:
+            raise DataError(f"data.instances={instances!r}: choose one of {', '.join(INSTANCES)}")
+        if repetition_filter is not None and instances != "olmo_core":
+            raise DataError(
+                "data.repetition_filter drops an instance from the loss through its unlabelled "
+                "last position, which only data.instances='olmo_core' has; set "
+                "data.instances='olmo_core' or turn the filter off")
         self.files = list(files)
         self.seq_len = seq_len
-        windows_per_file_F = np.array([max(0, (len(f) - 1) // seq_len) for f in self.files])
+        self.instances = instances
+        self.repetition_filter = repetition_filter
+        tokens_read = seq_len if instances == "olmo_core" else seq_len + 1
+        windows_per_file_F = np.array(
+            [max(0, (len(f) - tokens_read) // seq_len + 1) for f in self.files])
         # first_window_F[f] = global id of file f's first window; the last entry is the total.
         self._first_window_F = np.concatenate([[0], np.cumsum(windows_per_file_F)]).astype(np.int64)
 
@@ -54,7 +77,11 @@ class TokenWindows:
             raise IndexError(f"window {window_id} out of range [0, {len(self)})")
         file_id = int(np.searchsorted(self._first_window_F, window_id, side="right")) - 1
         start = int(window_id - self._first_window_F[file_id]) * self.seq_len
-        return self.files[file_id][start : start + self.seq_len + 1]
+        if self.instances == "plus_one":
+            return self.files[file_id][start : start + self.seq_len + 1]
+        tokens_T = self.files[file_id][start : start + self.seq_len]
+        keep = self.repetition_filter is None or self.repetition_filter.keeps(tokens_T)
+        return np.append(tokens_T, np.int32(NO_LABEL if keep else FILTERED))
 
     def read(self, window_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """Windows `window_ids` stacked, int32 [len(window_ids), seq_len + 1]."""
@@ -111,7 +138,7 @@ class BatchLoader:
             raise DataError(f"global batch size {global_batch_size} must be at least 1")
         if self.n_windows < global_batch_size:
             raise DataError(
-                f"{self.n_windows} windows of seq_len {windows.seq_len} + 1 tokens are fewer "
+                f"{self.n_windows} windows of seq_len {windows.seq_len} are fewer "
                 f"than one global batch of {global_batch_size}; lower seq_len or the global "
                 "batch size, or add token files to data.paths"
             )

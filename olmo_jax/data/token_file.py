@@ -1,6 +1,7 @@
 """OLMo-core token files: flat, headerless arrays of token ids (the name usually ends in
-`.npy`, but there is no NumPy header), uint16 when the vocabulary fits in 65,536 ids and
-uint32 above. Documents inside a file are separated by EOS.
+`.npy`, but there is no NumPy header), of the smallest of uint8, uint16 and uint32 that
+holds the vocabulary's largest id (OLMo-core's `get_dtype` rule). Documents inside a file
+are separated by EOS.
 
 `TokenFile` memory-maps one read-only and checks it: size against the dtype on open, token
 ids against the vocabulary on every read (and over the whole file on open for files under
@@ -18,25 +19,30 @@ import numpy as np
 
 from olmo_jax.data.errors import DataError
 
-TOKEN_DTYPES = (np.dtype(np.uint16), np.dtype(np.uint32))
+TOKEN_DTYPES = (np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.uint32))
 FULL_CHECK_BYTES = 64 * 2**20  # files smaller than this are range-checked in full on open
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
-    """uint16 when every id of a `vocab_size` vocabulary fits in 16 bits, else uint32."""
+    """The smallest token dtype holding id `vocab_size - 1` (OLMo-core: uint8 up to 256
+    ids, uint16 up to 65,536, else uint32)."""
     if vocab_size <= 0:
         raise DataError(f"vocab_size={vocab_size} must be positive")
-    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+    fits = [d for d in TOKEN_DTYPES if vocab_size - 1 <= np.iinfo(d).max]
+    if not fits:
+        raise DataError(f"vocab_size={vocab_size} does not fit a uint32 token file")
+    return fits[0]
 
 
 def token_dtype(dtype: str | np.dtype | type) -> np.dtype:
-    """The token dtype named by `dtype`, which must be uint16 or uint32."""
+    """The token dtype named by `dtype`, which must be uint8, uint16 or uint32."""
+    names = ", ".join(f"'{d.name}'" for d in TOKEN_DTYPES)
     try:
         resolved = np.dtype(dtype)
     except TypeError as e:
-        raise DataError(f"data.dtype={dtype!r} is not a dtype; use 'uint16' or 'uint32'") from e
+        raise DataError(f"data.dtype={dtype!r} is not a dtype; use one of {names}") from e
     if resolved not in TOKEN_DTYPES:
-        raise DataError(f"data.dtype={dtype!r}: token files are 'uint16' or 'uint32'")
+        raise DataError(f"data.dtype={dtype!r}: token files are {names}")
     return resolved
 
 
@@ -56,12 +62,12 @@ class TokenFile:
         if n_bytes == 0:
             raise DataError(f"token file {self.path} is empty; re-create it or remove it")
         if n_bytes % self.dtype.itemsize:
-            other = next(d for d in TOKEN_DTYPES if d != self.dtype)
-            hint = (
-                f"if it was written as {other.name}, set data.dtype='{other.name}'"
-                if n_bytes % other.itemsize == 0
-                else "it is truncated or not a token file; re-create it"
-            )
+            others = [d.name for d in TOKEN_DTYPES
+                      if d != self.dtype and n_bytes % d.itemsize == 0]
+            hint = "it is truncated or not a token file; re-create it"
+            if others:
+                hint = (f"if it was written as {others[-1]}, set data.dtype='{others[-1]}'; "
+                        f"otherwise {hint}")
             raise DataError(
                 f"token file {self.path} has {n_bytes} bytes, not a whole number of "
                 f"{self.dtype.name} tokens ({self.dtype.itemsize} bytes each); {hint}"
@@ -117,7 +123,7 @@ def write_token_file(
                 if chunk_N.size and (chunk_N.min() < 0 or chunk_N.max() > np.iinfo(dtype).max):
                     raise DataError(
                         f"writing {path}: token ids span [{chunk_N.min()}, {chunk_N.max()}], "
-                        f"which does not fit {dtype.name}; use uint32"
+                        f"which does not fit {dtype.name}; use a wider token dtype (uint32 holds any vocabulary)"
                     )
                 chunk_N.astype(dtype, copy=False).tofile(f)
                 n_tokens += chunk_N.size

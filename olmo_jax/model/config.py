@@ -157,6 +157,9 @@ class TransformerConfig:
     clip_qkv: float = 0.0  # 0 = off; else clamp q, k, v to [-clip_qkv, clip_qkv]
     tie_embeddings: bool = False
     init_std: float = 0.02
+    # The LM head's z-loss: coef * mean over labelled tokens of logsumexp(logits)^2
+    # (OLMo-core's z_loss_multiplier; its reference runs use 1e-4). 0 = off.
+    lm_z_loss_coef: float = 0.0
     dtype: str = "float32"  # compute dtype, COMPUTE_DTYPES: float32 | bfloat16 (params: float32)
     remat: str = "none"  # transformer.REMATS: none | block | attention
     scan_unroll: int = 1  # blocks per layer-scan iteration (= n_layers unrolls; compile time grows)
@@ -200,6 +203,8 @@ class TransformerConfig:
             )
         if self.head_size % 2:
             raise ConfigError(f"head size {self.head_size} must be even for RoPE")
+        if self.lm_z_loss_coef < 0:
+            raise ConfigError(f"{prefix}.lm_z_loss_coef must be >= 0 (0 = off), got {self.lm_z_loss_coef}")
         if self.n_heads % self.kv_heads:
             raise ConfigError(
                 f"{prefix}.n_kv_heads={self.kv_heads} must divide {prefix}.n_heads={self.n_heads}"

@@ -97,6 +97,8 @@ def make_train_step(graphdef, cfg: TransformerConfig, tx: optax.GradientTransfor
             "lr": schedule(state.step),
             **routing_metrics(parts, expert_ranks=expert_ranks, first_block=cfg.n_dense_layers),
         }
+        if cfg.lm_z_loss_coef > 0:  # the LM head's z-loss, unweighted (OLMo-core's "Z loss")
+            metrics["lm_z_loss"] = parts.lm_z_sum / parts.n_tokens
         if parallel.pipeline is not None:  # idle share of the schedule table
             metrics["pipeline_bubble"] = jnp.asarray(parallel.pipeline.bubble, jnp.float32)
         new_state = state._replace(step=state.step + 1, params=params, opt_state=opt_state,

@@ -47,6 +47,7 @@ def set_trainer(cfg, run_dir: Path, **trainer):
     t.global_batch_size, t.seq_len, t.sample_tokens = 8, 32, 0
     t.save_every, t.keep_last, t.keep_every = 5, 2, 10
     t.loggers = "jsonl,tensorboard"
+    cfg.data.eval_fraction = 0.01  # a stated eval split: a resumed run must match its loss too
     for k, v in trainer.items():
         t[k] = v
     return cfg

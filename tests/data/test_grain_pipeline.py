@@ -22,7 +22,7 @@ from tests.data.test_loader import identity_files, token_files, window_ids_of
 
 @pytest.fixture
 def windows(tmp_path: Path) -> TokenWindows:
-    return TokenWindows(identity_files(tmp_path, [41, 3, 77, 20]), seq_len=4)  # 33 windows
+    return TokenWindows(identity_files(tmp_path, [41, 3, 77, 20]), seq_len=4, instances="plus_one")  # 33 windows
 
 
 def test_window_order_is_grains_shuffle_per_epoch():
@@ -93,7 +93,7 @@ def test_local_rows_are_the_rows_the_devices_hold():
 
 def test_eval_sets_are_whole_files_in_a_fixed_order(tmp_path: Path):
     paths = token_files(tmp_path, n_files=3)
-    data = build_data({"paths": paths[:1], "eval_sets": {"b": paths[1], "cd": ",".join(paths[1:])}}, 64, 8)
+    data = build_data({"paths": paths[:1], "eval_fraction": 0.01, "eval_sets": {"b": paths[1], "cd": ",".join(paths[1:])}}, 64, 8)
     assert sorted(data.eval_sets) == ["b", "cd"]
     b, cd = data.eval_sets["b"], data.eval_sets["cd"]
     assert b.n_windows == 4999 // 64 and cd.n_windows == 2 * (4999 // 64)

@@ -9,6 +9,8 @@ import ml_collections
 import numpy as np
 import pytest
 
+from olmo_jax import labels
+from olmo_jax.data.repetition import RepetitionFilter
 from olmo_jax.data import (
     BatchLoader,
     ByteTokenizer,
@@ -16,6 +18,7 @@ from olmo_jax.data import (
     TokenFile,
     TokenWindows,
     build_data,
+
     split_windows,
     write_token_file,
 )
@@ -40,12 +43,12 @@ def window_ids_of(windows: TokenWindows, batch_BL: np.ndarray) -> list[int]:
 
 @pytest.fixture
 def windows(tmp_path: Path) -> TokenWindows:
-    return TokenWindows(identity_files(tmp_path, [41, 3, 77, 20]), seq_len=4)
+    return TokenWindows(identity_files(tmp_path, [41, 3, 77, 20]), seq_len=4, instances="plus_one")
 
 
-def test_windows_stay_inside_files_and_predict_each_token_once(tmp_path: Path):
+def test_plus_one_windows_stay_inside_files_and_predict_each_token_once(tmp_path: Path):
     lengths = [10, 3, 17, 5]
-    windows = TokenWindows(identity_files(tmp_path, lengths), seq_len=4)
+    windows = TokenWindows(identity_files(tmp_path, lengths), seq_len=4, instances="plus_one")
     # (length - 1) // seq_len windows per file: 2, 0, 4, 1.
     assert len(windows) == 7
     assert windows.n_tokens == sum(lengths)
@@ -64,6 +67,39 @@ def test_windows_stay_inside_files_and_predict_each_token_once(tmp_path: Path):
     np.testing.assert_array_equal(windows.read([6, 0]), [windows.window(6), windows.window(0)])
     with pytest.raises(IndexError):
         windows.window(7)
+
+
+def test_olmo_core_instances_are_seq_len_tokens_with_an_unlabelled_end(tmp_path: Path):
+    lengths = [8, 3, 17, 4]  # exactly 2 and 1 instances of 4 in files 0 and 3 (OLMo-core: k, not k - 1)
+    windows = TokenWindows(identity_files(tmp_path, lengths), seq_len=4)
+    assert windows.instances == "olmo_core" and len(windows) == 2 + 0 + 4 + 1
+    tokens_by_file: dict[int, list[int]] = {}
+    for i in range(len(windows)):
+        window = windows.window(i)
+        assert window.dtype == np.int32 and window.shape == (5,) and window[-1] == labels.NO_LABEL
+        file_id, offsets = np.divmod(window[:-1], 1000)
+        assert len(set(file_id)) == 1 and offsets[0] % 4 == 0
+        tokens_by_file.setdefault(int(file_id[0]), []).extend(offsets)
+    for file_id, tokens in tokens_by_file.items():  # every token of whole instances, once
+        assert tokens == list(range(lengths[file_id] // 4 * 4))
+    with pytest.raises(DataError, match="data.instances='shifted'"):
+        TokenWindows(identity_files(tmp_path, lengths), seq_len=4, instances="shifted")
+
+
+def test_repetition_filter_marks_the_instance_row(tmp_path: Path):
+    path = tmp_path / "rep.npy"
+    repetitive = np.tile([7, 8], 16)  # period 2, 16 times in 32 tokens
+    write_token_file(path, np.concatenate([np.arange(32), repetitive]), "uint16")
+    files = [TokenFile(path, "uint16", VOCAB)]
+    kept = TokenWindows(files, 32)
+    assert [w[-1] for w in kept.read([0, 1])] == [labels.NO_LABEL, labels.NO_LABEL]
+    filtered = TokenWindows(files, 32, repetition_filter=RepetitionFilter(max_count=16))
+    assert [w[-1] for w in filtered.read([0, 1])] == [labels.NO_LABEL, labels.FILTERED]
+    np.testing.assert_array_equal(filtered.window(1)[:-1], repetitive)  # inputs untouched
+    lenient = TokenWindows(files, 32, repetition_filter=RepetitionFilter(max_count=17))
+    assert lenient.window(1)[-1] == labels.NO_LABEL
+    with pytest.raises(DataError, match="only data.instances='olmo_core'"):
+        TokenWindows(files, 32, "plus_one", RepetitionFilter())
 
 
 def test_split_windows_is_disjoint_deterministic_and_sized():
@@ -185,11 +221,15 @@ def test_build_data_from_token_files(tmp_path: Path, config_kind: str):
     }[config_kind]()
     data = build_data(config, seq_len=64, global_batch_size=8, seed=0, cache_dir=tmp_path)
     assert isinstance(data.tokenizer, ByteTokenizer) and data.vocab_size == 384
-    assert len(data.windows) == 3 * (4999 // 64)
-    # Default eval_fraction 0.01 of 234 windows rounds to 2: at least one batch is held out.
-    assert data.eval.n_windows == 8 and data.train.n_windows == len(data.windows) - 8
-    assert not set(data.train.window_ids) & set(data.eval.window_ids)
+    assert len(data.windows) == 3 * (5000 // 64)
+    assert data.eval is None  # no default split unless data.eval_fraction asks for one
+    assert data.train.n_windows == len(data.windows)
     assert data.train.batch(0).shape == (8, 65)
+    assert (data.train.batch(0)[:, -1] == labels.NO_LABEL).all()
+    held_out = build_data({**fields, "eval_fraction": 0.01}, 64, 8, seed=0, cache_dir=tmp_path)
+    # eval_fraction 0.01 of 234 windows rounds to 2: at least one batch is held out.
+    assert held_out.eval.n_windows == 8 and held_out.train.n_windows == len(data.windows) - 8
+    assert not set(held_out.train.window_ids) & set(held_out.eval.window_ids)
     np.testing.assert_array_equal(data.train.batch(3), data.train.batch(3))
 
 

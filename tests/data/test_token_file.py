@@ -12,12 +12,23 @@ from olmo_jax.data import token_file as token_file_module
 
 
 def test_dtype_for_vocab():
+    assert dtype_for_vocab(256) == np.uint8  # OLMo-core: the smallest uint holding vocab - 1
+    assert dtype_for_vocab(257) == np.uint16
     assert dtype_for_vocab(384) == np.uint16
     assert dtype_for_vocab(65_536) == np.uint16
     assert dtype_for_vocab(65_537) == np.uint32
     assert dtype_for_vocab(100_352) == np.uint32
     with pytest.raises(DataError):
         dtype_for_vocab(0)
+
+
+def test_uint8_files_are_read(tmp_path: Path):
+    path = tmp_path / "bytes.npy"
+    assert write_token_file(path, np.arange(256), "uint8") == 256
+    assert path.stat().st_size == 256
+    np.testing.assert_array_equal(TokenFile(path, "uint8", vocab_size=256)[250:256], np.arange(250, 256))
+    with pytest.raises(DataError, match="does not fit uint8"):
+        write_token_file(path, [256], "uint8")
 
 
 def test_round_trip_uint16_is_headerless(tmp_path: Path):
@@ -52,13 +63,13 @@ def test_write_accepts_chunks_and_leaves_no_temp_files(tmp_path: Path):
 
 def test_write_rejects_ids_that_do_not_fit(tmp_path: Path):
     path = tmp_path / "x.npy"
-    with pytest.raises(DataError, match="use uint32"):
+    with pytest.raises(DataError, match="use a wider token dtype"):
         write_token_file(path, np.array([1, 70_000]), "uint16")
     assert list(tmp_path.iterdir()) == []  # neither the file nor a temp file
 
 
 def test_unsupported_dtype(tmp_path: Path):
-    with pytest.raises(DataError, match="'uint16' or 'uint32'"):
+    with pytest.raises(DataError, match="'uint8', 'uint16', 'uint32'"):
         TokenFile(tmp_path / "x.npy", "int8", vocab_size=10)
 
 

@@ -54,7 +54,7 @@ def _metrics(logits_SE, shards=1):
     stacked = type(stats)(*(jnp.stack([f]) for f in stats))  # one MoE block
     routing = (routing_parts(stacked, CFG) if shards == 1
                else _sharded_routing_parts(stacked, shards))
-    parts = LossParts(jnp.zeros(()), jnp.ones(()), **routing)
+    parts = LossParts(jnp.zeros(()), jnp.ones(()), lm_z_sum=jnp.zeros(()), **routing)
     return routing_metrics(parts, expert_ranks=RANKS, first_block=1), r
 
 

@@ -31,6 +31,7 @@ def smoke_config(tmp_path, steps=20):
     t.global_batch_size, t.seq_len = 8, 64
     t.sample_tokens = 8
     t.expert_counts_every = 5
+    cfg.data.eval_fraction = 0.01  # a stated default split (data.eval_fraction defaults to 0)
     return cfg
 
 
