@@ -32,6 +32,10 @@ def default_config() -> ml_collections.ConfigDict:
     m.rope_theta = 500_000.0
     m.norm_eps = 1e-5
     m.qk_norm = True
+    m.head_qk_norm = False  # QK-norm per head (OLMo-core's use_head_qk_norm)
+    m.block_norm = "pre"  # pre | post (OLMo-core's reordered norm) | peri
+    m.embed_scale = 0.0  # embeddings *= embed_scale (0 = off)
+    m.embedding_norm = False  # RMSNorm of the embeddings
     m.clip_qkv = 0.0
     m.tie_embeddings = False
     m.init_std = 0.02
@@ -46,11 +50,13 @@ def default_config() -> ml_collections.ConfigDict:
     e.expert_hidden = 512
     e.gating = "softmax"  # softmax | sigmoid | topk_softmax
     e.norm_topk_prob = False
+    e.sigmoid_renorm = True  # sigmoid gating: renormalize the k weights
+    e.sigmoid_eps = 0.0  # added to the sigmoid scores (OLMo-core: 1e-7)
     e.router_weight_scale = 1.0
     e.n_group = 1  # group-limited routing (1 = off)
     e.topk_group = 1
     e.bias_rate = 0.0  # auxiliary-loss-free balancing (0 = off)
-    e.routing_mode = "learned"  # learned | random | uniform
+    e.routing_mode = "learned"  # learned | random | random_choice | uniform
     e.router_jitter = 0.0
     e.n_shared_experts = 0
     e.shared_hidden = 0
@@ -61,7 +67,7 @@ def default_config() -> ml_collections.ConfigDict:
     e.lb_loss_coef = 0.01
     e.z_loss_coef = 0.001
     e.lb_loss_type = "per_layer"  # per_layer (OLMo-core) | pooled (Hugging Face)
-    e.lb_granularity = "global"  # global | local (per data-parallel shard)
+    e.lb_granularity = "global"  # global | local (per data-parallel shard) | instance
 
     c.parallel = p = ml_collections.ConfigDict()
     p.pipe = 1

@@ -27,11 +27,17 @@ class MoEConfig:
     # Router (model/moe/router.py; every option is documented in the README's routing table).
     gating: str = "softmax"  # softmax | sigmoid | topk_softmax
     norm_topk_prob: bool = False  # softmax gating: renormalize the k weights to sum to 1
+    # sigmoid gating: renormalize the k weights to sum to 1 (OLMo-core renormalizes only
+    # with normalize_expert_weights=1; without it the weights are the raw sigmoid scores).
+    sigmoid_renorm: bool = True
+    sigmoid_eps: float = 0.0  # added to the sigmoid scores (OLMo-core's sigmoid_stability_epsilon 1e-7)
     router_weight_scale: float = 1.0  # multiplies the combine weights
     n_group: int = 1  # group-limited routing: experts split into n_group groups ...
     topk_group: int = 1  # ... of which the best topk_group may be chosen from
     bias_rate: float = 0.0  # > 0: auxiliary-loss-free balancing with this bias step size
-    routing_mode: str = "learned"  # learned | random | uniform (system benchmarks)
+    # learned | random (OLMo-core: U(0,1) scores replace the gate) | random_choice (random
+    # experts, learned weights) | uniform (round-robin); all but learned: system benchmarks.
+    routing_mode: str = "learned"
     router_jitter: float = 0.0  # training only: router input *= U(1 - j, 1 + j)
     # Shared experts (always applied, added to the routed output).
     n_shared_experts: int = 0
@@ -47,7 +53,8 @@ class MoEConfig:
     z_loss_coef: float = 0.001
     lb_loss_type: str = "per_layer"  # per_layer (OLMo-core) | pooled (Hugging Face)
     # Counts the load-balancing loss sees: global (summed over every device's tokens) |
-    # local (each data-parallel rank's own tokens, the per-rank losses averaged).
+    # local (each data-parallel rank's own tokens, the per-rank losses averaged; OLMo-core's
+    # local_batch) | instance (each sequence's own tokens, averaged; OLMo-core's instance).
     lb_granularity: str = "global"
 
     @property
@@ -113,17 +120,34 @@ class MoEConfig:
             )
         if self.bias_rate < 0:
             raise ConfigError(f"{prefix}.bias_rate must be >= 0 (0 = off), got {self.bias_rate}")
-        if self.routing_mode not in ("learned", "random", "uniform"):
+        if self.routing_mode not in ROUTING_MODES:
             raise ConfigError(
-                f"{prefix}.routing_mode={self.routing_mode!r}: choose learned, random or uniform"
+                f"{prefix}.routing_mode={self.routing_mode!r}: choose one of "
+                f"{', '.join(ROUTING_MODES)}"
             )
+        # OLMo-core's refusals (nn/moe/v2/router.py): topk_softmax selects by the raw logits,
+        # so group masking and random scores would be silently ignored there.
+        if self.gating == "topk_softmax" and self.n_group > 1:
+            raise ConfigError(
+                f"{prefix}.n_group={self.n_group}: group-limited routing is not supported with "
+                f"{prefix}.gating=topk_softmax (as in OLMo-core); use softmax or sigmoid gating "
+                f"or set {prefix}.n_group=1"
+            )
+        if self.gating == "topk_softmax" and self.routing_mode == "random":
+            raise ConfigError(
+                f"{prefix}.routing_mode=random replaces the gate scores, which "
+                f"{prefix}.gating=topk_softmax does not select by (OLMo-core refuses it too); "
+                f"use softmax or sigmoid gating, or routing_mode=random_choice"
+            )
+        if self.sigmoid_eps < 0:
+            raise ConfigError(f"{prefix}.sigmoid_eps must be >= 0, got {self.sigmoid_eps}")
         if not 0 <= self.router_jitter < 1:
             raise ConfigError(
                 f"{prefix}.router_jitter must be in [0, 1) (0 = off), got {self.router_jitter}"
             )
-        if self.lb_granularity not in ("global", "local"):
+        if self.lb_granularity not in ("global", "local", "instance"):
             raise ConfigError(
-                f"{prefix}.lb_granularity={self.lb_granularity!r}: choose global or local"
+                f"{prefix}.lb_granularity={self.lb_granularity!r}: choose global, local or instance"
             )
         if self.lb_loss_coef < 0 or self.z_loss_coef < 0:
             raise ConfigError(
@@ -136,7 +160,11 @@ class MoEConfig:
             )
 
 
+ROUTING_MODES = ("learned", "random", "random_choice", "uniform")
 ATTENTION_IMPLS = ("auto", "cudnn", "xla")
+# OLMo-core's block layouts (nn/transformer/block.py, nn/ddp/block.py): pre = x + f(norm(x));
+# post = its "reordered" norm, x + norm(f(x)); peri = x + norm(f(norm(x))).
+BLOCK_NORMS = ("pre", "post", "peri")
 
 
 @dataclass(frozen=True)
@@ -152,6 +180,10 @@ class TransformerConfig:
     rope_theta: float = 500_000.0
     norm_eps: float = 1e-5
     qk_norm: bool = True
+    head_qk_norm: bool = False  # QK-norm per head over head_dim, one [head_dim] weight (OLMo-core's use_head_qk_norm)
+    block_norm: str = "pre"  # BLOCK_NORMS: pre | post (OLMo-core's reordered norm) | peri
+    embed_scale: float = 0.0  # embeddings *= embed_scale (0 = off; OLMo-core: sqrt(d_model))
+    embedding_norm: bool = False  # RMSNorm of the (scaled) embeddings (OLMo-core's embedding_norm)
     clip_qkv: float = 0.0  # 0 = off; else clamp q, k, v to [-clip_qkv, clip_qkv]
     tie_embeddings: bool = False
     init_std: float = 0.02
@@ -207,6 +239,12 @@ class TransformerConfig:
             )
         if self.dtype not in DTYPES:
             raise ConfigError(f"{prefix}.dtype={self.dtype!r}: choose one of {sorted(DTYPES)}")
+        if self.block_norm not in BLOCK_NORMS:
+            raise ConfigError(
+                f"{prefix}.block_norm={self.block_norm!r}: choose one of {', '.join(BLOCK_NORMS)}"
+            )
+        if self.embed_scale < 0:
+            raise ConfigError(f"{prefix}.embed_scale must be >= 0 (0 = off), got {self.embed_scale}")
         if self.scan_unroll < 1:
             raise ConfigError(f"{prefix}.scan_unroll must be >= 1, got {self.scan_unroll}")
         if self.remat not in ("none", "block", "attention"):

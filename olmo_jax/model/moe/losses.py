@@ -10,7 +10,8 @@ groups, as the batch is split over devices) without the model knowing the mesh.
   load balancing (Hugging Face, pooled over all layers):
       E * sum_i (sum_l count_li / (L * tokens)) * (sum_l prob_li / (L * tokens))
   granularity: `global` computes f and P over the whole batch; `local` computes the loss
-      per shard and averages the shards (each data-parallel rank balances its own tokens).
+      per shard and averages the shards (each data-parallel rank balances its own tokens);
+      `instance` per sequence row, averaged (OLMo-core's `instance` granularity).
   z-loss: mean over tokens of logsumexp(logits)^2, summed over layers.
 Counts carry no gradient; the gradient flows through the probabilities.
 Load metrics: max/mean routed assignments per expert (`imbalance`) and per expert-parallel
