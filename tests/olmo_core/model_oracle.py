@@ -5,9 +5,10 @@ For each case of SPEC ({"cases": [{name, d_model, ...}], ...}) it builds a small
 `OLMoDDPModel` (OLMo-core's fused MoE-v2 model, `OLMoDDPModelConfig(name=moe_fused_v2)`)
 with OLMo-core's own init, then
   - the eval-mode logits of SPEC's tokens,
-  - in train mode: the LM loss (`model(..., labels=...)`: OLMo-core's labels, its
-    cross-entropy, z-loss and denominator) plus the routers' LB and z losses OLMo-core
-    attaches to the activations, backward, the gradients, and one `torch.optim.AdamW` step,
+  - in train mode: the LM loss (`model(..., labels=get_labels(...))`: OLMo-core's labels,
+    cross-entropy and denominator) plus the routers' LB and z losses OLMo-core attaches to
+    the activations (their weighted sum from its router metrics), backward, the gradients,
+    and one `torch.optim.AdamW` step,
   - the weights before and after the step and the gradients, all renamed to Hugging Face
     `olmo3moe` keys by OLMo-core's own `convert_olmo3moe_state_to_hf`;
   - optionally (`export`) the Hugging Face export itself: `config.json` from OLMo-core's
@@ -215,8 +216,14 @@ def run_case(c: dict, out_dir: Path) -> None:
     labels = get_labels({"input_ids": tokens})  # shifted; the last label ignored
     out = model(tokens, labels=labels, loss_reduction="mean")  # aux losses attach themselves
     ce = out.ce_loss.detach()
-    loss = out.loss.detach()
     out.loss.backward()
+    # Its reported loss is the LM loss; the routers' losses act through the gradients
+    # (attach_auxiliary_loss) and are kept as metrics: the total it optimizes is their sum.
+    routers = [b.routed_experts_router for b in model.blocks.values()
+               if b.routed_experts_router is not None]
+    aux = sum(c["lb_weight"] * float(r.load_balancing_loss) + c["z_weight"] * float(r.z_loss)
+              for r in routers)
+    loss = float(out.loss.detach()) + aux
     grads = to_hf(config, {k: p.grad if p.grad is not None else torch.zeros_like(p)
                            for k, p in model.named_parameters()})
     opt = torch.optim.AdamW(model.parameters(), lr=c["lr"], betas=(c["b1"], c["b2"]),
