@@ -129,7 +129,8 @@ def from_config(hf: dict, where: str = "config.json") -> TransformerConfig:
     return TransformerConfig(
         vocab_size=int(hf["vocab_size"]), d_model=int(hf["hidden_size"]), n_layers=L,
         n_heads=n_heads, n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-        head_dim=head_dim, n_dense_layers=len(dense),
+        head_dim=0 if head_dim * n_heads == int(hf["hidden_size"]) else head_dim,
+        n_dense_layers=len(dense),
         dense_hidden=int(hf.get("dense_mlp_intermediate_size") or 0) if dense else 0,
         rope_theta=rope_theta_of(hf, where), norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
         qk_norm=True, head_qk_norm=True,

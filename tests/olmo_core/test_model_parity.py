@@ -199,3 +199,18 @@ def test_olmo_core_hf_export_converts_both_ways_exactly(oracle, name, tmp_path):
                   "num_key_value_heads", "head_dim", "vocab_size", "dense_layers_indices"):
         assert back[field] == hf[field], field
     assert olmo3moe.from_config(back) == model.config
+
+
+def test_convert_cli_round_trips_olmo_core_export(oracle, tmp_path):
+    """`python -m olmo_jax.convert olmo3moe-to-orbax` then `orbax-to-olmo3moe` (in
+    process): OLMo-core's export comes back bitwise."""
+    from olmo_jax import convert
+
+    c, npz, out = oracle["export_peri"]
+    folder = out / "export_peri-hf"
+    assert convert.main(["olmo3moe-to-orbax", "--hf", str(folder), "--out",
+                         str(tmp_path / "ckpt")]) == 0
+    assert convert.main(["orbax-to-olmo3moe", "--ckpt", str(tmp_path / "ckpt"), "--out",
+                         str(tmp_path / "back")]) == 0
+    want, got = (safetensors_io.read_tensors(f) for f in (folder, tmp_path / "back"))
+    assert set(got) == set(want) and all(np.array_equal(got[k], want[k]) for k in want)
