@@ -214,3 +214,25 @@ def test_convert_cli_round_trips_olmo_core_export(oracle, tmp_path):
                          str(tmp_path / "back")]) == 0
     want, got = (safetensors_io.read_tensors(f) for f in (folder, tmp_path / "back"))
     assert set(got) == set(want) and all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def test_init_matches_olmo_core_normal_init(oracle):
+    """OLMo-core's `normal` init (its `init_std`): every weight matrix N(0, init_std)
+    truncated at 3 std, every norm weight 1; olmo_jax's init gives each tensor the same
+    distribution (the draws differ; sample std within 10%, same truncation)."""
+    c, npz, _ = oracle["post"]
+    cfg = olmo_jax_config(c)
+    from olmo_jax.model.transformer import Transformer
+
+    ours = olmo3moe.from_params(_named(nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)),
+                                                 nnx.Param, ...)[1]), cfg)
+    theirs = _part(npz, "before")
+    assert set(ours) == set(theirs)
+    for k, want in theirs.items():
+        got = ours[k]
+        if k.endswith(("norm.weight", "layernorm.weight")):
+            assert np.all(want == 1) and np.all(got == 1), k
+            continue
+        assert abs(got.std() / want.std() - 1) < 0.1, (k, got.std(), want.std())
+        assert np.abs(got).max() <= 3 * c["init_std"] * (1 + 1e-6), k
+        assert np.abs(want).max() <= 3 * c["init_std"] * (1 + 1e-2), k  # bfloat16-rounded
