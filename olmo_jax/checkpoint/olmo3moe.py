@@ -13,7 +13,7 @@ dense first layers, one optional shared expert. Config map (config.json -> model
   n_routed_experts, num_experts_per_tok, moe_intermediate_size -> moe.num_experts, top_k,
   expert_hidden; shared_expert_intermediate_size -> moe.n_shared_experts 1, shared_hidden
   gating_function softmax | sigmoid; normalize_expert_weights 1 | null -> moe.norm_topk_prob
-  (softmax) / moe.sigmoid_renorm (sigmoid, with sigmoid_eps 1e-7, OLMo-core's); 
+  (softmax) / moe.sigmoid_renorm (sigmoid, with sigmoid_eps 1e-7, OLMo-core's);
   restore_weight_scale -> moe.router_weight_scale = top_k (else 1)
 Anything else OLMo-core can write there (sliding windows, attention gates, scalable
 softmax, latent MoE, linear attention, per-head gains, original_num_experts_per_tok, RoPE

@@ -182,7 +182,7 @@ def hf_config(model, c: dict):
     try:
         config = _get_olmo3moe_config(model)
     finally:
-        for b, (peri, pre) in zip(blocks, saved):
+        for b, (peri, pre) in zip(blocks, saved, strict=True):
             b.use_peri_norm, b.use_pre_norm = peri, pre
     config.use_peri_ln = c["block_norm"] == "peri"
     return config
