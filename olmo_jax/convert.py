@@ -1,4 +1,5 @@
-"""Checkpoint conversion between Hugging Face OLMoE folders and olmo_jax (orbax).
+"""Checkpoint conversion between Hugging Face OLMoE folders, OLMo-core's olmo3moe exports
+and olmo_jax (orbax).
 
 python -m olmo_jax.convert hf-to-orbax --hf HF_DIR --out DIR
     DIR/checkpoints/0 (weights) + DIR/config.py (the run config of that model);
@@ -6,6 +7,10 @@ python -m olmo_jax.convert hf-to-orbax --hf HF_DIR --out DIR
 python -m olmo_jax.convert orbax-to-hf --ckpt CKPT --out HF_DIR [--dtype bfloat16]
     CKPT: a run folder (its latest checkpoint), a checkpoints folder or one step folder;
     HF_DIR gets config.json + safetensors for OlmoeForCausalLM.from_pretrained.
+python -m olmo_jax.convert olmo3moe-to-orbax --hf HF_DIR --out DIR
+python -m olmo_jax.convert orbax-to-olmo3moe --ckpt CKPT --out HF_DIR [--dtype bfloat16]
+    the same for OLMo-core 3's Hugging Face export of its MoE (model_type olmo3moe, written
+    by its convert_olmo3moe_state_to_hf; olmo_jax/checkpoint/olmo3moe.py).
 python -m olmo_jax.convert upcycle --ckpt CKPT --out DIR --experts E --top-k K
         [--granularity G] [--keep-dense N] [--shared-expert] [--noise S] [--gating ...]
     a dense model -> an MoE of E copies of each MLP (granular: E*G experts of hidden F/G,
@@ -48,6 +53,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="tensor dtype: float32 | bfloat16 | float16, olmo_jax.model.config.DTYPES "
         "(default: the source model's, else float32)",
     )
+    c = sub.add_parser("olmo3moe-to-orbax",
+                       help="OLMo-core olmo3moe Hugging Face export -> olmo_jax checkpoint")
+    c.add_argument("--hf", required=True, help="folder with config.json and *.safetensors")
+    c.add_argument("--out", required=True, help="new (or empty) output folder")
+    d = sub.add_parser("orbax-to-olmo3moe",
+                       help="olmo_jax checkpoint -> OLMo-core olmo3moe Hugging Face folder")
+    d.add_argument("--ckpt", required=True, help="run folder, checkpoints folder or step folder")
+    d.add_argument("--out", required=True, help="new (or empty) output folder")
+    d.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="tensor dtype (default: the source model's, else float32)")
     u = sub.add_parser("upcycle", help="dense olmo_jax checkpoint -> MoE (copies of the MLPs)")
     u.add_argument("--ckpt", required=True, help="run folder, checkpoints folder or step folder")
     u.add_argument("--out", required=True, help="new (or empty) output folder")
@@ -121,8 +136,13 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     try:
-        if args.command == "hf-to-orbax":
-            config_path = hf.hf_to_orbax(args.hf, args.out)
+        if args.command in ("hf-to-orbax", "olmo3moe-to-orbax"):
+            if args.command == "hf-to-orbax":
+                config_path = hf.hf_to_orbax(args.hf, args.out)
+            else:
+                from olmo_jax.checkpoint import olmo3moe
+
+                config_path = olmo3moe.to_orbax(args.hf, args.out)
             out = config_path.parent
             print(f"wrote {out}/checkpoints/0 and {config_path} in {time.perf_counter() - t0:.1f}s")
             print(
@@ -141,7 +161,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"fine-tune: python -m olmo_jax.train --config={path} "
                   f"--config.trainer.init_from={path.parent} --config.data.paths=YOUR_TOKENS.npy")
         else:
-            hf.orbax_to_hf(args.ckpt, args.out, args.dtype)
+            if args.command == "orbax-to-olmo3moe":
+                from olmo_jax.checkpoint import olmo3moe
+
+                olmo3moe.from_orbax(args.ckpt, args.out, args.dtype)
+            else:
+                hf.orbax_to_hf(args.ckpt, args.out, args.dtype)
             print(
                 f"wrote {args.out} (config.json + safetensors) in {time.perf_counter() - t0:.1f}s"
             )

@@ -204,10 +204,11 @@ def routing_parts(stats: RouterStats | None, cfg: TransformerConfig,
         return dict(lb_loss=zero, z_loss=zero, lb_L=none, z_L=none, dropped_L=none,
                     counts_LGE=jnp.zeros((0, 1, m.num_experts), jnp.float32))
     global_stats = parallel.allsum(stats)
-    if m.lb_granularity == "local":  # each shard's loss from its own counts, averaged
+    if m.lb_granularity in ("local", "instance"):  # each shard's (row's) loss, averaged
+        rows = 1 if m.lb_granularity == "local" else stats.counts_LBE.shape[-2]
         devices = parallel.allsum(jnp.ones((), jnp.float32))
-        lb = parallel.allsum(load_balancing_loss(stats, m.top_k, m.lb_loss_type)) / devices
-        lb_L = parallel.allsum(load_balancing_per_layer(stats, m.top_k)) / devices
+        lb = parallel.allsum(load_balancing_loss(stats, m.top_k, m.lb_loss_type, rows)) / devices
+        lb_L = parallel.allsum(load_balancing_per_layer(stats, m.top_k, rows)) / devices
     else:
         lb = load_balancing_loss(global_stats, m.top_k, m.lb_loss_type)
         lb_L = load_balancing_per_layer(global_stats, m.top_k)

@@ -137,6 +137,11 @@ def check_representable(cfg: TransformerConfig) -> None:
             "OLMoE does not scale router weights",
         ),
         ("model.qk_norm", cfg.qk_norm, True, "OLMoE always applies QK-norm"),
+        ("model.head_qk_norm", cfg.head_qk_norm, False, "OLMoE's QK-norm spans all heads"),
+        ("model.block_norm", cfg.block_norm, "pre",
+         "OLMoE blocks are pre-norm (OLMo-core's post / peri models: orbax-to-olmo3moe)"),
+        ("model.embed_scale", cfg.embed_scale, 0.0, "OLMoE does not scale its embeddings"),
+        ("model.embedding_norm", cfg.embedding_norm, False, "OLMoE has no embedding norm"),
     ):
         if value != ok:
             raise _refuse(where, field, value, why)

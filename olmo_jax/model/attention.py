@@ -15,6 +15,8 @@ QK-norm, clipping and RoPE are applied before either core.
 
 Matches Hugging Face `OlmoeAttention` (QK-norm spans all heads of q and of k; clipping
 is applied after the norm), so converted checkpoints give the same logits. With
+`head_qk_norm` the QK-norm is OLMo-core's `use_head_qk_norm`: each head normalized over
+head_dim, one [head_dim] weight shared by the heads (of q, and of k). With
 `attention_precision="mxfp8"` the four projection GEMMs run in MXFP8
 (olmo_jax/model/mxfp8.py); the softmax(q k^T) v core stays in the compute dtype.
 """
@@ -170,7 +172,10 @@ class Attention(nnx.Module):
         self.k_proj = normal_param(rngs.params(), (D, K, H), ("embed", "kv_heads", "head_dim"), std)
         self.v_proj = normal_param(rngs.params(), (D, K, H), ("embed", "kv_heads", "head_dim"), std)
         self.o_proj = normal_param(rngs.params(), (N, H, D), ("q_heads", "head_dim", "embed"), std)
-        if cfg.qk_norm:
+        if cfg.qk_norm and cfg.head_qk_norm:  # OLMo-core's use_head_qk_norm: per head
+            self.q_norm = RMSNorm((H,), ("head_dim",), cfg.norm_eps)
+            self.k_norm = RMSNorm((H,), ("head_dim",), cfg.norm_eps)
+        elif cfg.qk_norm:
             self.q_norm = RMSNorm((N, H), ("q_heads", "head_dim"), cfg.norm_eps)
             self.k_norm = RMSNorm((K, H), ("kv_heads", "head_dim"), cfg.norm_eps)
         else:

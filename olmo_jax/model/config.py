@@ -39,11 +39,18 @@ class MoEConfig:
     # Router (model/moe/router.py; every option is documented in the README's routing table).
     gating: str = "softmax"  # router.GATINGS: softmax | sigmoid | topk_softmax
     norm_topk_prob: bool = False  # softmax gating: renormalize the k weights to sum to 1
+    # sigmoid gating: renormalize the k weights to sum to 1 (OLMo-core renormalizes only
+    # with normalize_expert_weights=1; without it the weights are the raw sigmoid scores).
+    sigmoid_renorm: bool = True
+    sigmoid_eps: float = 0.0  # added to the sigmoid scores (OLMo-core's sigmoid_stability_epsilon 1e-7)
     router_weight_scale: float = 1.0  # multiplies the combine weights
     n_group: int = 1  # group-limited routing: experts split into n_group groups (1 = off) ...
     topk_group: int = 1  # ... of which the best topk_group may be chosen from
     bias_rate: float = 0.0  # > 0: auxiliary-loss-free balancing with this bias step size (0 = off)
-    routing_mode: str = "learned"  # router.ROUTING_MODES: learned | random | uniform (benchmarks)
+    # router.ROUTING_MODES: learned | random (OLMo-core: U(0,1) scores replace the gate) |
+    # random_choice (random experts, learned weights) | uniform (round-robin); all but
+    # learned: system benchmarks.
+    routing_mode: str = "learned"
     router_jitter: float = 0.0  # training only: router input *= U(1 - j, 1 + j)
     # Shared experts (always applied, added to the routed output).
     n_shared_experts: int = 0
@@ -64,7 +71,9 @@ class MoEConfig:
     z_loss_coef: float = 0.001
     lb_loss_type: str = "per_layer"  # losses.LB_LOSS_TYPES: per_layer (OLMo-core) | pooled (HF)
     # Counts the load-balancing loss sees (losses.LB_GRANULARITIES): global (summed over every
-    # device's tokens) | local (each data-parallel rank's own tokens, the losses averaged).
+    # device's tokens) | local (each data-parallel rank's own tokens, the per-rank losses
+    # averaged; OLMo-core's local_batch) | instance (each sequence's own tokens, averaged;
+    # OLMo-core's instance).
     lb_granularity: str = "global"
 
     @property
@@ -123,6 +132,22 @@ class MoEConfig:
         if self.bias_rate < 0:
             raise ConfigError(f"{prefix}.bias_rate must be >= 0 (0 = off), got {self.bias_rate}")
         check_choice(f"{prefix}.routing_mode", self.routing_mode, routing_modes, one_of=False)
+        # OLMo-core's refusals (nn/moe/v2/router.py): topk_softmax selects by the raw logits,
+        # so group masking and random scores would be silently ignored there.
+        if self.gating == "topk_softmax" and self.n_group > 1:
+            raise ConfigError(
+                f"{prefix}.n_group={self.n_group}: group-limited routing is not supported with "
+                f"{prefix}.gating=topk_softmax (as in OLMo-core); use softmax or sigmoid gating "
+                f"or set {prefix}.n_group=1"
+            )
+        if self.gating == "topk_softmax" and self.routing_mode == "random":
+            raise ConfigError(
+                f"{prefix}.routing_mode=random replaces the gate scores, which "
+                f"{prefix}.gating=topk_softmax does not select by (OLMo-core refuses it too); "
+                f"use softmax or sigmoid gating, or routing_mode=random_choice"
+            )
+        if self.sigmoid_eps < 0:
+            raise ConfigError(f"{prefix}.sigmoid_eps must be >= 0, got {self.sigmoid_eps}")
         if not 0 <= self.router_jitter < 1:
             raise ConfigError(
                 f"{prefix}.router_jitter must be in [0, 1) (0 = off), got {self.router_jitter}"
@@ -154,6 +179,10 @@ class TransformerConfig:
     rope_theta: float = 500_000.0
     norm_eps: float = 1e-5
     qk_norm: bool = True
+    head_qk_norm: bool = False  # QK-norm per head over head_dim, one [head_dim] weight (OLMo-core's use_head_qk_norm)
+    block_norm: str = "pre"  # transformer.BLOCK_NORMS: pre | post (OLMo-core's reordered norm) | peri
+    embed_scale: float = 0.0  # embeddings *= embed_scale (0 = off; OLMo-core: sqrt(d_model))
+    embedding_norm: bool = False  # RMSNorm of the (scaled) embeddings (OLMo-core's embedding_norm)
     clip_qkv: float = 0.0  # 0 = off; else clamp q, k, v to [-clip_qkv, clip_qkv]
     tie_embeddings: bool = False
     init_std: float = 0.02
@@ -215,12 +244,15 @@ class TransformerConfig:
                 f"{prefix}.n_layers={self.n_layers}]"
             )
         check_choice(f"{prefix}.dtype", self.dtype, COMPUTE_DTYPES)
+        if self.embed_scale < 0:
+            raise ConfigError(f"{prefix}.embed_scale must be >= 0 (0 = off), got {self.embed_scale}")
         if self.scan_unroll < 1:
             raise ConfigError(f"{prefix}.scan_unroll must be >= 1, got {self.scan_unroll}")
         # attention.py and transformer.py import this module: imported when used.
         from olmo_jax.model.attention import ATTENTION_IMPLS
-        from olmo_jax.model.transformer import REMATS
+        from olmo_jax.model.transformer import BLOCK_NORMS, REMATS
 
+        check_choice(f"{prefix}.block_norm", self.block_norm, BLOCK_NORMS)
         check_choice(f"{prefix}.remat", self.remat, REMATS, one_of=False)
         check_choice(f"{prefix}.attention_precision", self.attention_precision, PRECISIONS, one_of=False)
         check_choice(f"{prefix}.attention_impl", self.attention_impl, ATTENTION_IMPLS)

@@ -1,8 +1,8 @@
 """The decoder LM (Hugging Face `OlmoeForCausalLM` architecture, OLMo-core options).
 
-embed -> [dense blocks] -> [MoE blocks] -> final RMSNorm -> LM head. Each group of blocks
-is created stacked (parameters get a leading `layers` axis) and run with `lax.scan`, so
-compile time does not grow with depth. The pieces (`embed`, `run_blocks`, `head`) are
+embed [-> x embed_scale -> RMSNorm] -> [dense blocks] -> [MoE blocks] -> final RMSNorm
+-> LM head. Each group of blocks is created stacked (parameters get a leading `layers`
+axis) and run with `lax.scan`, so compile time does not grow with depth. The pieces (`embed`, `run_blocks`, `head`) are
 public so that pipeline stages can call them separately.
 """
 
@@ -26,13 +26,22 @@ from olmo_jax.model.rope import rope_tables
 
 
 class Block(nnx.Module):
-    """Pre-norm block: x + attn(norm(x)), then + ffn(norm(x)); ffn is MoE or dense."""
+    """h = x + branch(attn), then h + branch(ffn); ffn is MoE or dense. `model.block_norm`
+    places the norms as OLMo-core does (nn/ddp/block.py):
+      pre   x + f(attn_norm(x))                   (OLMo-core use_pre_norm)
+      post  x + attn_norm(f(x))                   (OLMo-core's default "reordered" norm)
+      peri  x + attn_post_norm(f(attn_norm(x)))   (OLMo-core use_peri_norm)
+    and likewise ffn_norm / ffn_post_norm around the feed-forward."""
 
     def __init__(self, cfg: TransformerConfig, moe: bool, *, rngs: nnx.Rngs, dispatcher=None):
         D = cfg.d_model
+        self.layout = cfg.block_norm
         self.attn_norm = RMSNorm((D,), ("embed",), cfg.norm_eps)
         self.attn = Attention(cfg, rngs=rngs)
         self.ffn_norm = RMSNorm((D,), ("embed",), cfg.norm_eps)
+        peri = cfg.block_norm == "peri"
+        self.attn_post_norm = RMSNorm((D,), ("embed",), cfg.norm_eps) if peri else None
+        self.ffn_post_norm = RMSNorm((D,), ("embed",), cfg.norm_eps) if peri else None
         if moe:
             self.ffn = MoELayer(cfg, rngs=rngs, dispatcher=dispatcher)
         else:
@@ -46,13 +55,26 @@ class Block(nnx.Module):
         if self.remat_attention:
             attn = nnx.remat(attn)
         with jax.named_scope("attention"):  # scopes name the HLO ops (olmo_jax/planner)
-            h_BTD = x_BTD + attn(self.attn_norm(x_BTD), cos_TH, sin_TH).astype(x_BTD.dtype)
+            a_BTD = attn(self._in(self.attn_norm, x_BTD), cos_TH, sin_TH)
+            h_BTD = x_BTD + self._out(self.attn_norm, self.attn_post_norm, a_BTD).astype(x_BTD.dtype)
+        f_in_BTD = self._in(self.ffn_norm, h_BTD)
         if self.is_moe:
-            f_BTD, stats = self.ffn(self.ffn_norm(h_BTD), rng)
+            f_BTD, stats = self.ffn(f_in_BTD, rng)
         else:
             with jax.named_scope("dense_mlp"):
-                f_BTD, stats = self.ffn(self.ffn_norm(h_BTD)), None
+                f_BTD, stats = self.ffn(f_in_BTD), None
+        f_BTD = self._out(self.ffn_norm, self.ffn_post_norm, f_BTD)
         return h_BTD + f_BTD.astype(h_BTD.dtype), stats
+
+    def _in(self, norm, x_BTD):
+        """The branch input: normed except in the post layout."""
+        return x_BTD if self.layout == "post" else norm(x_BTD)
+
+    def _out(self, norm, post_norm, y_BTD):
+        """The branch output: normed in the post (by `norm`) and peri (`post_norm`) layouts."""
+        if self.layout == "post":
+            return norm(y_BTD)
+        return y_BTD if post_norm is None else post_norm(y_BTD)
 
 
 def _stacked_blocks(cfg: TransformerConfig, n: int, moe: bool, rngs: nnx.Rngs, dispatcher):
@@ -67,6 +89,9 @@ def _stacked_blocks(cfg: TransformerConfig, n: int, moe: bool, rngs: nnx.Rngs, d
 # model.remat: none | block (each block's activations recomputed in the backward pass,
 # run_blocks) | attention (the attention sub-layer only, Block)
 REMATS = ("none", "block", "attention")
+# model.block_norm, OLMo-core's block layouts (nn/transformer/block.py, nn/ddp/block.py):
+# pre = x + f(norm(x)); post = its "reordered" norm, x + norm(f(x)); peri = x + norm(f(norm(x))).
+BLOCK_NORMS = ("pre", "post", "peri")
 
 
 @shapes.check("-> B T D, _")
@@ -102,6 +127,7 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         V, D = cfg.vocab_size, cfg.d_model
         self.embedding = normal_param(rngs.params(), (V, D), ("vocab", "embed"), cfg.init_std)
+        self.embedding_norm = RMSNorm((D,), ("embed",), cfg.norm_eps) if cfg.embedding_norm else None
         self.dense_blocks = (
             _stacked_blocks(cfg, cfg.n_dense_layers, False, rngs, None) if cfg.n_dense_layers else None
         )
@@ -116,7 +142,14 @@ class Transformer(nnx.Module):
 
     @shapes.check("-> B T D")
     def embed(self, tokens_BT: jax.Array) -> jax.Array:
-        return jnp.take(self.embedding[...], tokens_BT, axis=0).astype(self.cfg.compute_dtype)
+        """The embeddings, times model.embed_scale and RMSNormed with model.embedding_norm
+        (OLMo-core's order: scale, then norm), in float32, cast to the compute dtype."""
+        x_BTD = jnp.take(self.embedding[...], tokens_BT, axis=0)
+        if self.cfg.embed_scale:
+            x_BTD = x_BTD * jnp.float32(self.cfg.embed_scale)
+        if self.embedding_norm is not None:
+            x_BTD = self.embedding_norm(x_BTD)
+        return x_BTD.astype(self.cfg.compute_dtype)
 
     @shapes.check("-> B T D, _")
     def blocks(self, x_BTD: jax.Array, positions_T: jax.Array | None = None, rng=None):

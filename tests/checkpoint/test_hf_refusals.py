@@ -65,6 +65,9 @@ def test_legacy_rope_theta_and_missing_kv_heads_are_read():
             "model.moe.router_weight_scale=2.0",
         ),
         ({"qk_norm": False}, "model.qk_norm=False"),
+        ({"head_qk_norm": True}, "model.head_qk_norm=True"),
+        ({"block_norm": "post"}, "model.block_norm='post'"),
+        ({"embedding_norm": True}, "model.embedding_norm=True"),
         ({"head_dim": 16}, "model.head_dim=16"),
     ],
 )

@@ -123,7 +123,8 @@ def test_blocked_plan_rows_are_grouped_and_blocks_owned_by_one_expert():
     "gating,top_k,n_group,topk_group,bias,mode",
     [
         ("sigmoid", 3, 4, 2, True, "learned"),  # DeepSeek-V3 style: sigmoid, groups, bias
-        ("topk_softmax", 2, 2, 1, False, "learned"),
+        ("softmax", 2, 2, 1, False, "learned"),  # (groups with topk_softmax are refused)
+        ("topk_softmax", 2, 1, 1, False, "learned"),
         ("softmax", 2, 1, 1, False, "uniform"),
     ],
 )

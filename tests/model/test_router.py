@@ -118,24 +118,52 @@ def test_route_matches_naive_reference(gating, top_k, norm, n_group, topk_group,
     np.testing.assert_allclose(r.weights_Sk, w, atol=1e-6, rtol=0)
 
 
-def test_random_mode_draws_from_the_key_and_gradients_flow():
+def test_random_choice_mode_draws_from_the_key_and_gradients_flow():
     S, E, k = 512, 8, 2
     logits = jax.random.normal(jax.random.key(0), (S, E))
     key = jax.random.key(7)
-    r = route(logits, top_k=k, mode="random", key=key)
+    r = route(logits, top_k=k, mode="random_choice", key=key)
     # The documented draw: uniform scores from the key, then the same top-k.
     idx = naive_select(np.asarray(jax.random.uniform(key, (S, E))), k)
     np.testing.assert_array_equal(np.asarray(r.idx_Sk), idx)
     np.testing.assert_allclose(r.weights_Sk, naive_weights(logits, jnp.asarray(idx), "softmax"),
                                atol=1e-6)
-    other = route(logits, top_k=k, mode="random", key=jax.random.key(8)).idx_Sk
+    other = route(logits, top_k=k, mode="random_choice", key=jax.random.key(8)).idx_Sk
     assert (np.asarray(other) != idx).any()
     counts = np.bincount(idx.reshape(-1), minlength=E)
     assert counts.min() > 0.7 * S * k / E  # not learned: close to uniform
     # Random choice, learned weights: the gradient reaches the router logits.
-    g = jax.grad(lambda lg: jnp.sum(route(lg, top_k=k, mode="random", key=key).weights_Sk
+    g = jax.grad(lambda lg: jnp.sum(route(lg, top_k=k, mode="random_choice", key=key).weights_Sk
                                     * jnp.arange(k)))(logits)
     assert float(jnp.max(jnp.abs(g))) > 1e-3
+
+
+@pytest.mark.parametrize("gating", ["softmax", "sigmoid"])
+def test_random_mode_is_olmo_core_noise_gate(gating):
+    """OLMo-core's random_expert_assignment: U(0,1) noise replaces the gate scores: the
+    experts are its top-k, the weights are the noise there, the LB probabilities are the
+    noise (normalized for sigmoid), and no gradient reaches the logits through them."""
+    S, E, k = 64, 8, 2
+    logits = jax.random.normal(jax.random.key(0), (S, E))
+    key = jax.random.key(7)
+    r = route(logits, top_k=k, gating=gating, mode="random", key=key, sigmoid_renorm=False)
+    noise = np.asarray(jax.random.uniform(key, (S, E)))
+    idx = naive_select(noise, k)
+    np.testing.assert_array_equal(np.asarray(r.idx_Sk), idx)
+    np.testing.assert_array_equal(np.asarray(r.weights_Sk), np.take_along_axis(noise, idx, -1))
+    probs = noise if gating == "softmax" else noise / noise.sum(-1, keepdims=True)
+    np.testing.assert_allclose(r.probs_SE, probs, rtol=1e-6)
+    g = jax.grad(lambda lg: jnp.sum(route(lg, top_k=k, gating=gating, mode="random", key=key)
+                                    .weights_Sk * jnp.arange(k)))(logits)
+    assert float(jnp.max(jnp.abs(g))) == 0.0
+
+
+def test_sigmoid_without_renormalization_keeps_raw_scores():
+    logits = [0.0, ln(3), -ln(3), ln(3)]  # sigmoid 0.5, 0.75, 0.25, 0.75
+    _check(_route(logits, top_k=3, gating="sigmoid", sigmoid_renorm=False), [1, 3, 0],
+           [0.75, 0.75, 0.5])
+    r = _route(logits, top_k=2, gating="sigmoid", sigmoid_renorm=False, sigmoid_eps=1e-3)
+    np.testing.assert_allclose(r.weights_Sk[0], [0.751, 0.751], rtol=1e-6)
 
 
 @pytest.mark.parametrize("gating", ["softmax", "sigmoid", "topk_softmax"])
@@ -197,6 +225,10 @@ def test_jitter_only_with_a_key_and_bounded():
         (dict(router_jitter=1.5), "model.moe.router_jitter"),
         (dict(lb_granularity="micro"), "model.moe.lb_granularity"),
         (dict(gating="relu"), "model.moe.gating"),
+        # OLMo-core's refusals: topk_softmax selects by the raw logits.
+        (dict(num_experts=8, gating="topk_softmax", n_group=2), "model.moe.n_group"),
+        (dict(gating="topk_softmax", routing_mode="random"), "model.moe.routing_mode"),
+        (dict(sigmoid_eps=-1.0), "model.moe.sigmoid_eps"),
     ],
 )
 def test_bad_routing_configs_name_the_field(kw, field):

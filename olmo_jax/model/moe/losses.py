@@ -10,7 +10,8 @@ groups, as the batch is split over devices) without the model knowing the mesh.
   load balancing (Hugging Face, pooled over all layers):
       E * sum_i (sum_l count_li / (L * tokens)) * (sum_l prob_li / (L * tokens))
   granularity: `global` computes f and P over the whole batch; `local` computes the loss
-      per shard and averages the shards (each data-parallel rank balances its own tokens).
+      per shard and averages the shards (each data-parallel rank balances its own tokens);
+      `instance` per sequence row, averaged (OLMo-core's `instance` granularity).
   z-loss: mean over tokens of logsumexp(logits)^2, summed over layers.
 Counts carry no gradient; the gradient flows through the probabilities.
 Load metrics: max/mean routed assignments per expert (`imbalance`) and per expert-parallel
@@ -84,7 +85,7 @@ def load_balancing_per_layer(stats: RouterStats, top_k: int, shards: int = 1) ->
 LB_LOSS_TYPES = ("per_layer", "pooled")
 # model.moe.lb_granularity: the counts the LB loss sees, global (every device's tokens) | local
 # (each data-parallel shard's own, the losses averaged: load_balancing_loss's `shards`).
-LB_GRANULARITIES = ("global", "local")
+LB_GRANULARITIES = ("global", "local", "instance")
 
 
 def load_balancing_loss(stats: RouterStats, top_k: int, kind: str = "per_layer",

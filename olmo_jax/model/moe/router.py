@@ -7,25 +7,35 @@ per-expert `RouterBias`), applies router jitter and calls `route`.
 Gating (`gating`) turns logits into gate scores g and combine weights w:
   softmax       g = softmax(logits);  w = g at the chosen experts (renormalized over the
                 k when norm_topk_prob)
-  sigmoid       g = sigmoid(logits);  w = g at the chosen experts, renormalized over the k
+  sigmoid       g = sigmoid(logits) + sigmoid_eps;  w = g at the chosen experts,
+                renormalized over the k when sigmoid_renorm (OLMo-core: only with
+                normalize_expert_weights=1)
   topk_softmax  g = logits;           w = softmax over the k chosen logits only
 `probs_SE` (what the load-balancing loss sees) is softmax(logits), or for sigmoid the
 sigmoid scores normalized to sum to 1.
 
 Selection (`routing_mode`):
-  learned  the k largest of g + bias (bias: aux-loss-free balancing, selection only: it
-           never changes w and never receives a gradient);
-  random   the k largest of uniform random scores drawn from the key (benchmarks);
-  uniform  balanced round-robin: assignment a = s * k + j goes to expert a mod E, so every
-           expert receives exactly S * k / E assignments when E divides S * k (benchmarks).
-In the random and uniform modes w is still the gate computed from the router logits at
+  learned        the k largest of g + bias (bias: aux-loss-free balancing, selection
+                 only: it never changes w and never receives a gradient);
+  random         OLMo-core's random_expert_assignment: U(0, 1) noise drawn from the key
+                 replaces the gate scores g everywhere: the k largest of noise + bias are
+                 chosen, w is the noise there (renormalized as above), and the LB loss sees
+                 the noise (normalized to sum to 1 for sigmoid). No gradient reaches the
+                 router through w or the LB loss; the z-loss still sees the logits.
+  random_choice  the k largest of uniform random scores drawn from the key, but w is the
+                 gate computed from the router logits at those experts (gradients flow);
+  uniform        balanced round-robin: assignment a = s * k + j goes to expert a mod E,
+                 so every expert receives exactly S * k / E assignments when E divides
+                 S * k (OLMo-core's uniform_expert_assignment).
+In the random_choice and uniform modes w is the gate computed from the router logits at
 the assigned experts (same formulas as above), so the router weight receives gradients
 through w (and through the LB and z losses); only the choice of experts is not learned.
 
 Group-limited routing (n_group > 1, DeepSeek-V3): the experts form n_group contiguous
 groups; a group's score is the sum of its two best selection scores (its best one when a
 group has a single expert); only the topk_group best groups stay eligible, the others are
-masked to -inf before the top-k. It applies to the learned and random modes.
+masked to -inf before the top-k. It applies to the learned and both random modes, not to
+topk_softmax gating (refused, as OLMo-core refuses it).
 Ties resolve to the lower expert (or group) id, as jax.lax.top_k does.
 """
 
@@ -42,7 +52,9 @@ from olmo_jax.model.config import MoEConfig
 from olmo_jax.model.params import normal_param
 
 GATINGS = ("softmax", "sigmoid", "topk_softmax")  # model.moe.gating (gate_scores)
-ROUTING_MODES = ("learned", "random", "uniform")  # model.moe.routing_mode (route)
+# model.moe.routing_mode (route): learned | random (OLMo-core: U(0,1) scores replace the
+# gate) | random_choice (random experts, learned weights) | uniform (round-robin)
+ROUTING_MODES = ("learned", "random", "random_choice", "uniform")
 
 
 class Routing(NamedTuple):
@@ -60,14 +72,15 @@ class RouterBias(nnx.Variable):
 
 
 @shapes.check("-> S E, S E")
-def gate_scores(logits_SE: jax.Array, gating: str) -> tuple[jax.Array, jax.Array]:
+def gate_scores(logits_SE: jax.Array, gating: str, sigmoid_eps: float = 0.0
+                ) -> tuple[jax.Array, jax.Array]:
     """(scores_SE, probs_SE): the scores experts are chosen by, and the probabilities the
     load-balancing loss uses."""
     if gating == "softmax":
         probs_SE = jax.nn.softmax(logits_SE, axis=-1)
         return probs_SE, probs_SE
     if gating == "sigmoid":
-        scores_SE = jax.nn.sigmoid(logits_SE)
+        scores_SE = jax.nn.sigmoid(logits_SE) + sigmoid_eps
         return scores_SE, scores_SE / jnp.sum(scores_SE, axis=-1, keepdims=True)
     if gating == "topk_softmax":
         return logits_SE, jax.nn.softmax(logits_SE, axis=-1)
@@ -75,12 +88,13 @@ def gate_scores(logits_SE: jax.Array, gating: str) -> tuple[jax.Array, jax.Array
 
 
 @shapes.check("-> S k")
-def combine_weights(scores_SE, idx_Sk, gating: str, norm_topk_prob: bool) -> jax.Array:
+def combine_weights(scores_SE, idx_Sk, gating: str, norm_topk_prob: bool,
+                    sigmoid_renorm: bool = True) -> jax.Array:
     """The combine weights of the chosen experts from their gate scores."""
     top_Sk = jnp.take_along_axis(scores_SE, idx_Sk, axis=-1)
     if gating == "topk_softmax":
         return jax.nn.softmax(top_Sk, axis=-1)
-    if gating == "sigmoid" or norm_topk_prob:
+    if norm_topk_prob if gating == "softmax" else sigmoid_renorm:
         return top_Sk / jnp.sum(top_Sk, axis=-1, keepdims=True)
     return top_Sk
 
@@ -111,6 +125,8 @@ def route(
     top_k: int,
     gating: str = "softmax",
     norm_topk_prob: bool = False,
+    sigmoid_renorm: bool = True,
+    sigmoid_eps: float = 0.0,
     weight_scale: float = 1.0,
     bias_E: jax.Array | None = None,
     n_group: int = 1,
@@ -120,24 +136,32 @@ def route(
 ) -> Routing:
     logits_SE = logits_SE.astype(jnp.float32)
     S, E = logits_SE.shape
-    scores_SE, probs_SE = gate_scores(logits_SE, gating)
+    scores_SE, probs_SE = gate_scores(logits_SE, gating, sigmoid_eps)
+    if mode == "random":  # OLMo-core: the noise is the gate (weights and LB loss)
+        if key is None:
+            raise ValueError("routing_mode='random' needs a PRNG key")
+        if gating == "topk_softmax":
+            raise ValueError("routing_mode='random' needs softmax or sigmoid gating")
+        scores_SE = jax.random.uniform(key, (S, E), jnp.float32)
+        probs_SE = scores_SE if gating == "softmax" else \
+            scores_SE / jnp.sum(scores_SE, axis=-1, keepdims=True)
     if mode == "uniform":
         idx_Sk = round_robin(S, top_k, E)
     else:
-        if mode == "learned":
+        if mode in ("learned", "random"):
             sel_SE = scores_SE
             if bias_E is not None:
                 sel_SE = sel_SE + bias_E.astype(jnp.float32)
-        elif mode == "random":
+        elif mode == "random_choice":
             if key is None:
-                raise ValueError("routing_mode='random' needs a PRNG key")
+                raise ValueError("routing_mode='random_choice' needs a PRNG key")
             sel_SE = jax.random.uniform(key, (S, E), jnp.float32)
         else:
             raise ValueError(f"unknown routing mode {mode!r}")
         sel_SE = group_limit(jax.lax.stop_gradient(sel_SE), n_group, topk_group)
         _, idx_Sk = jax.lax.top_k(sel_SE, top_k)
     idx_Sk = idx_Sk.astype(jnp.int32)
-    weights_Sk = combine_weights(scores_SE, idx_Sk, gating, norm_topk_prob)
+    weights_Sk = combine_weights(scores_SE, idx_Sk, gating, norm_topk_prob, sigmoid_renorm)
     return Routing(logits_SE, probs_SE, weights_Sk * weight_scale, idx_Sk)
 
 
@@ -187,6 +211,8 @@ class Router(nnx.Module):
             top_k=m.top_k,
             gating=m.gating,
             norm_topk_prob=m.norm_topk_prob,
+            sigmoid_renorm=m.sigmoid_renorm,
+            sigmoid_eps=m.sigmoid_eps,
             weight_scale=m.router_weight_scale,
             bias_E=bias_E,
             n_group=m.n_group,

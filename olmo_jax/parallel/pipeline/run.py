@@ -61,7 +61,7 @@ from olmo_jax.parallel.pipeline.layout import PIPE, STAGE_KEY, Chunking
 from olmo_jax.parallel.pipeline.schedule import COL
 from olmo_jax.parallel.pipeline.stash import SavedVJP
 
-PROLOGUE_KEYS = ("embedding", "dense_blocks")  # weights stage 0 uses before chunk 0
+PROLOGUE_KEYS = ("embedding", "embedding_norm", "dense_blocks")  # weights stage 0 uses before chunk 0
 # model.remat = none: what a stashed VJP recomputes instead of keeping (cheap, and the
 # values derived from weights alone: casts, the fused qkv concatenation, reshapes).
 _RECOMPUTED = frozenset({"convert_element_type", "reshape", "transpose", "concatenate",
