@@ -19,6 +19,7 @@ class OptimConfig:
     min_lr_ratio: float = 0.1  # final lr / peak lr
     decay_fraction: float = 0.2  # wsd: fraction of steps spent decaying
     weight_decay: float = 0.1
+    decay_embeddings: bool = True  # False: no weight decay on the token embedding (OLMo-core's runs)
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8

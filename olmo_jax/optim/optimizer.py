@@ -1,25 +1,34 @@
 """The optimizer: global-norm clipping, then AdamW (optax) with weight decay on matrices
-only (norm weights are not decayed), or (`optim.name=muon`) Muon on the weight matrices
+only (norm weights are not decayed; the token embedding too unless optim.decay_embeddings
+is False, as in OLMo-core's reference runs), or (`optim.name=muon`) Muon on the weight matrices
 (optim/muon.py) and that AdamW on everything else (embeddings, LM head, norms, router)."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import optax
 
+from olmo_jax.model.params import path_name
 from olmo_jax.optim.muon import muon_labels, scale_by_muon
 from olmo_jax.optim.schedules import lr_schedule
 
 OPTIMIZERS = ("adamw", "muon")  # optim.name
 
 
-def decay_mask(params):
-    return jax.tree.map(lambda p: p.ndim >= 2, params)
+def decay_mask(params, decay_embeddings: bool = True):
+    """True for the weights AdamW decays: matrices, the token embedding only if asked."""
+    def decays(path, p):
+        embedding = path_name(path).split("/")[-1] == "embedding"
+        return p.ndim >= 2 and (decay_embeddings or not embedding)
+
+    return jax.tree_util.tree_map_with_path(decays, params)
 
 
 def _adamw(o, schedule):
     return optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
-                       mask=decay_mask)
+                       mask=functools.partial(decay_mask, decay_embeddings=o.decay_embeddings))
 
 
 def _muon(o, schedule):
