@@ -61,8 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="olmo_jax checkpoint -> OLMo-core olmo3moe Hugging Face folder")
     d.add_argument("--ckpt", required=True, help="run folder, checkpoints folder or step folder")
     d.add_argument("--out", required=True, help="new (or empty) output folder")
-    d.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                   help="tensor dtype (default: the source model's, else float32)")
+    d.add_argument("--dtype", default=None,
+                   help="tensor dtype: olmo_jax.model.config.DTYPES (default: the source "
+                   "model's, else float32)")
     u = sub.add_parser("upcycle", help="dense olmo_jax checkpoint -> MoE (copies of the MLPs)")
     u.add_argument("--ckpt", required=True, help="run folder, checkpoints folder or step folder")
     u.add_argument("--out", required=True, help="new (or empty) output folder")
@@ -164,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.command == "orbax-to-olmo3moe":
                 from olmo_jax.checkpoint import olmo3moe
 
+                hf.check_dtype(args.dtype)
                 olmo3moe.from_orbax(args.ckpt, args.out, args.dtype)
             else:
                 hf.orbax_to_hf(args.ckpt, args.out, args.dtype)

@@ -58,13 +58,15 @@ def flops_per_token(cfg: TransformerConfig, seq_len: int) -> float:
 def param_counts(cfg: TransformerConfig) -> tuple[int, int]:
     """(total, active) parameters. Active counts the top-k routed experts per token."""
     D, V, m = cfg.d_model, cfg.vocab_size, cfg.moe
-    attn = attention_params(cfg) + (cfg.n_heads + cfg.kv_heads) * cfg.head_size * cfg.qk_norm
-    norms = 2 * D
+    # QK-norm weights: over the whole q / k projections, or one [head_dim] each per head.
+    qk_norm = 2 * cfg.head_size if cfg.head_qk_norm else (cfg.n_heads + cfg.kv_heads) * cfg.head_size
+    attn = attention_params(cfg) + qk_norm * cfg.qk_norm
+    norms = (4 if cfg.block_norm == "peri" else 2) * D  # peri: a norm before and after each branch
     expert = 3 * D * m.expert_hidden
     shared = 3 * D * m.shared_hidden * m.n_shared_experts
     moe_common = attn + norms + D * m.num_experts + shared
     dense_block = attn + norms + 3 * D * cfg.dense_hidden_size
-    embed = V * D * (1 if cfg.tie_embeddings else 2) + D
+    embed = V * D * (1 if cfg.tie_embeddings else 2) + D * (2 if cfg.embedding_norm else 1)
     total = embed + cfg.n_dense_layers * dense_block
     total += cfg.n_moe_layers * (moe_common + m.num_experts * expert)
     active = embed + cfg.n_dense_layers * dense_block

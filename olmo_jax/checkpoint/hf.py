@@ -48,7 +48,7 @@ _LAYER = "model.layers.{l}."
 _EXPERT = _LAYER + "mlp.experts.{e}."
 
 
-class _Tensors:
+class Tensors:
     """Takes named tensors out of a checkpoint, checking shapes; reports leftovers."""
 
     def __init__(self, tensors: dict[str, np.ndarray], where: str):
@@ -78,7 +78,7 @@ class _Tensors:
 
 def hf_to_params(tensors: dict[str, np.ndarray], cfg: TransformerConfig, where: str) -> dict:
     """The nested dict of our (float32) parameters from HF tensors."""
-    t = _Tensors(tensors, where)
+    t = Tensors(tensors, where)
     L, V, D = cfg.n_layers, cfg.vocab_size, cfg.d_model
     N, K, H = cfg.n_heads, cfg.kv_heads, cfg.head_size
     E, F = cfg.moe.num_experts, cfg.moe.expert_hidden
@@ -260,7 +260,7 @@ def load_model(hf_dir: str | Path) -> HFModel:
     return HFModel.from_params(cfg, params, hf_config=hf_config)
 
 
-def _split_module(model) -> tuple[TransformerConfig, nnx.State, nnx.State, dict | None]:
+def split_module(model) -> tuple[TransformerConfig, nnx.State, nnx.State, dict | None]:
     if isinstance(model, HFModel):
         return model.config, model.params, model.model_state, model.hf_config
     if isinstance(model, Transformer):
@@ -297,7 +297,7 @@ def check_dtype(dtype: str | None) -> None:
 def save_model(model, out_dir: str | Path, dtype: str | None = None) -> None:
     """Writes config.json + safetensors that `OlmoeForCausalLM.from_pretrained` loads.
     `dtype` (float32 | bfloat16 | float16) defaults to the source config's, else float32."""
-    cfg, params, model_state, hf_config = _split_module(model)
+    cfg, params, model_state, hf_config = split_module(model)
     _export(cfg, params, model_state, hf_config, Path(out_dir), dtype)
 
 
@@ -353,7 +353,7 @@ def run_config(cfg: TransformerConfig, tokenizer: str = "") -> ml_collections.Co
     return c
 
 
-def _require_empty(path: Path, flag: str) -> None:
+def require_empty(path: Path, flag: str) -> None:
     if path.exists() and any(path.iterdir()):
         raise CheckpointError(f"{flag} {path} is not empty; choose a new folder or empty it")
 
@@ -362,7 +362,7 @@ def hf_to_orbax(hf_dir: str | Path, out_dir: str | Path) -> Path:
     """{out}/checkpoints/0 (model weights, configs) and {out}/config.py; returns the
     config file's path. A tokenizer.json next to the weights is copied and configured."""
     hf_dir, out_dir = Path(hf_dir), Path(out_dir).absolute()
-    _require_empty(out_dir, "--out")
+    require_empty(out_dir, "--out")
     model = load_model(hf_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = ""
@@ -424,5 +424,5 @@ def load_checkpoint(ckpt: str | Path) -> HFModel:
 def orbax_to_hf(ckpt: str | Path, out_dir: str | Path, dtype: str | None = None) -> None:
     out_dir = Path(out_dir)
     check_dtype(dtype)
-    _require_empty(out_dir, "--out")
+    require_empty(out_dir, "--out")
     save_model(load_checkpoint(ckpt), out_dir, dtype)

@@ -53,9 +53,9 @@ from olmo_jax.checkpoint.errors import CheckpointError
 from olmo_jax.checkpoint.hf import (
     DTYPES,
     HFModel,
-    _require_empty,
-    _split_module,
-    _Tensors,
+    require_empty,
+    split_module,
+    Tensors,
     load_checkpoint,
     save_init_checkpoint,
 )
@@ -223,7 +223,7 @@ def _swiglu_names(prefix: str) -> dict[str, str]:
 
 def to_params(tensors: dict[str, np.ndarray], cfg: TransformerConfig, where: str) -> dict:
     """The nested dict of our (float32) parameters from olmo3moe tensors."""
-    t = _Tensors(tensors, where)
+    t = Tensors(tensors, where)
     V, D = cfg.vocab_size, cfg.d_model
     N, K, H = cfg.n_heads, cfg.kv_heads, cfg.head_size
     m = cfg.moe
@@ -358,7 +358,7 @@ def load_model(folder: str | Path) -> HFModel:
 
 def save_model(model, out_dir: str | Path, dtype: str | None = None) -> None:
     """Writes the olmo3moe folder OLMo-core's `convert_olmo3moe_state_from_hf` reads."""
-    cfg, params, model_state, hf_config = _split_module(model)
+    cfg, params, model_state, hf_config = split_module(model)
     leftover = flatten_named(model_state)
     if leftover:
         raise CheckpointError(f"olmo3moe export: the model has state olmo3moe cannot hold "
@@ -376,7 +376,7 @@ def save_model(model, out_dir: str | Path, dtype: str | None = None) -> None:
 def to_orbax(folder: str | Path, out_dir: str | Path) -> Path:
     """{out}/checkpoints/0 and {out}/config.py of an olmo3moe folder; returns the config."""
     folder, out_dir = Path(folder), Path(out_dir).absolute()
-    _require_empty(out_dir, "--out")
+    require_empty(out_dir, "--out")
     model = load_model(folder)
     out_dir.mkdir(parents=True, exist_ok=True)
     return save_init_checkpoint(out_dir, model, folder.absolute(), "olmo3moe-to-orbax",
@@ -385,5 +385,5 @@ def to_orbax(folder: str | Path, out_dir: str | Path) -> Path:
 
 def from_orbax(ckpt: str | Path, out_dir: str | Path, dtype: str | None = None) -> None:
     out_dir = Path(out_dir)
-    _require_empty(out_dir, "--out")
+    require_empty(out_dir, "--out")
     save_model(load_checkpoint(ckpt), out_dir, dtype)

@@ -52,7 +52,7 @@ def rewrite(ckpt, out_dir, transform: Callable, command: str, what: str):
     """(source model, new model, config path). `transform(cfg, params, state)` -> (new cfg,
     new params, new state), on flat numpy dicts."""
     out_dir = Path(out_dir)
-    hf._require_empty(out_dir, "--out")
+    hf.require_empty(out_dir, "--out")
     source = hf.load_checkpoint(ckpt)
     cfg, params, state = transform(source.config, flat_numpy(source.params),
                                    flat_numpy(source.model_state))
