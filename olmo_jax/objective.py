@@ -1,7 +1,7 @@
 """The training objective: the loss of a (micro)batch, as parts that sum over the devices
 the batch is split across, and the interface of the parallel plan it runs under.
 
-    parts = forward_losses(graphdef, params, model_state, batch_BT1, cfg, rng, plan)
+    parts = forward_losses(graphdef, params, model_state, batch_BX, cfg, rng, plan)
     loss = total_loss(parts, cfg)     # CE mean + lb_loss_coef * LB + z_loss_coef * z
 
 `LossParts` holds sums (cross-entropy, tokens) and the router losses and counts of every
@@ -9,7 +9,7 @@ MoE layer, so microbatches and pipeline stages add them up and the step divides 
 `plan.allsum` / `plan.allgather` sum / stack over the devices holding other parts of the
 batch, so every loss is the one a single device computes on the whole batch; with
 `model.moe.lb_granularity = local` each device's load-balancing loss comes from its own
-tokens and the losses are averaged. Per-shard expert counts (`counts_LGE`, one row per
+tokens and the losses are averaged. Per-shard expert counts (`counts_LPE`, one row per
 device's batch slice) feed the local imbalance metrics.
 
 The plan, as the objective and the train / eval steps (trainer/step.py) see it, is a
@@ -46,13 +46,13 @@ class LossParts(NamedTuple):
     z_loss: jax.Array
     lb_L: jax.Array  # per MoE layer: OLMo-core LB loss (at the configured granularity)
     z_L: jax.Array  # per MoE layer: z-loss
-    counts_LGE: jax.Array  # routed assignments per MoE layer, batch shard and expert
+    counts_LPE: jax.Array  # routed assignments per MoE layer, batch shard and expert
     dropped_L: jax.Array  # per MoE layer: assignments dropped at capacity
     lm_z_sum: jax.Array  # summed logsumexp(logits)^2 over the labelled tokens (LM z-loss)
 
     @property
     def counts_LE(self) -> jax.Array:
-        return jnp.sum(self.counts_LGE, axis=1)
+        return jnp.sum(self.counts_LPE, axis=1)
 
 
 # ---- the parallel plan, as the objective and the steps see it ------------------------------
@@ -163,12 +163,12 @@ def cross_entropy_sum(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array
     return cross_entropy_sums(logits_BTV, targets_BT)[0]
 
 
-def forward_losses(graphdef, params, model_state, batch_BT1, cfg: TransformerConfig,
+def forward_losses(graphdef, params, model_state, batch_BX, cfg: TransformerConfig,
                    rng=None, parallel: BatchReduction = SINGLE_DEVICE) -> LossParts:
-    """LossParts of token windows `batch_BT1` (inputs [:, :-1], targets [:, 1:]). `rng`: a
+    """LossParts of token windows `batch_BX` (inputs [:, :-1], targets [:, 1:]). `rng`: a
     key in training (router jitter, random routing)."""
     model = nnx.merge(graphdef, params, model_state)
-    inputs_BT, targets_BT = batch_BT1[:, :-1], batch_BT1[:, 1:]
+    inputs_BT, targets_BT = batch_BX[:, :-1], batch_BX[:, 1:]
     out = model(inputs_BT, rng=rng)
     return loss_parts(out.logits_BTV, targets_BT, out.router_stats, cfg, parallel)
 
@@ -202,7 +202,7 @@ def routing_parts(stats: RouterStats | None, cfg: TransformerConfig,
     if stats is None:
         zero, none = jnp.zeros((), jnp.float32), jnp.zeros((0,), jnp.float32)
         return dict(lb_loss=zero, z_loss=zero, lb_L=none, z_L=none, dropped_L=none,
-                    counts_LGE=jnp.zeros((0, 1, m.num_experts), jnp.float32))
+                    counts_LPE=jnp.zeros((0, 1, m.num_experts), jnp.float32))
     global_stats = parallel.allsum(stats)
     if m.lb_granularity in ("local", "instance"):  # each shard's (row's) loss, averaged
         rows = 1 if m.lb_granularity == "local" else stats.counts_LBE.shape[-2]
@@ -213,13 +213,13 @@ def routing_parts(stats: RouterStats | None, cfg: TransformerConfig,
         lb = load_balancing_loss(global_stats, m.top_k, m.lb_loss_type)
         lb_L = load_balancing_per_layer(global_stats, m.top_k)
     z_L = z_loss_per_layer(global_stats)
-    counts_GLE = parallel.allgather(stats.counts_E)
+    counts_PLE = parallel.allgather(stats.counts_E)
     return dict(
         lb_loss=lb,
         z_loss=jnp.sum(z_L),
         lb_L=lb_L,
         z_L=z_L,
-        counts_LGE=jnp.swapaxes(counts_GLE, 0, 1),
+        counts_LPE=jnp.swapaxes(counts_PLE, 0, 1),
         dropped_L=global_stats.dropped,
     )
 

@@ -3,8 +3,8 @@ loader that turns them into deterministic, step-addressed global batches (grain:
 pipeline.py), and the named eval sets (build.py).
 
     data = build_data(cfg.data, seq_len, global_batch_size, seed)
-    for step, batch_BL in data.train.iterate():  # int32 [B, seq_len + 1]
-        inputs, targets = batch_BL[:, :-1], batch_BL[:, 1:]  # targets < 0: olmo_jax/labels.py
+    for step, batch_BX in data.train.iterate():  # int32 [B, seq_len + 1]
+        inputs, targets = batch_BX[:, :-1], batch_BX[:, 1:]  # targets < 0: olmo_jax/labels.py
 """
 
 from olmo_jax.data.build import Data, build_data, default_cache_dir

@@ -85,10 +85,10 @@ class TokenWindows:
 
     def read(self, window_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """Windows `window_ids` stacked, int32 [len(window_ids), seq_len + 1]."""
-        windows_NL = np.empty((len(window_ids), self.seq_len + 1), dtype=np.int32)
+        windows_BX = np.empty((len(window_ids), self.seq_len + 1), dtype=np.int32)
         for row, window_id in enumerate(window_ids):
-            windows_NL[row] = self.window(int(window_id))
-        return windows_NL
+            windows_BX[row] = self.window(int(window_id))
+        return windows_BX
 
 
 def split_windows(
@@ -166,8 +166,8 @@ class BatchLoader:
         if step < 0:
             raise IndexError(f"step {step} must be non-negative")
         row_ids = np.arange(self.global_batch_size)[rows if rows is not None else slice(None)]
-        positions_R = step * self.global_batch_size + row_ids
-        return self.windows.read([self._order[int(p)] for p in positions_R])
+        positions_B = step * self.global_batch_size + row_ids
+        return self.windows.read([self._order[int(p)] for p in positions_B])
 
     def stream(self, rows: np.ndarray | None = None, prefetch: int = 0) -> BatchStream:
         """Rows `rows` (default all) of the batches from `self.step` on, read ahead

@@ -13,7 +13,7 @@ each owned by one data-parallel rank (muon.py, `optimizer_args`).
     graphdef, state = init_state(model_cfg, tx, seed, dispatcher=plan.dispatcher)
     shardings = plan.state_shardings(state, tx)
     step = plan.jit_train_step(make_train_step(..., parallel=plan), shardings)
-    state, metrics = step(state, plan.place_batch(batch_BT1))
+    state, metrics = step(state, plan.place_batch(batch_BX))
 
 Batch layout: a global batch [B, T+1] is placed as [grad_accum, B / grad_accum, T+1]
 with the middle axis split over data x expert, so microbatch i is the same set of
@@ -134,12 +134,12 @@ class ParallelPlan:
         check_batch(global_batch, self.mesh, ga, "the batch")
         return ga, global_batch // ga, seq_len + 1
 
-    def place_batch(self, batch_BT1, grad_accum: int | None = None) -> jax.Array:
+    def place_batch(self, batch_BX, grad_accum: int | None = None) -> jax.Array:
         """[B, T+1] host (or device) tokens -> `batch_shape` on the mesh."""
-        batch_BT1 = np.asarray(batch_BT1)
-        B, T1 = batch_BT1.shape
+        batch_BX = np.asarray(batch_BX)
+        B, T1 = batch_BX.shape
         shape = self.batch_shape(B, T1 - 1, grad_accum)
-        return jax.device_put(batch_BT1.reshape(shape), self.batch_sharding())
+        return jax.device_put(batch_BX.reshape(shape), self.batch_sharding())
 
     def jit_train_step(self, train_step, state_shardings):
         """train_step(state, batch) -> (state, metrics) jitted for this mesh: state in and
@@ -187,7 +187,7 @@ class ParallelPlan:
         return zero.gather(params, self.layouts) if self.strategy == "ddp" else params
 
     def shard_grads(self, grads_and_parts):
-        """grads_and_parts(params, model_state, batch_BT1, rng) -> (grads, parts), written
+        """grads_and_parts(params, model_state, batch_BX, rng) -> (grads, parts), written
         for one device, becomes a function of the global (stored) arrays: grads come back in
         the params' storage placement, parts (already allsum'ed) replicated. Each batch
         shard draws its randomness (router jitter, random routing) from `rng` folded with
@@ -212,7 +212,7 @@ class ParallelPlan:
         )
 
     def shard_eval(self, eval_step):
-        """eval_step(params, model_state, batch_BT1) -> replicated sums, on the mesh."""
+        """eval_step(params, model_state, batch_BX) -> replicated sums, on the mesh."""
 
         @self._for_target
         def local(params, model_state, batch):

@@ -80,12 +80,12 @@ def _placer(plan, seq_len: int):
 
 def _train_stream(plan, loader, seq_len: int, prefetch: int):
     """(stream, place_rows): this process's rows of each training batch, read ahead by
-    grain (data/pipeline.py), and place_rows(rows_RL) -> the global batch on the plan's
+    grain (data/pipeline.py), and place_rows(rows_BX) -> the global batch on the plan's
     sharding."""
     shape, sharding = plan.batch_shape(loader.global_batch_size, seq_len), plan.batch_sharding()
     row_ids = distributed.local_rows(shape, sharding)
-    def place_rows(rows_RL):
-        return distributed.place_batch(distributed.rows_reader(row_ids, rows_RL), shape, sharding)
+    def place_rows(rows_BX):
+        return distributed.place_batch(distributed.rows_reader(row_ids, rows_BX), shape, sharding)
     return loader.stream(row_ids, prefetch), place_rows
 
 
@@ -251,10 +251,10 @@ def _step_runner(compiled, stream, place_rows, profiler: StepProfiler):
     """run_step(state, step) -> (state, metrics): the compiled step on the stream's next
     batch (which is step `step`'s), traced when trainer.profile_steps asks."""
     def run_step(state, step):
-        batch_step, rows_RL = next(stream)
+        batch_step, rows_BX = next(stream)
         assert batch_step == step, (batch_step, step)
         with profiler.step(step + 1):
-            return compiled(state, place_rows(rows_RL))
+            return compiled(state, place_rows(rows_BX))
     return run_step
 
 

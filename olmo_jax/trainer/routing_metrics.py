@@ -24,20 +24,20 @@ PER_BLOCK = ("expert_imbalance", "expert_imbalance_local", "rank_imbalance", "lb
 
 
 def routing_metrics(parts, *, expert_ranks: int = 1, first_block: int = 0) -> dict[str, jax.Array]:
-    """`parts`: the step's LossParts (lb_loss, z_loss, lb_L, z_L, counts_LGE, dropped_L)."""
-    counts_LGE = parts.counts_LGE
-    L, _, E = counts_LGE.shape
+    """`parts`: the step's LossParts (lb_loss, z_loss, lb_L, z_L, counts_LPE, dropped_L)."""
+    counts_LPE = parts.counts_LPE
+    L, _, E = counts_LPE.shape
     out = {"lb_loss": parts.lb_loss, "z_loss": parts.z_loss}
     if L == 0:
         one, zero = jnp.ones((), jnp.float32), jnp.zeros((), jnp.float32)
         out |= {"expert_imbalance": one, "expert_imbalance_local": one, "rank_imbalance": one,
                 "dropped_frac": zero, "expert_counts": jnp.zeros((0, E), jnp.float32)}
         return out
-    counts_LE = jnp.sum(counts_LGE, axis=1)
+    counts_LE = jnp.sum(counts_LPE, axis=1)
     routed_L = jnp.maximum(jnp.sum(counts_LE, axis=-1), 1.0)
     block = {
         "expert_imbalance": imbalance(counts_LE),
-        "expert_imbalance_local": jnp.max(imbalance(counts_LGE), axis=-1),
+        "expert_imbalance_local": jnp.max(imbalance(counts_LPE), axis=-1),
         "rank_imbalance": imbalance(rank_counts(counts_LE, expert_ranks)),
         "lb_loss": parts.lb_L,
         "z_loss": parts.z_L,

@@ -1,8 +1,9 @@
 """The pure training and evaluation steps.
 
-    train_step(state, batch_BT1) -> (state, metrics)
+    train_step(state, batch_BX) -> (state, metrics)
 
-`batch_BT1` holds token windows of seq_len + 1 (inputs = [:, :-1], targets = [:, 1:]).
+`batch_BX` holds rows of seq_len + 1 ints (inputs = [:, :-1], targets = [:, 1:]; a target < 0
+is a label sentinel, olmo_jax/labels.py).
 Gradient accumulation splits the batch into `grad_accum` microbatches inside the step
 (a `lax.scan`, gradients summed in float32). Metrics stay on the device; the host reads
 them only when it logs. Training randomness comes from TrainState.rng folded with the step;
@@ -45,11 +46,11 @@ def make_grads_fn(graphdef, cfg: TransformerConfig, grad_accum: int = 1,
     grad_fn = (jax.value_and_grad(loss_fn, has_aux=True) if pipeline is None  # else: the
                else pipeline.grad_fn(graphdef, cfg, parallel))  # stages' schedule
 
-    def grads_and_parts(params, model_state, batch_BT1, rng):
+    def grads_and_parts(params, model_state, batch_BX, rng):
         if grad_accum == 1:
-            (_, parts), grads = grad_fn(params, model_state, batch_BT1, rng)
+            (_, parts), grads = grad_fn(params, model_state, batch_BX, rng)
             return grads, parts
-        micro = batch_BT1.reshape(grad_accum, -1, batch_BT1.shape[-1])
+        micro = batch_BX.reshape(grad_accum, -1, batch_BX.shape[-1])
         keys = jax.random.split(rng, grad_accum)
 
         def body(acc, xs):
@@ -78,10 +79,10 @@ def make_train_step(graphdef, cfg: TransformerConfig, tx: optax.GradientTransfor
     ranks (rank_imbalance)."""
     grads_and_parts = make_grads_fn(graphdef, cfg, grad_accum, parallel)
 
-    def train_step(state: TrainState, batch_BT1: jax.Array):
+    def train_step(state: TrainState, batch_BX: jax.Array):
         # Training randomness (router jitter, random routing): the state's key and the step.
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-        grads, parts = grads_and_parts(state.params, state.model_state, batch_BT1, rng)
+        grads, parts = grads_and_parts(state.params, state.model_state, batch_BX, rng)
         grad_norm = optax.tree.norm(grads)
         extra = parallel.optimizer_args()  # Muon's owners on a mesh
         with jax.named_scope("optimizer"):
@@ -109,10 +110,10 @@ def make_train_step(graphdef, cfg: TransformerConfig, tx: optax.GradientTransfor
 
 
 def make_eval_step(graphdef, cfg: TransformerConfig, parallel: Plan = SINGLE_DEVICE):
-    """eval_step(params, model_state, batch_BT1) -> (ce_sum, n_tokens) of the batch."""
+    """eval_step(params, model_state, batch_BX) -> (ce_sum, n_tokens) of the batch."""
 
-    def eval_step(params, model_state, batch_BT1):
-        parts = forward_losses(graphdef, parallel.use_params(params), model_state, batch_BT1,
+    def eval_step(params, model_state, batch_BX):
+        parts = forward_losses(graphdef, parallel.use_params(params), model_state, batch_BX,
                                cfg, parallel=parallel)
         return parts.ce_sum, parts.n_tokens
 

@@ -51,6 +51,6 @@ def test_build_data_defaults_to_the_corpus(corpus_path: Path):
     assert isinstance(data.tokenizer, ByteTokenizer) and data.vocab_size == 384
     assert data.windows.files[0].path == corpus_path
     assert data.eval is None  # data.eval_fraction defaults to 0: no silent hold-out
-    batch_BL = data.train.batch(0)
-    assert batch_BL.shape == (16, 513) and batch_BL.max() <= ByteTokenizer.eos_id
+    batch_BX = data.train.batch(0)
+    assert batch_BX.shape == (16, 513) and batch_BX.max() <= ByteTokenizer.eos_id
     assert "def " in data.tokenizer.decode(data.train.batch(1).ravel())

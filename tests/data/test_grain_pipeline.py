@@ -84,11 +84,11 @@ def test_local_rows_are_the_rows_the_devices_hold():
     np.testing.assert_array_equal(distributed.local_rows((16, 9), batch), np.arange(16))
     microbatched = NamedSharding(mesh, PartitionSpec(None, "data", None))  # expert devices repeat rows
     np.testing.assert_array_equal(distributed.local_rows((2, 8, 9), microbatched), np.arange(16))
-    rows_RL = np.arange(16 * 9).reshape(16, 9)
-    placed = distributed.place_batch(distributed.rows_reader(np.arange(16), rows_RL), (16, 9), batch)
-    np.testing.assert_array_equal(np.asarray(placed), rows_RL)
+    rows_BX = np.arange(16 * 9).reshape(16, 9)
+    placed = distributed.place_batch(distributed.rows_reader(np.arange(16), rows_BX), (16, 9), batch)
+    np.testing.assert_array_equal(np.asarray(placed), rows_BX)
     with pytest.raises(ValueError, match="not all among the rows read"):
-        distributed.rows_reader(np.array([0, 2]), rows_RL[:2])(np.array([1]))
+        distributed.rows_reader(np.array([0, 2]), rows_BX[:2])(np.array([1]))
 
 
 def test_eval_sets_are_whole_files_in_a_fixed_order(tmp_path: Path):

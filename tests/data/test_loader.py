@@ -36,9 +36,9 @@ def identity_files(tmp_path: Path, lengths: list[int]) -> list[TokenFile]:
     return files
 
 
-def window_ids_of(windows: TokenWindows, batch_BL: np.ndarray) -> list[int]:
+def window_ids_of(windows: TokenWindows, batch_BX: np.ndarray) -> list[int]:
     first_token_to_id = {int(windows.window(i)[0]): i for i in range(len(windows))}
-    return [first_token_to_id[int(row[0])] for row in batch_BL]
+    return [first_token_to_id[int(row[0])] for row in batch_BX]
 
 
 @pytest.fixture

@@ -275,7 +275,7 @@ def _fields(carry, names) -> tuple:
 
 
 class _Ticks:
-    """One trace of a schedule over a step's microbatches (rows of batch_BT1 split in M, in
+    """One trace of a schedule over a step's microbatches (rows of batch_BX split in M, in
     order): the scan over the table's ticks, a tick (its stage's op, then the sends to the
     neighbouring stages) and the FWD op, shared by training (_TrainTicks, which
     adds BWD) and evaluation (_EvalTicks). The FWD op runs chunk k = v * P + s: at k = 0 the
@@ -287,10 +287,10 @@ class _Ticks:
     FIRST: tuple[str, ...] = ()
     HEAD: tuple[str, ...] = ()
 
-    def __init__(self, prog: StageProgram, schedule: sched_lib.Schedule, batch_BT1):
+    def __init__(self, prog: StageProgram, schedule: sched_lib.Schedule, batch_BX):
         cfg = prog.cfg
         self.prog, self.cfg, self.M, self.slots = prog, cfg, schedule.microbatches, schedule.slots
-        self.micro = batch_BT1.reshape(self.M, -1, batch_BT1.shape[-1])
+        self.micro = batch_BX.reshape(self.M, -1, batch_BX.shape[-1])
         T = self.micro.shape[-1] - 1
         self.cos_TH, self.sin_TH = rope_tables(jnp.arange(T), cfg.head_size, cfg.rope_theta)
 
@@ -357,13 +357,13 @@ class _TrainTicks(_Ticks):
     FIRST = ("prologue",)
     HEAD = ("bwd_in", "g_head", "parts")
 
-    def __init__(self, prog: StageProgram, schedule: sched_lib.Schedule, batch_BT1, rng):
-        super().__init__(prog, schedule, batch_BT1)
-        self.keys_M = None if rng is None else jax.random.split(rng, self.M)
+    def __init__(self, prog: StageProgram, schedule: sched_lib.Schedule, batch_BX, rng):
+        super().__init__(prog, schedule, batch_BX)
+        self.keys_I = None if rng is None else jax.random.split(rng, self.M)
         self.pro_saver, self.body_saver = SavedVJP(), SavedVJP()
 
     def key_of(self, m):
-        return None if self.keys_M is None else self.keys_M[m]
+        return None if self.keys_I is None else self.keys_I[m]
 
     # ---- the forward pieces through jax.vjp (used by the probe and the FWD op) ----------
     def prologue_vjp(self, m):
@@ -523,14 +523,14 @@ class _EvalTicks(_Ticks):
 
 def make_grad_fn(schedule: sched_lib.Schedule, chunks: Chunking, graphdef, cfg: TransformerConfig,
                  ops: Plan):
-    """grad_fn(params, model_state, batch_BT1, rng) -> ((loss, LossParts), grads): the mean
-    over the schedule's M microbatches (rows of batch_BT1 split in M, in order), like
+    """grad_fn(params, model_state, batch_BX, rng) -> ((loss, LossParts), grads): the mean
+    over the schedule's M microbatches (rows of batch_BX split in M, in order), like
     M-step gradient accumulation on one device; params / grads in the compute layout."""
     table = np.asarray(schedule.table)
 
-    def grad_fn(params, model_state, batch_BT1, rng):
+    def grad_fn(params, model_state, batch_BX, rng):
         prog = StageProgram(graphdef, cfg, chunks, params, model_state, ops)
-        ticks = _TrainTicks(prog, schedule, batch_BT1, rng)
+        ticks = _TrainTicks(prog, schedule, batch_BX, rng)
         return ticks.result(ticks.run(ticks.init_carry(), table), params)
 
     return grad_fn
@@ -538,15 +538,15 @@ def make_grad_fn(schedule: sched_lib.Schedule, chunks: Chunking, graphdef, cfg: 
 
 def make_eval_fn(stages: int, virtual: int, microbatches: int, chunks: Chunking, graphdef,
                  cfg: TransformerConfig, ops: Plan):
-    """eval_fn(params, model_state, batch_BT1) -> (ce_sum, n_tokens): forwards only, the
+    """eval_fn(params, model_state, batch_BX) -> (ce_sum, n_tokens): forwards only, the
     local rows split into `microbatches` when they divide (else one)."""
 
-    def eval_fn(params, model_state, batch_BT1):
-        rows = batch_BT1.shape[0]
+    def eval_fn(params, model_state, batch_BX):
+        rows = batch_BX.shape[0]
         M = microbatches if rows % microbatches == 0 else 1
         schedule = sched_lib.forward_only(stages, virtual, M)
         prog = StageProgram(graphdef, cfg, chunks, params, model_state, ops)
-        ticks = _EvalTicks(prog, schedule, batch_BT1)
+        ticks = _EvalTicks(prog, schedule, batch_BX)
         return jax.lax.psum(ticks.run(ticks.init_carry(), schedule.table).sums, PIPE)
 
     return eval_fn
