@@ -12,6 +12,7 @@ from olmo_jax import config as config_lib
 from olmo_jax.checkpoint import hf
 from olmo_jax.config import SECTIONS, default_config, get_path, has_path, parse, set_path, validate
 from olmo_jax.kernels import GMM_IMPLS
+from olmo_jax.labels import INSTANCES
 from olmo_jax.model.attention import ATTENTION_IMPLS
 from olmo_jax.model.config import COMPUTE_DTYPES, DTYPES, RUN_DEFAULT, ConfigError, TransformerConfig
 from olmo_jax.model.moe.losses import LB_GRANULARITIES, LB_LOSS_TYPES
@@ -22,7 +23,6 @@ from olmo_jax.optim.optimizer import OPTIMIZERS
 from olmo_jax.optim.schedules import SCHEDULES as LR_SCHEDULES
 from olmo_jax.parallel.expert import BACKENDS
 from olmo_jax.parallel.pipeline.schedule import SCHEDULES
-from olmo_jax.labels import INSTANCES
 from olmo_jax.parallel.rules import STRATEGIES
 from olmo_jax.trainer.guard import POLICIES
 from olmo_jax.trainer.sinks import LOGGERS, WANDB_MODES

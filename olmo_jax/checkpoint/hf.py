@@ -251,13 +251,19 @@ class HFModel:
         return self._forward(self.params, self.model_state, jnp.asarray(input_ids, jnp.int32))
 
 
+def load_folder(folder: str | Path, config_from, params_from) -> HFModel:
+    """A config.json + safetensors folder as an HFModel: `config_from(hf_config, where)`
+    reads its model config, `params_from(tensors, cfg, where)` its parameters."""
+    folder = Path(folder)
+    hf_config = safetensors_io.read_config(folder)
+    cfg = config_from(hf_config, str(folder / "config.json"))
+    params = params_from(safetensors_io.read_tensors(folder), cfg, str(folder))
+    return HFModel.from_params(cfg, params, hf_config=hf_config)
+
+
 def load_model(hf_dir: str | Path) -> HFModel:
     """A Hugging Face OLMoE folder (config.json + safetensors) as an HFModel."""
-    hf_dir = Path(hf_dir)
-    hf_config = safetensors_io.read_config(hf_dir)
-    cfg = from_hf_config(hf_config, str(hf_dir / "config.json"))
-    params = hf_to_params(safetensors_io.read_tensors(hf_dir), cfg, str(hf_dir))
-    return HFModel.from_params(cfg, params, hf_config=hf_config)
+    return load_folder(hf_dir, from_hf_config, hf_to_params)
 
 
 def split_module(model) -> tuple[TransformerConfig, nnx.State, nnx.State, dict | None]:

@@ -53,11 +53,12 @@ from olmo_jax.checkpoint.errors import CheckpointError
 from olmo_jax.checkpoint.hf import (
     DTYPES,
     HFModel,
-    require_empty,
-    split_module,
     Tensors,
     load_checkpoint,
+    load_folder,
+    require_empty,
     save_init_checkpoint,
+    split_module,
 )
 from olmo_jax.checkpoint.hf_config import rope_theta_of
 from olmo_jax.checkpoint.tree import flatten_named, nest
@@ -349,11 +350,7 @@ def from_params(params: dict, cfg: TransformerConfig, dtype=np.float32) -> dict[
 
 def load_model(folder: str | Path) -> HFModel:
     """An OLMo-core olmo3moe folder (config.json + safetensors) as an HFModel."""
-    folder = Path(folder)
-    hf_config = safetensors_io.read_config(folder)
-    cfg = from_config(hf_config, str(folder / "config.json"))
-    params = to_params(safetensors_io.read_tensors(folder), cfg, str(folder))
-    return HFModel.from_params(cfg, params, hf_config=hf_config)
+    return load_folder(folder, from_config, to_params)
 
 
 def save_model(model, out_dir: str | Path, dtype: str | None = None) -> None:

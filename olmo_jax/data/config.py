@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from olmo_jax.labels import INSTANCES
 from olmo_jax.errors import ConfigError, check_choice
+from olmo_jax.labels import INSTANCES
 
 
 @dataclass(frozen=True)

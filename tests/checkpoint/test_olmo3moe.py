@@ -14,8 +14,8 @@ from olmo_jax.checkpoint import olmo3moe
 from olmo_jax.checkpoint.errors import CheckpointError
 from olmo_jax.checkpoint.tree import flatten_named, nest
 from olmo_jax.model import TransformerConfig
-from olmo_jax.model.config import MoEConfig
 from olmo_jax.model.abstract import abstract_model
+from olmo_jax.model.config import MoEConfig
 
 CFG = TransformerConfig(
     vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, n_dense_layers=1,

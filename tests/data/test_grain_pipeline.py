@@ -93,7 +93,8 @@ def test_local_rows_are_the_rows_the_devices_hold():
 
 def test_eval_sets_are_whole_files_in_a_fixed_order(tmp_path: Path):
     paths = token_files(tmp_path, n_files=3)
-    data = build_data({"paths": paths[:1], "eval_fraction": 0.01, "eval_sets": {"b": paths[1], "cd": ",".join(paths[1:])}}, 64, 8)
+    data = build_data({"paths": paths[:1], "eval_fraction": 0.01,
+                       "eval_sets": {"b": paths[1], "cd": ",".join(paths[1:])}}, 64, 8)
     assert sorted(data.eval_sets) == ["b", "cd"]
     b, cd = data.eval_sets["b"], data.eval_sets["cd"]
     assert b.n_windows == 4999 // 64 and cd.n_windows == 2 * (4999 // 64)

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from olmo_jax import labels
-from olmo_jax.data.repetition import RepetitionFilter
 from olmo_jax.data import (
     BatchLoader,
     ByteTokenizer,
@@ -18,10 +17,10 @@ from olmo_jax.data import (
     TokenFile,
     TokenWindows,
     build_data,
-
     split_windows,
     write_token_file,
 )
+from olmo_jax.data.repetition import RepetitionFilter
 
 VOCAB = 8000  # token ids k * 1000 + offset: a token says which file and offset it came from
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from olmo_jax.data import TokenFile, TokenWindows, dtype_for_vocab, write_token_file
-from olmo_jax.labels import NO_LABEL
 from olmo_jax.data.repetition import RepetitionFilter
+from olmo_jax.labels import NO_LABEL
 from olmo_jax.objective import labelled
 
 ROOT = Path(__file__).resolve().parents[2]
