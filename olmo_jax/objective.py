@@ -177,15 +177,17 @@ def loss_parts(logits_BTV, targets_BT, stats: RouterStats | None, cfg: Transform
                parallel: BatchReduction = SINGLE_DEVICE) -> LossParts:
     """LossParts of one (micro)batch from the model's logits and stacked RouterStats
     (the pipeline's last stage calls this with the statistics of every stage)."""
-    ce_sum, lm_z_sum = parallel.allsum(cross_entropy_sums(logits_BTV, targets_BT))
-    n = parallel.allsum(jnp.sum(labelled(targets_BT)[1], dtype=jnp.float32))
+    # One all-reduce for the four sums: the losses, the labels counted, the positions.
+    ce_sum, lm_z_sum, n, positions = parallel.allsum(jnp.stack([
+        *cross_entropy_sums(logits_BTV, targets_BT),
+        jnp.sum(labelled(targets_BT)[1], dtype=jnp.float32),
+        jnp.asarray(targets_BT.size, jnp.float32)]))
     routing = routing_parts(stats, cfg, parallel)
     # The router losses are per-token means. OLMo-core divides them, like the LM loss, by the
     # label count (its train module's loss_div_factor) rather than the routed token count:
     # with OLMo-core instances (one unlabelled position each) that is T / (T - 1) more. (With
     # every position labelled the factor is exactly 1; Hugging Face's pooled LB loss is a
     # plain mean over the routed tokens and keeps it.)
-    positions = parallel.allsum(jnp.asarray(targets_BT.size, jnp.float32))
     per_label = positions / n
     scaled = ["z_loss", "z_L", "lb_L"] + (["lb_loss"] if cfg.moe.lb_loss_type == "per_layer" else [])
     routing.update({f: routing[f] * per_label for f in scaled})

@@ -53,7 +53,7 @@ def test_other_refusals():
     cfg = make_cfg(data=8, expert=1, strategy="zero3")
     with pytest.raises(ConfigError, match="parallel.strategy='zero3': choose one of ddp, fsdp"):
         _plan(cfg)
-    with pytest.raises(ConfigError, match="lb_granularity='rank': choose global or local"):
+    with pytest.raises(ConfigError, match="lb_granularity='rank': choose global, local or instance"):
         MoEConfig(lb_granularity="rank").validate()
 
 
