@@ -158,12 +158,8 @@ def _layout(data_cfg: Any) -> dict:
         min_period=int(_field(data_cfg, "repetition_min_period", 1)),
         max_count=int(_field(data_cfg, "repetition_max_count", 32)),
     )
-    if not 1 <= rule.min_period <= rule.max_period or rule.max_count < 3:
-        raise DataError(
-            f"data.repetition_min_period={rule.min_period}, data.repetition_max_period="
-            f"{rule.max_period}, data.repetition_max_count={rule.max_count}: need "
-            "1 <= min_period <= max_period and max_count >= 3 (a stretch is detected from 3 "
-            "repeats on)")
+    if rule.problem():
+        raise DataError(rule.problem())
     return {"instances": instances, "repetition_filter": rule}
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from olmo_jax.data.repetition import RepetitionFilter
 from olmo_jax.errors import ConfigError, check_choice
 from olmo_jax.labels import INSTANCES
 
@@ -41,12 +42,8 @@ class DataConfig:
                 f"{prefix}.repetition_filter needs {prefix}.instances='olmo_core' (a filtered "
                 "instance is marked in its unlabelled last position); set it, or "
                 f"{prefix}.repetition_filter=False")
-        if self.repetition_filter and not (
-                1 <= self.repetition_min_period <= self.repetition_max_period
-                and self.repetition_max_count >= 3):
-            raise ConfigError(
-                f"{prefix}.repetition_min_period={self.repetition_min_period}, "
-                f"repetition_max_period={self.repetition_max_period}, repetition_max_count="
-                f"{self.repetition_max_count}: need 1 <= min_period <= max_period and "
-                "max_count >= 3 (a stretch is detected from 3 repeats on)")
+        rule = RepetitionFilter(self.repetition_max_period, self.repetition_min_period,
+                                self.repetition_max_count)
+        if self.repetition_filter and rule.problem():
+            raise ConfigError(rule.problem())
         return self

@@ -34,6 +34,15 @@ class RepetitionFilter:
     min_period: int = 1
     max_count: int = 32
 
+    def problem(self) -> str | None:
+        """What is wrong with these settings (None: nothing), as data.* field names."""
+        if 1 <= self.min_period <= self.max_period and self.max_count >= 3:
+            return None
+        return (f"data.repetition_min_period={self.min_period}, data.repetition_max_period="
+                f"{self.max_period}, data.repetition_max_count={self.max_count}: need "
+                "1 <= min_period <= max_period and max_count >= 3 (a stretch is detected from "
+                "3 repeats on)")
+
     def keeps(self, tokens_T: np.ndarray) -> bool:
         """False when `tokens_T` holds a stretch repeated `max_count` times or more."""
         return all(run.times < self.max_count

@@ -270,3 +270,18 @@ def test_build_data_errors(tmp_path: Path, hf_tokenizer_json: Path):
         build_data({"paths": [str(odd)], "dtype": "uint32"}, 64, 8)
     with pytest.raises(DataError, match="data.eval_fraction=0.98.*5 remain for training"):
         build_data({"paths": paths, "eval_fraction": 0.98}, 64, 8)
+
+
+def test_repetition_filter_settings_are_checked(tmp_path: Path):
+    paths = token_files(tmp_path)
+    bad = {"paths": paths, "repetition_filter": True, "repetition_min_period": 5,
+           "repetition_max_period": 3}
+    with pytest.raises(DataError, match="data.repetition_min_period=5.*need 1 <= min_period"):
+        build_data(bad, 64, 8)
+    from olmo_jax.config import default_config, validate
+    from olmo_jax.errors import ConfigError
+
+    cfg = default_config()
+    cfg.data.repetition_filter, cfg.data.repetition_max_count = True, 2
+    with pytest.raises(ConfigError, match="data.repetition_max_count=2.*max_count >= 3"):
+        validate(cfg)
