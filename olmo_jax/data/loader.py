@@ -114,6 +114,10 @@ def split_windows(
     return np.setdiff1d(np.arange(n_windows), eval_ids, assume_unique=True), eval_ids
 
 
+# What a loader-state key that a checkpoint lacks meant when it was saved.
+ABSENT_STATE_MEANING = {"instances": "plus_one", "repetition_filter": "off"}
+
+
 class BatchLoader:
     """Global batches of `global_batch_size` windows drawn from `window_ids`, by step.
 
@@ -188,29 +192,36 @@ class BatchLoader:
             yield step, batch
             step += 1
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, int | str]:
+        f = self.windows.repetition_filter
         return {
             "step": self.step,
             "seed": self.seed,
             "n_windows": self.n_windows,
             "seq_len": self.seq_len,
             "global_batch_size": self.global_batch_size,
+            "instances": self.windows.instances,
+            "repetition_filter": "off" if f is None else f"{f.max_period}/{f.min_period}/{f.max_count}",
         }
 
-    def load_state_dict(self, state: Mapping[str, int]) -> None:
-        """Resumes at `state["step"]`; raises DataError if the batches it indexes would differ."""
+    def load_state_dict(self, state: Mapping[str, int | str]) -> None:
+        """Resumes at `state["step"]`; raises DataError if the batches it indexes would differ.
+        A state saved before the instance layout and the filter were recorded had the
+        plus_one windows and no filter."""
         current = self.state_dict()
+        saved = {**ABSENT_STATE_MEANING, **state}
         changed = [
-            f"{key} {int(state[key])} -> {current[key]}"
-            for key in ("n_windows", "seq_len", "global_batch_size", "seed")
-            if int(state[key]) != current[key]
+            f"{key} {saved[key]} -> {current[key]}"
+            for key in ("n_windows", "seq_len", "global_batch_size", "seed", "instances",
+                        "repetition_filter")
+            if str(saved[key]) != str(current[key])
         ]
         if changed:
             raise DataError(
                 "the checkpoint's data position does not fit this data loader ("
                 + ", ".join(changed)
                 + "): the token files (data.paths), data.eval_fraction, seq_len, the global "
-                "batch size or the seed changed since it was saved; resume with the same "
-                "settings, or start a new run"
+                "batch size, the seed, data.instances or the repetition filter changed since "
+                "it was saved; resume with the same settings, or start a new run"
             )
         self.step = int(state["step"])

@@ -173,7 +173,8 @@ def test_iterate_and_state_dict_round_trip(windows: TokenWindows):
         if step == 2:
             break
     state = loader.state_dict()
-    assert state == {"step": 3, "seed": 5, "n_windows": 33, "seq_len": 4, "global_batch_size": 4}
+    assert state == {"step": 3, "seed": 5, "n_windows": 33, "seq_len": 4, "global_batch_size": 4,
+                     "instances": windows.instances, "repetition_filter": "off"}
     resumed = BatchLoader(windows, ids, global_batch_size=4, seed=5)
     resumed.load_state_dict(state)
     step, batch = next(resumed.iterate())
@@ -191,6 +192,26 @@ def test_load_state_dict_rejects_changed_data(windows: TokenWindows):
     other_seed = BatchLoader(windows, np.arange(33), global_batch_size=4, seed=6)
     with pytest.raises(DataError, match="seed 5 -> 6"):
         other_seed.load_state_dict(state)
+
+
+def test_load_state_dict_rejects_another_instance_layout_or_filter(tmp_path: Path):
+    """The instance layout and the repetition filter decide which tokens a step's rows
+    hold, so a resume under other ones is refused; a state saved before they were
+    recorded means the plus_one windows without a filter."""
+    files = identity_files(tmp_path, [64, 64])
+    core = TokenWindows(files, 4)
+    state = BatchLoader(core, np.arange(len(core)), global_batch_size=4, seed=0).state_dict()
+    assert state["instances"] == "olmo_core" and state["repetition_filter"] == "off"
+    filtered = TokenWindows(files, 4, repetition_filter=RepetitionFilter())
+    loader = BatchLoader(filtered, np.arange(len(filtered)), global_batch_size=4, seed=0)
+    with pytest.raises(DataError, match="repetition_filter off -> 13/1/32"):
+        loader.load_state_dict(state)
+    old = {k: v for k, v in state.items() if k not in ("instances", "repetition_filter")}
+    with pytest.raises(DataError, match="instances plus_one -> olmo_core"):
+        BatchLoader(core, np.arange(len(core)), global_batch_size=4, seed=0).load_state_dict(old)
+    plus_one = TokenWindows(files, 4, instances="plus_one")
+    resumed = BatchLoader(plus_one, np.arange(len(plus_one)), global_batch_size=4, seed=0)
+    resumed.load_state_dict({**old, "n_windows": len(plus_one)})
 
 
 def test_too_few_windows_for_a_batch(windows: TokenWindows):
