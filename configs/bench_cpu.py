@@ -3,11 +3,14 @@ expert hidden 512, 8 experts top-2, 4 heads, vocab 384, 32 sequences x 256 token
 float32, dropless. Also trainable: `make train CONFIG=configs/bench_cpu.py`."""
 
 from olmo_jax.config import default_config
+from olmo_jax.model.config import HF_OLMOE_LAYOUT
 
 
 def get_config():
     c = default_config()
     m = c.model
+    m.update(HF_OLMOE_LAYOUT)  # Hugging Face OLMoE's block layout: the model transformers runs
+    m.norm_eps, m.init_std = 1e-5, 0.02  # OlmoeConfig's rms_norm_eps, initializer_range
     m.vocab_size = 384
     m.d_model = 256
     m.n_layers = 4

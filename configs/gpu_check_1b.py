@@ -3,7 +3,7 @@ Face transformers' OlmoeForCausalLM and OLMo-core 3's MoE model (tools/gpu_check
 
 This project's MoE design in the shape all three express alike: every block MoE (no dense
 first block, no shared expert: OlmoeForCausalLM has neither), d_model 2048, 16 blocks of
-16 heads x 128 with per-head QK-norm and RoPE theta 500k, 32 experts top-4 of hidden 1024
+16 heads x 128 with QK-norm and RoPE theta 500k (Hugging Face OLMoE's pre-norm layout), 32 experts top-4 of hidden 1024
 (dropless, softmax router, load-balancing and z losses), untied embeddings over the dolma2
 vocabulary padded to 100,352; bf16 compute on fp32 master weights, AdamW. 1.08B active of
 3.90B parameters; a step is 4 sequences of 4096 tokens (6.07 GFLOP/token by
@@ -12,11 +12,13 @@ take ~62 GB: one H200 (141 GB) holds them with the activations, on one device, w
 expert parallelism."""
 
 from olmo_jax.config import default_config
+from olmo_jax.model.config import HF_OLMOE_LAYOUT
 
 
 def get_config():
     c = default_config()
     m = c.model
+    m.update(HF_OLMOE_LAYOUT)  # Hugging Face OLMoE's block layout: the model transformers runs
     m.vocab_size = 100_352
     m.d_model = 2048
     m.n_layers = 16

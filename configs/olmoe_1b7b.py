@@ -3,11 +3,14 @@
 embeddings, sequences of 4096. ~6.9B total / ~1.3B active parameters."""
 
 from olmo_jax.config import default_config
+from olmo_jax.model.config import HF_OLMOE_LAYOUT
 
 
 def get_config():
     c = default_config()
     m = c.model
+    m.update(HF_OLMOE_LAYOUT)  # Hugging Face OLMoE's block layout: the model transformers runs
+    m.norm_eps, m.init_std = 1e-5, 0.02  # OlmoeConfig's rms_norm_eps, initializer_range
     m.vocab_size = 50_304
     m.d_model = 2048
     m.n_layers = 16

@@ -1,6 +1,7 @@
 """The reference's benchmark configs have the reference's parameter counts and FLOPs,
 checked on abstract shapes (jax.eval_shape: nothing is allocated)."""
 
+import math
 import runpy
 from pathlib import Path
 
@@ -11,7 +12,8 @@ from flax import nnx
 
 from olmo_jax import config as config_lib
 from olmo_jax import metrics
-from olmo_jax.model import Transformer
+from olmo_jax.model import Transformer, TransformerConfig
+from olmo_jax.model.config import HF_OLMOE_LAYOUT
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,3 +113,21 @@ def test_reference_configs_hold_the_reference_scripts_values(name):
             wrong[path] = (got, want)
     assert not wrong, f"{name}: field (config, reference): {wrong}"
     config_lib.model_config(cfg)  # and the config validates
+
+
+LAYOUT_FIELDS = ("model.block_norm", "model.qk_norm", "model.head_qk_norm",
+                 "model.embedding_norm", "model.norm_eps", "model.init_std")
+
+
+def test_the_default_architecture_is_the_reference_scripts_layout():
+    """The model's layout defaults are OLMo-core 3's reference MoE: the 47B script's values
+    in the table above (which the configs are checked against), the embeddings scaled by
+    sqrt(d_model) at any width; the Hugging Face OLMoE layout is the explicit alternative."""
+    default = TransformerConfig()
+    got = {path: getattr(default, path.split(".", 1)[1]) for path in LAYOUT_FIELDS}
+    assert got == {path: _47B[path] for path in LAYOUT_FIELDS}
+    assert default.embedding_scale == math.sqrt(default.d_model)
+    assert TransformerConfig(d_model=4096).embedding_scale == _47B["model.embed_scale"]
+    hf = TransformerConfig(**HF_OLMOE_LAYOUT)
+    assert (hf.block_norm, hf.head_qk_norm, hf.embedding_scale, hf.embedding_norm) == (
+        "pre", False, 0.0, False)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from olmo_jax.checkpoint.errors import CheckpointError
-from olmo_jax.model.config import MoEConfig, TransformerConfig
+from olmo_jax.model.config import HF_OLMOE_LAYOUT, MoEConfig, TransformerConfig
 
 ARCHITECTURE = "OlmoeForCausalLM"
 MODEL_TYPE = "olmoe"
@@ -114,7 +114,7 @@ def from_hf_config(hf: dict, where: str = "config.json") -> TransformerConfig:
         n_dense_layers=0,
         rope_theta=rope_theta_of(hf, where),
         norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-        qk_norm=True,
+        **HF_OLMOE_LAYOUT,
         clip_qkv=float(clip) if clip is not None else 0.0,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         init_std=float(hf.get("initializer_range", 0.02)),
@@ -140,7 +140,7 @@ def check_representable(cfg: TransformerConfig) -> None:
         ("model.head_qk_norm", cfg.head_qk_norm, False, "OLMoE's QK-norm spans all heads"),
         ("model.block_norm", cfg.block_norm, "pre",
          "OLMoE blocks are pre-norm (OLMo-core's post / peri models: orbax-to-olmo3moe)"),
-        ("model.embed_scale", cfg.embed_scale, 0.0, "OLMoE does not scale its embeddings"),
+        ("model.embed_scale", cfg.embedding_scale, 0.0, "OLMoE does not scale its embeddings"),
         ("model.embedding_norm", cfg.embedding_norm, False, "OLMoE has no embedding norm"),
     ):
         if value != ok:

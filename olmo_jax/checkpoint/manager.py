@@ -36,7 +36,7 @@ from olmo_jax.checkpoint.tree import (
     nest,
     unflatten_named,
 )
-from olmo_jax.model.config import MoEConfig, TransformerConfig
+from olmo_jax.model.config import ABSENT_FIELD_MEANING, MoEConfig, TransformerConfig
 
 MODEL, TRAIN, DATA, CONFIG, HF_CONFIG = "model", "train", "data", "config", "hf_config"
 DATA_ITER = "data_iter"
@@ -245,7 +245,9 @@ def model_config_to_dict(cfg: TransformerConfig) -> dict:
 
 
 def model_config_from_dict(d: dict) -> TransformerConfig:
-    d = dict(d)
+    """The typed model config of a saved dict; a field it lacks (it was written before the
+    field existed) takes the value it meant then (model/config.ABSENT_FIELD_MEANING)."""
+    d = {**ABSENT_FIELD_MEANING, **d}
     return TransformerConfig(**{**d, "moe": MoEConfig(**d["moe"])}).validate()
 
 

@@ -200,7 +200,7 @@ def to_config(cfg: TransformerConfig, base: dict | None = None, dtype: str = "fl
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
         "rms_norm_eps": cfg.norm_eps, "use_head_qk_norm": True,
         "layer_types": ["full_attention"] * cfg.n_layers,
-        "embed_scale": cfg.embed_scale or 1.0, "embed_norm": cfg.embedding_norm,
+        "embed_scale": cfg.embedding_scale or 1.0, "embed_norm": cfg.embedding_norm,
         "use_peri_ln": cfg.block_norm == "peri", "tie_word_embeddings": cfg.tie_embeddings,
         "initializer_range": cfg.init_std, "dtype": dtype,
     })

@@ -10,6 +10,7 @@ errors as the command line; each choice list is imported from the module impleme
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import jax.numpy as jnp
@@ -28,7 +29,21 @@ COMPUTE_DTYPES = ("float32", "bfloat16")
 # The run config's value of a field when it differs from the dataclass default (metadata).
 RUN_DEFAULT = "run_default"
 
-__all__ = ["COMPUTE_DTYPES", "DTYPES", "ConfigError", "MoEConfig", "TransformerConfig"]
+# The block layout of Hugging Face's OLMoE (OlmoeForCausalLM): pre-norm blocks, one QK-norm
+# over all heads, embeddings neither scaled nor normed. The defaults below are OLMo-core 3's
+# reference MoE layout instead (its 47B script: the reordered post-norm, per-head QK-norm,
+# embeddings scaled by sqrt(d_model) and RMSNormed, eps 1e-6, init std 0.01);
+# checkpoint/hf_config.from_hf_config sets this layout, and a model built with it exports to HF.
+HF_OLMOE_LAYOUT = {"block_norm": "pre", "qk_norm": True, "head_qk_norm": False,
+                   "embed_scale": 0.0, "embedding_norm": False}
+
+# What a model field that a saved config lacks meant when that config was written: the
+# architecture fields issue 16 added, whose defaults are OLMo-core's now (a checkpoint from
+# before them is a pre-norm model without those norms). checkpoint/manager reads with it.
+ABSENT_FIELD_MEANING = {"block_norm": "pre", "head_qk_norm": False, "embed_scale": 0.0,
+                        "embedding_norm": False, "lm_z_loss_coef": 0.0}
+
+__all__ = ["ABSENT_FIELD_MEANING", "COMPUTE_DTYPES", "DTYPES", "HF_OLMOE_LAYOUT", "ConfigError", "MoEConfig", "TransformerConfig"]
 
 
 @dataclass(frozen=True)
@@ -177,15 +192,18 @@ class TransformerConfig:
     n_dense_layers: int = 0  # the first blocks use a dense SwiGLU MLP instead of MoE
     dense_hidden: int = 0  # hidden size of those dense MLPs (0 = 4 * d_model)
     rope_theta: float = 500_000.0
-    norm_eps: float = 1e-5
+    norm_eps: float = 1e-6  # RMSNorm epsilon (OLMo-core 3 reference: 1e-6; HF OLMoE: 1e-5)
     qk_norm: bool = True
-    head_qk_norm: bool = False  # QK-norm per head over head_dim, one [head_dim] weight (OLMo-core's use_head_qk_norm)
-    block_norm: str = "pre"  # transformer.BLOCK_NORMS: pre | post (OLMo-core's reordered norm) | peri
-    embed_scale: float = 0.0  # embeddings *= embed_scale (0 = off; OLMo-core: sqrt(d_model))
-    embedding_norm: bool = False  # RMSNorm of the (scaled) embeddings (OLMo-core's embedding_norm)
-    clip_qkv: float = 0.0  # 0 = off; else clamp q, k, v to [-clip_qkv, clip_qkv]
+    head_qk_norm: bool = True  # QK-norm per head over head_dim, one [head_dim] weight (OLMo-core's use_head_qk_norm)
+    block_norm: str = "post"  # transformer.BLOCK_NORMS: pre | post (OLMo-core's reordered norm) | peri
+    # embeddings *= this: -1 = sqrt(d_model) (OLMo-core 3's reference), 0 = off, > 0 = this factor
+    embed_scale: float = -1.0
+    embedding_norm: bool = True  # RMSNorm of the (scaled) embeddings (OLMo-core's embedding_norm)
+    # 0 = off; else clamp q, k, v to [-clip_qkv, clip_qkv] after the QK-norm (Hugging Face
+    # OLMoE's order; OLMo-core clamps before its QK-norm, and olmo3moe exports refuse it)
+    clip_qkv: float = 0.0
     tie_embeddings: bool = False
-    init_std: float = 0.02
+    init_std: float = 0.01  # OLMo-core 3 reference: 0.01; HF OLMoE initializer_range: 0.02
     # The LM head's z-loss: coef * mean over labelled tokens of logsumexp(logits)^2
     # (OLMo-core's z_loss_multiplier; its reference runs use 1e-4). 0 = off.
     lm_z_loss_coef: float = 0.0
@@ -213,6 +231,11 @@ class TransformerConfig:
     @property
     def n_moe_layers(self) -> int:
         return self.n_layers - self.n_dense_layers
+
+    @property
+    def embedding_scale(self) -> float:
+        """The factor the embeddings are multiplied by (0.0 = none): embed_scale resolved."""
+        return math.sqrt(self.d_model) if self.embed_scale == -1 else float(self.embed_scale)
 
     @property
     def compute_dtype(self):
@@ -244,8 +267,10 @@ class TransformerConfig:
                 f"{prefix}.n_layers={self.n_layers}]"
             )
         check_choice(f"{prefix}.dtype", self.dtype, COMPUTE_DTYPES)
-        if self.embed_scale < 0:
-            raise ConfigError(f"{prefix}.embed_scale must be >= 0 (0 = off), got {self.embed_scale}")
+        if self.embed_scale < 0 and self.embed_scale != -1:
+            raise ConfigError(
+                f"{prefix}.embed_scale must be -1 (sqrt(d_model)), 0 (off) or > 0, got {self.embed_scale}"
+            )
         if self.scan_unroll < 1:
             raise ConfigError(f"{prefix}.scan_unroll must be >= 1, got {self.scan_unroll}")
         # attention.py and transformer.py import this module: imported when used.

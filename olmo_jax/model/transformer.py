@@ -1,4 +1,6 @@
-"""The decoder LM (Hugging Face `OlmoeForCausalLM` architecture, OLMo-core options).
+"""The decoder LM: OLMo-core 3's MoE transformer by default (the reordered post-norm,
+per-head QK-norm, the scaled embedding norm), Hugging Face `OlmoeForCausalLM`'s layout as an
+option (model/config.HF_OLMOE_LAYOUT).
 
 embed [-> x embed_scale -> RMSNorm] -> [dense blocks] -> [MoE blocks] -> final RMSNorm
 -> LM head. Each group of blocks is created stacked (parameters get a leading `layers`
@@ -145,8 +147,8 @@ class Transformer(nnx.Module):
         """The embeddings, times model.embed_scale and RMSNormed with model.embedding_norm
         (OLMo-core's order: scale, then norm), in float32, cast to the compute dtype."""
         x_BTD = jnp.take(self.embedding[...], tokens_BT, axis=0)
-        if self.cfg.embed_scale:
-            x_BTD = x_BTD * jnp.float32(self.cfg.embed_scale)
+        if self.cfg.embedding_scale:
+            x_BTD = x_BTD * jnp.float32(self.cfg.embedding_scale)
         if self.embedding_norm is not None:
             x_BTD = self.embedding_norm(x_BTD)
         return x_BTD.astype(self.cfg.compute_dtype)

@@ -11,6 +11,7 @@ from olmo_jax.checkpoint.errors import CheckpointError
 from olmo_jax.checkpoint.hf_config import from_hf_config, to_hf_config
 from olmo_jax.checkpoint.tree import flatten_named, nest
 from olmo_jax.model import MoEConfig, TransformerConfig
+from olmo_jax.model.config import HF_OLMOE_LAYOUT
 from tests.checkpoint.oracle import BASE, jax_born_model
 
 HF = {**BASE, "model_type": "olmoe", "architectures": ["OlmoeForCausalLM"]}
@@ -68,12 +69,14 @@ def test_legacy_rope_theta_and_missing_kv_heads_are_read():
         ({"head_qk_norm": True}, "model.head_qk_norm=True"),
         ({"block_norm": "post"}, "model.block_norm='post'"),
         ({"embedding_norm": True}, "model.embedding_norm=True"),
+        ({"embed_scale": 2.0}, "model.embed_scale=2.0"),
         ({"head_dim": 16}, "model.head_dim=16"),
     ],
 )
 def test_unrepresentable_models_are_refused_on_export(change, field):
     cfg = TransformerConfig(
-        vocab_size=64, d_model=32, n_layers=2, n_heads=4, moe=MoEConfig(num_experts=4)
+        vocab_size=64, d_model=32, n_layers=2, n_heads=4, moe=MoEConfig(num_experts=4),
+        **HF_OLMOE_LAYOUT,
     ).replace(**change)
     with pytest.raises(CheckpointError, match=field.replace("(", r"\(").replace(".", r"\.")):
         to_hf_config(cfg)
@@ -136,3 +139,9 @@ def test_sharded_folder_with_index_and_bfloat16_round_trip(tensors, tmp_path):
         np.testing.assert_array_equal(
             back[name].view(np.uint16), value.view(np.uint16), err_msg=name
         )
+
+
+def test_the_default_olmo_core_layout_is_refused_on_export():
+    """The defaults are OLMo-core's reference layout, which OlmoeForCausalLM cannot hold."""
+    with pytest.raises(CheckpointError, match="orbax-to-olmo3moe|all heads"):
+        to_hf_config(TransformerConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4))

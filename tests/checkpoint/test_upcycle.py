@@ -21,7 +21,7 @@ from olmo_jax.checkpoint import hf, rewrite, surgery, upcycle
 from olmo_jax.checkpoint.tree import flatten_named
 from olmo_jax.model import TransformerConfig
 from olmo_jax.model.abstract import abstract_model
-from olmo_jax.model.config import MoEConfig
+from olmo_jax.model.config import HF_OLMOE_LAYOUT, MoEConfig
 from olmo_jax.trainer.logger import ExpertCountsLog
 
 TOL = 1e-6  # max |a - b| / max |b|, float32
@@ -33,10 +33,11 @@ def rel_err(a, b) -> float:
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
-def dense_model(layers=3, hidden=64, seed=0) -> hf.HFModel:
+def dense_model(layers=3, hidden=64, seed=0, layout=None) -> hf.HFModel:
     # init_std 0.2: the MLPs change the logits by far more than the tolerance (checked).
     cfg = TransformerConfig(vocab_size=64, d_model=32, n_layers=layers, n_heads=2,
-                            n_dense_layers=layers, dense_hidden=hidden, init_std=0.2)
+                            n_dense_layers=layers, dense_hidden=hidden, init_std=0.2,
+                            **(layout or {}))
     return _model(cfg, seed)
 
 
@@ -88,7 +89,8 @@ def test_upcycled_copies_give_the_dense_logits(gating, norm, keep_dense, shared)
 
 
 def test_granular_upcycling_is_exact_with_the_g_scale():
-    dense = dense_model()
+    # Pre-norm: the post-norm default would normalize away a wrong output scale.
+    dense = dense_model(layout=HF_OLMOE_LAYOUT)
     spec = upcycle.UpcycleSpec(2, 1, granularity=4)
     moe = transformed(dense, lambda c, p, s: upcycle.upcycle(c, p, spec, s))
     m = moe.config.moe

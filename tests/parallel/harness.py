@@ -55,7 +55,10 @@ def make_cfg(data=1, expert=1, dispatch="rowwise", strategy="ddp", zero1=True, g
     m.n_layers, m.n_dense_layers = layers
     m.moe.num_experts, m.moe.top_k, m.moe.expert_hidden = 8, 2, width
     m.moe.lb_granularity = lb_granularity
-    c.optim.lr, c.optim.warmup_steps, c.optim.name = 1e-2, 1, optim
+    # 3e-3: the default OLMo-core layout (post-norm) of the 10-block pipeline model trains
+    # unstably at 1e-2, where float rounding grows ~20x a step (curves 1e-3 apart after 5
+    # steps on every correct plan); at 3e-3 the curves of every plan agree to 5e-7.
+    c.optim.lr, c.optim.warmup_steps, c.optim.name = 3e-3, 1, optim
     p = c.parallel
     p.data, p.expert, p.dispatch, p.strategy = data, expert, dispatch, strategy
     p.zero1 = zero1
