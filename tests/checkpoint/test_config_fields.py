@@ -34,3 +34,21 @@ def test_bad_values_name_the_field(field, value, message):
     cfg.trainer[field] = value
     with pytest.raises(ConfigError, match=message):
         validate(cfg)
+
+
+def test_a_saved_model_config_without_the_layout_fields_reads_as_the_pre_norm_model():
+    """Checkpoints written before model.block_norm, head_qk_norm, embed_scale, embedding_norm
+    and lm_z_loss_coef existed hold pre-norm models without those norms; reading one must not
+    give it today's defaults (OLMo-core's layout), whose parameters differ."""
+    import dataclasses
+
+    from olmo_jax.checkpoint.manager import model_config_from_dict, model_config_to_dict
+    from olmo_jax.model.config import ABSENT_FIELD_MEANING, TransformerConfig
+
+    today = TransformerConfig(d_model=32, n_heads=4)
+    assert model_config_from_dict(model_config_to_dict(today)) == today  # present fields win
+    old = {k: v for k, v in model_config_to_dict(today).items() if k not in ABSENT_FIELD_MEANING}
+    read = model_config_from_dict(old)
+    assert (read.block_norm, read.head_qk_norm, read.embedding_scale, read.embedding_norm,
+            read.lm_z_loss_coef) == ("pre", False, 0.0, False, 0.0)
+    assert dataclasses.replace(read, **{k: getattr(today, k) for k in ABSENT_FIELD_MEANING}) == today
