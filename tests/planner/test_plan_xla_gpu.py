@@ -92,3 +92,46 @@ def test_without_xla_gpu_the_cpu_fallback_is_labelled(monkeypatch):
     assert xla_gpu.where("cpu").how == "cpu" and not xla_gpu.where("cpu").note
     with pytest.raises(ConfigError, match="--compiler=xla_gpu: no XLA:GPU here"):
         cli.run(small_config(), 4, "b300", False, compiler="xla_gpu")
+
+
+def _split_compute_bytes(cfg, n_devices):
+    """(bytes at the compute copies' dtypes, bytes in float32) of the compute copies of
+    every parameter ZeRO-1 splits, from the plan's layouts on n fake CPU devices."""
+    import math
+
+    import jax
+    import numpy as np
+
+    from olmo_jax.config import model_config
+    from olmo_jax.model.abstract import abstract_model
+    from olmo_jax.parallel import zero
+    from olmo_jax.parallel.strategy import build_plan
+
+    model_cfg = model_config(cfg)
+    params = abstract_model(model_cfg)[1]
+    plan = build_plan(cfg, model_cfg, devices=jax.devices()[:n_devices])
+    copy = f32 = 0
+    lays = jax.tree.leaves(plan.layouts, is_leaf=lambda v: isinstance(v, zero.ParamLayout))
+    for x, lay in zip(jax.tree.leaves(params), lays, strict=True):
+        if lay.dim is None:
+            continue
+        n = math.prod(x.shape) // math.prod(
+            math.prod(plan.mesh.shape[a] for a in (e if isinstance(e, tuple) else (e,)))
+            for e in lay.compute if e is not None)
+        copy += n * np.dtype(lay.dtype or x.dtype).itemsize
+        f32 += n * 4
+    return copy, f32
+
+
+def test_zero1_gathers_bf16_copies_and_reduces_f32_gradients(out):
+    # model.dtype=bfloat16: XLA:GPU's program all-gathers the bf16 compute copies of the
+    # weights cast at use (float32 for norms, router, embedding) and reduce-scatters the
+    # gradients in float32 (parallel/zero.py).
+    plan = out["json"]["plan"]
+    copy, f32 = _split_compute_bytes(small_config(), 4)
+    assert copy < 0.7 * f32  # most split bytes are matmul weights
+    rows = {(r["kind"], r["purpose"]): r for r in plan["collectives"]}
+    gather, scatter = rows[("all-gather", "zero_gather")], rows[("reduce-scatter", "zero_reduce")]
+    assert gather["executions"] == gather["ops"] and scatter["executions"] == scatter["ops"]  # once a step
+    assert gather["bytes_per_device"] == copy
+    assert scatter["bytes_per_device"] == f32
