@@ -5,7 +5,8 @@ shard_map wrappers the train/eval steps run under.
 The whole forward and backward pass runs per device inside one `jax.shard_map` over the
 mesh, so every collective is explicit: expert dispatch (expert.py backends), the
 router-statistics and loss sums (`allsum`), and parameter gather / gradient reduction
-(zero.py). The optimizer update runs outside, elementwise on the stored shards; Muon's
+(zero.py; for a bf16 model the matmul weights' compute copies are cast before they are
+gathered, `with_compute_dtypes`, and gradients reduced in fp32). The optimizer update runs outside, elementwise on the stored shards; Muon's
 Newton-Schulz, which is not elementwise, runs in its own shard_map on whole matrices,
 each owned by one data-parallel rank (muon.py, `optimizer_args`).
 
