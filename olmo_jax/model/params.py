@@ -10,6 +10,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+# The parameters the model casts to the compute dtype wherever it uses them (the matmul
+# weights), by their name in the params tree. A parallel plan may make their compute
+# copies in that dtype before gathering them (olmo_jax/parallel/zero.py: the gather moves
+# and keeps bf16): the model's own cast is then a no-op and every value is the same. The
+# others are used in float32 and stay so: norm scales, the router (float32 logits), the
+# embedding (looked up in float32, also the tied LM head).
+CAST_AT_USE = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "w_gate", "w_up", "w_down",
+                         "lm_head"})
+
 
 def normal_param(key: jax.Array, shape: tuple[int, ...], axes: tuple[str | None, ...], std: float):
     """A float32 parameter drawn from N(0, std^2), truncated at 3 std (OLMo-core's init)."""
@@ -37,3 +46,12 @@ def path_name(path) -> str:
         if name is not None and name != "value":
             parts.append(str(name))
     return "/".join(parts)
+
+
+def compute_copy_dtype(path, leaf, compute_dtype) -> str | None:
+    """The dtype a compute copy of parameter `leaf` (at jax key path `path`) may take:
+    `compute_dtype`'s name for a weight the model casts at use, when narrower than the
+    stored leaf; None (the stored dtype) otherwise."""
+    name = path_name(path).rsplit("/", 1)[-1]
+    narrower = jnp.dtype(compute_dtype).itemsize < jnp.dtype(leaf.dtype).itemsize
+    return jnp.dtype(compute_dtype).name if name in CAST_AT_USE and narrower else None

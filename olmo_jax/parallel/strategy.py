@@ -5,7 +5,8 @@ shard_map wrappers the train/eval steps run under.
 The whole forward and backward pass runs per device inside one `jax.shard_map` over the
 mesh, so every collective is explicit: expert dispatch (expert.py backends), the
 router-statistics and loss sums (`allsum`), and parameter gather / gradient reduction
-(zero.py). The optimizer update runs outside, elementwise on the stored shards; Muon's
+(zero.py; for a bf16 model the matmul weights' compute copies are cast before they are
+gathered, `with_compute_dtypes`, and gradients reduced in fp32). The optimizer update runs outside, elementwise on the stored shards; Muon's
 Newton-Schulz, which is not elementwise, runs in its own shard_map on whole matrices,
 each owned by one data-parallel rank (muon.py, `optimizer_args`).
 
@@ -37,7 +38,7 @@ from olmo_jax.kernels import platform, resolve_gmm_impl
 from olmo_jax.model.abstract import abstract_model
 from olmo_jax.model.attention import resolve_attention_impl
 from olmo_jax.model.config import ConfigError, TransformerConfig
-from olmo_jax.model.params import path_name
+from olmo_jax.model.params import compute_copy_dtype, path_name
 from olmo_jax.parallel import expert as expert_lib
 from olmo_jax.parallel import mesh as mesh_lib
 from olmo_jax.parallel import muon as muon_lib
@@ -302,6 +303,16 @@ def check_kernels(model_cfg: TransformerConfig, target: platform.Target) -> None
             raise ConfigError(str(e)) from e
 
 
+def with_compute_dtypes(layouts, abstract_params, compute_dtype):
+    """`layouts` with each weight the model casts at use given `compute_dtype` as its
+    compute copy's dtype when that is narrower (model/params.py, zero.py); the rest keep
+    None (used as stored)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x, lay: dataclasses.replace(
+            lay, dtype=compute_copy_dtype(path, x, compute_dtype)),
+        abstract_params, layouts)
+
+
 def build_plan(cfg, model_cfg: TransformerConfig, abstract_params=None,
                devices=None) -> ParallelPlan:
     """The plan for config `cfg` (ConfigDict with `parallel` and `trainer`). Raises
@@ -338,6 +349,9 @@ def build_plan(cfg, model_cfg: TransformerConfig, abstract_params=None,
             lambda x, spec: zero.param_layout(x.shape, spec, mesh, shard),
             abstract_params, compute,
         )
+    layouts = with_compute_dtypes(layouts, abstract_params, model_cfg.compute_dtype)
+    if pipeline is not None:
+        pipeline = dataclasses.replace(pipeline, layouts=layouts)
     muon = None
     if "optim" in cfg and cfg.optim.name == "muon":
         if pipeline is not None:

@@ -3,16 +3,28 @@ and the collectives that move between stored and compute placements.
 
 A parameter replicated over some batch axes in its compute placement (its data-parallel
 axes: data x expert for non-expert weights, data for experts) is stored split over those
-axes on one dimension (`ParamLayout.dim`). Inside the step's shard_map:
-  ZeRO-1 (ddp): `gather` all-gathers the fp32 shards once per step; gradients w.r.t. the
-         gathered copy stay per-device partial sums through the microbatch loop and
-         `reduce` reduce-scatters them once; AdamW then updates only the local shard
-         (outside the shard_map, elementwise), and the next step's gather is the
+axes on one dimension (`ParamLayout.dim`).
+
+Compute copies in the compute dtype. A weight the model casts to the compute dtype at
+every use (model/params.py CAST_AT_USE; `ParamLayout.dtype`, set by the plan for a
+bfloat16 model) is cast from its float32 shard before it is gathered (`cast`), so the
+gather moves bf16 and the gathered copy is bf16; the model's own cast is then a no-op and
+every value is the same. The float32 master weights and AdamW moments stay sharded.
+Gradients w.r.t. such a copy are summed over the microbatches in float32 (the trainer's
+step, the pipeline's stage buffers) and reduced in float32. With dtype None (a float32
+model, or a weight used in float32) nothing is cast.
+
+Inside the step's shard_map:
+  ZeRO-1 (ddp): `gather` all-gathers the (cast) shards once per step; gradients w.r.t.
+         the gathered copy stay per-device partial float32 sums through the microbatch
+         loop and `reduce` reduce-scatters them once; AdamW then updates only the local
+         shard (outside the shard_map, elementwise), and the next step's gather is the
          all-gather of the updated shards.
   DDP without ZeRO: `gather` only marks the replicated copy per-device (no
          communication); `reduce` all-reduces the gradients.
   FSDP:  `gather_for_use` all-gathers inside every microbatch's loss; autodiff turns
-         the gather into the reduce-scatter of that microbatch's gradients.
+         the gather into the reduce-scatter of that microbatch's gradients (a cast copy's:
+         in float32, `_cast_gather`'s VJP).
 Each collective runs under a named scope "zero/<param path>" so the HLO accounting
 (comms.py) can attribute it.
 """
@@ -20,9 +32,11 @@ Each collective runs under a named scope "zero/<param path>" so the HLO accounti
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
@@ -36,6 +50,7 @@ class ParamLayout:
     storage: PartitionSpec  # placement in the TrainState (and of the AdamW moments)
     axes: tuple[str, ...]  # data-parallel axes (size > 1) the compute copy is replicated over
     dim: int | None  # the dimension split over `axes` in storage (None = kept replicated)
+    dtype: str | None = None  # the compute copy's dtype, cast before the gather (None: stored)
 
 
 def _used_axes(spec: PartitionSpec) -> set[str]:
@@ -89,13 +104,49 @@ def _reduce(g, lay: ParamLayout):
     return jax.lax.psum(g, lay.axes) if lay.axes else g
 
 
+def _cast(x, lay: ParamLayout):
+    return x if lay.dtype is None else x.astype(lay.dtype)
+
+
 def _gather_for_use(x, lay: ParamLayout):
+    if lay.dtype is not None:
+        return _cast_gather(x, lay)
     return jax.lax.all_gather(x, lay.axes, axis=lay.dim, tiled=True) if lay.dim is not None else x
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _cast_gather(x, lay: ParamLayout):
+    """FSDP's gather of a compute copy in lay.dtype (cast first: the gather moves it), whose
+    VJP reduces the gradient in x's dtype (float32), not in the copy's."""
+    y = _cast(x, lay)
+    if lay.dim is not None:
+        return jax.lax.all_gather(y, lay.axes, axis=lay.dim, tiled=True)
+    return jax.lax.pcast(y, lay.axes, to="varying") if lay.axes else y
+
+
+def _cast_gather_fwd(x, lay):
+    return _cast_gather(x, lay), jnp.zeros((0,), x.dtype)  # the residual: x's dtype only
+
+
+def _cast_gather_bwd(lay, res, ct):
+    ct = ct.astype(res.dtype)
+    if lay.dim is not None:
+        return (jax.lax.psum_scatter(ct, lay.axes, scatter_dimension=lay.dim, tiled=True),)
+    return (jax.lax.psum(ct, lay.axes) if lay.axes else ct,)
+
+
+_cast_gather.defvjp(_cast_gather_fwd, _cast_gather_bwd)
+
+
+def cast(params, layouts):
+    """Stored shards -> the same shards in their compute copies' dtypes (before a gather)."""
+    return jax.tree.map(_cast, params, layouts)
+
+
 def gather(params, layouts):
-    """Stored shards -> per-device compute copies whose gradients stay partial (ddp)."""
-    return _map(_gather, "zero_gather", params, layouts)
+    """Stored shards -> per-device compute copies whose gradients stay partial (ddp); cast
+    to the copies' dtypes first."""
+    return _map(_gather, "zero_gather", cast(params, layouts), layouts)
 
 
 def reduce(grads, layouts):

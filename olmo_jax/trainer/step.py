@@ -5,7 +5,8 @@
 `batch_BX` holds rows of seq_len + 1 ints (inputs = [:, :-1], targets = [:, 1:]; a target < 0
 is a label sentinel, olmo_jax/labels.py).
 Gradient accumulation splits the batch into `grad_accum` microbatches inside the step
-(a `lax.scan`, gradients summed in float32). Metrics stay on the device; the host reads
+(a `lax.scan`, gradients summed in float32, also those of the bf16 compute copies a
+parallel plan gathers: parallel/zero.py). Metrics stay on the device; the host reads
 them only when it logs. Training randomness comes from TrainState.rng folded with the step;
 auxiliary-loss-free balancing updates the router biases in model_state after the update.
 
@@ -49,19 +50,20 @@ def make_grads_fn(graphdef, cfg: TransformerConfig, grad_accum: int = 1,
     def grads_and_parts(params, model_state, batch_BX, rng):
         if grad_accum == 1:
             (_, parts), grads = grad_fn(params, model_state, batch_BX, rng)
-            return grads, parts
+            return jax.tree.map(_float32, grads), parts
         micro = batch_BX.reshape(grad_accum, -1, batch_BX.shape[-1])
         keys = jax.random.split(rng, grad_accum)
 
         def body(acc, xs):
             mb, key = xs
             (_, parts), grads = grad_fn(params, model_state, mb, key)
-            return jax.tree.map(jnp.add, acc, (grads, parts)), None
+            return jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, (grads, parts)), None
 
         parts_shape = jax.eval_shape(grad_fn, params, model_state, micro[0], keys[0])[0][1]
         # zeros_like(params): inside shard_map a gradient varies over the same mesh axes
-        # as its parameter, and a scan carry must keep its type.
-        zeros = (jax.tree.map(jnp.zeros_like, params),
+        # as its parameter, and a scan carry must keep its type; float32 also for a bf16
+        # compute copy (parallel/zero.py), whose gradients are summed in float32.
+        zeros = (jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params),
                  jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), parts_shape))
         (grads, parts), _ = jax.lax.scan(body, zeros, (micro, keys))
         grads = jax.tree.map(lambda g: g / grad_accum, grads)
@@ -70,6 +72,10 @@ def make_grads_fn(graphdef, cfg: TransformerConfig, grad_accum: int = 1,
         return grads, parts
 
     return parallel.shard_grads(grads_and_parts)
+
+
+def _float32(g):
+    return g.astype(jnp.float32)
 
 
 def make_train_step(graphdef, cfg: TransformerConfig, tx: optax.GradientTransformation,

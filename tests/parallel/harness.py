@@ -92,13 +92,16 @@ def to_numpy(tree):
 
 
 @functools.cache
-def host_state(lb_granularity="global", layers=(2, 0), moe=(), width=32, optim="adamw"):
+def host_state(lb_granularity="global", layers=(2, 0), moe=(), width=32, optim="adamw",
+               dtype="float32"):
     """(model_cfg, tx, schedule, graphdef, state): built once; the state as numpy. `moe`:
     (field, value) pairs replacing model.moe fields that change no parameter (gmm_impl,
-    precision), so every variant starts from the same weights."""
+    precision), so every variant starts from the same weights; `dtype`: model.dtype (the
+    params stay float32)."""
     cfg = make_cfg(lb_granularity=lb_granularity, layers=layers, width=width, optim=optim)
     model_cfg = model_config(cfg)
-    model_cfg = dataclasses.replace(model_cfg, moe=dataclasses.replace(model_cfg.moe, **dict(moe)))
+    model_cfg = dataclasses.replace(model_cfg, moe=dataclasses.replace(model_cfg.moe, **dict(moe)),
+                                    dtype=dtype)
     tx, schedule = build_optimizer(cfg.optim, cfg.trainer.max_steps)
     tx = recording(tx)
     graphdef, state = init_state(model_cfg, tx, cfg.trainer.seed)
@@ -123,6 +126,7 @@ class Run(NamedTuple):
     step: object  # the compiled train step
     state: object  # the state after STEPS steps (on the device(s))
     batch: object  # the last batch, placed as the step expects it
+    lowered: str = ""  # the step as JAX lowered it (HLO text, before XLA's passes)
 
     @property
     def curve(self) -> np.ndarray:
@@ -137,21 +141,23 @@ def _abstract(tree):
 def _execute(step, state, placed_batches, abstract=False) -> Run:
     """`abstract`: compile from ShapeDtypeStructs (nothing allocated), then run."""
     args = (state, placed_batches[0])
-    compiled = step.lower(*(_abstract(args) if abstract else args)).compile(FAST_COMPILE)
+    lowered = step.lower(*(_abstract(args) if abstract else args))
+    compiled = lowered.compile(FAST_COMPILE)
     metrics, grads = [], None
     for b in placed_batches:
         state, m = compiled(state, b)
         metrics.append(to_numpy(m))
         grads = to_numpy(state.opt_state[0]) if grads is None else grads
-    return Run(metrics, grads, compiled.as_text(), compiled, state, placed_batches[-1])
+    return Run(metrics, grads, compiled.as_text(), compiled, state, placed_batches[-1],
+               lowered.as_text(dialect="hlo"))
 
 
 @functools.cache
 def reference_run(grad_accum=1, batch=BATCH, layers=(2, 0), moe=(), width=32,
-                  optim="adamw") -> Run:
+                  optim="adamw", dtype="float32") -> Run:
     """One device, the model's local dispatch, no parallel plan."""
     model_cfg, tx, schedule, graphdef, state = host_state(layers=layers, moe=moe, width=width,
-                                                          optim=optim)
+                                                          optim=optim, dtype=dtype)
     dev = jax.devices()[0]
     step = jax.jit(make_train_step(graphdef, model_cfg, tx, schedule, grad_accum))
     placed = [jax.device_put(b, dev) for b in batches(batch=batch)]
@@ -161,11 +167,14 @@ def reference_run(grad_accum=1, batch=BATCH, layers=(2, 0), moe=(), width=32,
 @functools.cache
 def plan_run(data, expert, dispatch="rowwise", strategy="ddp", zero1=True, grad_accum=1,
              batch=BATCH, capacity_factor=NO_DROP_CF, layers=(2, 0), pipe: Pipe = NO_PIPE,
-             remat="none", abstract=False, moe=(), width=32, optim="adamw") -> Run:
+             remat="none", abstract=False, moe=(), width=32, optim="adamw",
+             dtype="float32") -> Run:
     """The same on a pipe x data x expert mesh through the trainer's ParallelPlan and
     its jitted step (state shardings, donation). `remat`: model.remat (same weights);
-    `abstract`: compile from ShapeDtypeStructs; `moe`: as host_state; `optim`: optim.name."""
-    model_cfg, tx, schedule, _, state = host_state(layers=layers, moe=moe, width=width, optim=optim)
+    `abstract`: compile from ShapeDtypeStructs; `moe`, `dtype`: as host_state; `optim`:
+    optim.name."""
+    model_cfg, tx, schedule, _, state = host_state(layers=layers, moe=moe, width=width,
+                                                   optim=optim, dtype=dtype)
     cfg = make_cfg(data, expert, dispatch, strategy, zero1, grad_accum, capacity_factor,
                    batch=batch, layers=layers, pipe=pipe, width=width, optim=optim)
     model_cfg = with_capacity(dataclasses.replace(model_cfg, remat=remat), cfg)

@@ -6,14 +6,23 @@ the causal triangle x 7 score GEMMs (2 forward, 5 in the flash backward) against
 formula's 6; every parameter matmul exactly the formula's (XLA:GPU's GEMM fusions walked);
 the routed experts' batched GEMMs the rowwise capacity padding over it; memory from
 XLA:GPU's buffer assignment; the all-to-all bytes the dispatch formula's at bf16 (the GPU
-sends what the program asks); matmuls and links priced at the stated efficiencies. The
-fallback and its label are checked without a compile."""
+sends what the program asks); matmuls and links priced at the stated efficiencies; the
+ZeRO-1 all-gathers moving the bf16 compute copies and the reduce-scatters float32
+gradients (parallel/zero.py). The fallback and its label are checked without a compile."""
 
+import math
+
+import jax
+import numpy as np
 import pytest
+from jax.sharding import NamedSharding
 
-from olmo_jax.config import default_config
+from olmo_jax.config import default_config, model_config
+from olmo_jax.model.abstract import abstract_model
 from olmo_jax.model.config import ConfigError
 from olmo_jax.model.moe import sizing
+from olmo_jax.parallel import zero
+from olmo_jax.parallel.strategy import build_plan
 from olmo_jax.planner import cli, hardware, xla_gpu
 
 BATCH, SEQ = 8, 64
@@ -92,3 +101,33 @@ def test_without_xla_gpu_the_cpu_fallback_is_labelled(monkeypatch):
     assert xla_gpu.where("cpu").how == "cpu" and not xla_gpu.where("cpu").note
     with pytest.raises(ConfigError, match="--compiler=xla_gpu: no XLA:GPU here"):
         cli.run(small_config(), 4, "b300", False, compiler="xla_gpu")
+
+
+def _split_compute_bytes(cfg, n_devices):
+    """(bytes at the compute copies' dtypes, bytes in float32) of the per-device compute
+    copies of every parameter ZeRO-1 splits, from the plan's layouts on n CPU devices."""
+    model_cfg = model_config(cfg)
+    params = abstract_model(model_cfg)[1]
+    plan = build_plan(cfg, model_cfg, devices=jax.devices()[:n_devices])
+    copy = f32 = 0
+    lays = jax.tree.leaves(plan.layouts, is_leaf=lambda v: isinstance(v, zero.ParamLayout))
+    for x, lay in zip(jax.tree.leaves(params), lays, strict=True):
+        if lay.dim is not None:
+            n = NamedSharding(plan.mesh, lay.compute).shard_shape(x.shape)
+            copy += math.prod(n) * np.dtype(lay.dtype or x.dtype).itemsize
+            f32 += math.prod(n) * 4
+    return copy, f32
+
+
+def test_zero1_gathers_bf16_copies_and_reduces_f32_gradients(out):
+    # model.dtype=bfloat16: XLA:GPU's program all-gathers the bf16 compute copies of the
+    # weights cast at use (float32 for norms, router, embedding) and reduce-scatters the
+    # gradients in float32 (parallel/zero.py).
+    plan = out["json"]["plan"]
+    copy, f32 = _split_compute_bytes(small_config(), 4)
+    assert copy < 0.7 * f32  # most split bytes are matmul weights
+    rows = {(r["kind"], r["purpose"]): r for r in plan["collectives"]}
+    gather, scatter = rows[("all-gather", "zero_gather")], rows[("reduce-scatter", "zero_reduce")]
+    assert gather["executions"] == gather["ops"] and scatter["executions"] == scatter["ops"]  # once a step
+    assert gather["bytes_per_device"] == copy
+    assert scatter["bytes_per_device"] == f32

@@ -20,7 +20,8 @@ express either case above (an interleaved stage holds chunks s, s + P, ...; 61 b
 not split over 8 stages), so each parameter is split over `pipe` on another dimension,
 with the ZeRO-1 data-parallel split on the same one when both divide (`pipe` innermost):
 per device that is the same 1/(pipe x data-parallel) share of every weight a layer-axis
-split would give. Once per step, inside the step's shard_map (`gather`):
+split would give. Once per step, inside the step's shard_map (`gather`), after the cast
+of the weights whose compute copies are bf16 (zero.py: both steps below move bf16):
   MoE-block weights   an all_to_all over `pipe` hands every stage the rows of its own
                       chunks ([V * c] slots, chunk by chunk; padding rows hold layer 0),
                       then the ZeRO-1 all-gather over the data axes;
@@ -31,6 +32,7 @@ then the all_to_all back and a scatter into the natural layer rows / a reduce-sc
 over `pipe`). The all_to_all moves the stored shards only: 1/(data-parallel size) of the
 bytes of the ZeRO-1 gather that follows it. A dimension that `pipe` does not divide
 leaves the parameter whole on every stage (its gradient then all-reduced over `pipe`).
+Gradients travel in float32 (the stages sum them in float32 buffers, run.py).
 """
 
 from __future__ import annotations
@@ -233,8 +235,10 @@ def _reduce_over_pipe(g, lay: StageLayout, rows_PL, keep_PL, n_layers):
 
 
 def gather(params, layouts, chunks: Chunking):
-    """Stored shards -> this stage's compute copies (MoE-block weights: its chunk rows)."""
+    """Stored shards -> this stage's compute copies (MoE-block weights: its chunk rows),
+    cast to the copies' dtypes first (zero.py), so the pipe step moves them too."""
     rows = chunks.rows
+    params = zero.cast(params, layouts)
 
     def one(path, x, lay):
         with jax.named_scope(f"pipe_gather/{path_name(path)}"):

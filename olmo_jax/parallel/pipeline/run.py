@@ -36,7 +36,9 @@ table (no stash), the last chunk summing cross-entropy and tokens.
 
 Gradients come back in the compute layout: the stage's [V * c] chunk rows for the MoE
 blocks, per-device partial sums for everything else (zero outside the first / last
-stage); `layout.reduce` turns them into the stored placement.
+stage), summed over the microbatches in float32 buffers (the weights themselves are the
+stage's compute copies, bf16 for a bf16 model: parallel/zero.py; neither the stash nor
+the buffers hold weights); `layout.reduce` turns them into the stored placement.
 """
 
 from __future__ import annotations
@@ -81,6 +83,11 @@ def _stashable(fn, remat: str):
 
 
 # ---- small tree helpers --------------------------------------------------------------------
+def _add(acc, g):
+    """A gradient added to its float32 buffer."""
+    return acc + g.astype(acc.dtype)
+
+
 def _vary(tree, axes=AXES):
     """Every leaf typed as differing over `axes` (scan carries and cond branches must agree)."""
 
@@ -97,17 +104,19 @@ def _own_axes(x) -> tuple[str, ...]:
     return tuple(sorted(mat.varying if mat is not None else varying_axes(x)))
 
 
-def _zeros(tree, n=None, axes=AXES):
+def _zeros(tree, n=None, axes=AXES, dtype=None):
     """Zeros shaped like `tree` (arrays or ShapeDtypeStructs), with a leading [n] if given,
     varying over `axes` (None: over the axes each leaf varies over; stashed residuals must
-    keep their exact type, e.g. for the cotangent sums of hand-written VJPs)."""
+    keep their exact type, e.g. for the cotangent sums of hand-written VJPs), in `dtype`
+    (None: each leaf's; the gradient buffers are float32, also for a bf16 compute copy:
+    parallel/zero.py)."""
     lead = () if n is None else (n,)
 
     def one(x):
         own = _own_axes(x) if axes is None else axes
         if n is not None:  # written at slots that differ per stage
             own = tuple(sorted(set(own) | {PIPE}))
-        return _vary(jnp.zeros(lead + tuple(x.shape), x.dtype), own)
+        return _vary(jnp.zeros(lead + tuple(x.shape), dtype or x.dtype), own)
 
     return jax.tree.map(one, tree)
 
@@ -402,9 +411,9 @@ class _TrainTicks(_Ticks):
             bwd_in=_zeros(act, slots["bwd_in"] + 1),
             out_fwd=_zeros(act),
             out_bwd=_zeros(act),
-            g_stage=_zeros(prog.stage_params, axes=None),
-            g_prologue=_zeros(prog.prologue_params, axes=None),
-            g_head=_zeros(prog.head_params, axes=None),
+            g_stage=_zeros(prog.stage_params, axes=None, dtype=jnp.float32),
+            g_prologue=_zeros(prog.prologue_params, axes=None, dtype=jnp.float32),
+            g_head=_zeros(prog.head_params, axes=None, dtype=jnp.float32),
             parts=_zeros(parts_shape, axes=(PIPE,)),
         )
 
@@ -428,7 +437,7 @@ class _TrainTicks(_Ticks):
         # d(step loss) / d(this microbatch's share) = 1, typed like the loss
         g, dx, dstats = vjp(_vary(jnp.ones((), loss.dtype), _own_axes(loss)))
         bwd_in = _write(bwd_in, cell[COL["head_out"]], (dx, dstats))
-        g_head = jax.tree.map(jnp.add, g_head, g)
+        g_head = jax.tree.map(_add, g_head, g)
         parts = jax.tree.map(jnp.add, parts, _vary(parts_m, (PIPE,)))
         return bwd_in, g_head, parts
 
@@ -445,7 +454,7 @@ class _TrainTicks(_Ticks):
         d_chunk, dx = vjp((dy, prog.stats_rows(dstats_out, k, v)))
         g_stage = jax.tree.map(
             lambda g, d: jax.lax.dynamic_update_slice_in_dim(
-                g, jax.lax.dynamic_slice_in_dim(g, v * c, c, 0) + d, v * c, 0),
+                g, _add(jax.lax.dynamic_slice_in_dim(g, v * c, c, 0), d), v * c, 0),
             carry.g_stage, d_chunk)
         with jax.named_scope("pipe_first"):
             g_pro = jax.lax.cond(k == 0, functools.partial(self.bwd_first, dx=dx, carry=carry, cell=cell),
@@ -458,7 +467,7 @@ class _TrainTicks(_Ticks):
         pro_vjp = self.pro_saver.restore(_read(carry.prologue, cell[COL["prologue"]]),
                                          self.prog.prologue_params)
         (d_pro,) = pro_vjp(dx)
-        return jax.tree.map(jnp.add, g_pro, d_pro)
+        return jax.tree.map(_add, g_pro, d_pro)
 
     # ---- after the last tick ---------------------------------------------------------
     def result(self, carry: _Carry, params):
