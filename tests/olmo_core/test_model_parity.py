@@ -67,6 +67,7 @@ def olmo_jax_config(c: dict) -> TransformerConfig:
         vocab_size=c["vocab_size"], d_model=c["d_model"], n_layers=c["n_layers"],
         n_heads=c["n_heads"], n_kv_heads=c["n_kv_heads"], n_dense_layers=c["n_dense_layers"],
         dense_hidden=c["dense_hidden"], rope_theta=c["rope_theta"], norm_eps=c["eps"],
+        init_std=c["init_std"],
         head_qk_norm=c["head_qk_norm"], block_norm=c["block_norm"],
         embed_scale=c["embed_scale"], embedding_norm=c["embedding_norm"],
         moe=MoEConfig(num_experts=c["num_experts"], top_k=c["top_k"],
