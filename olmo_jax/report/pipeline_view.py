@@ -1,6 +1,7 @@
-"""Report section "pipeline": the pipeline schedule (stage x tick, the forward or backward
-of one microbatch on one virtual stage in every busy cell) for the config's schedule, P, M
-and V, with its bubble fraction and which blocks each stage runs.
+"""Report section "pipeline": the pipeline schedule (stage x tick, each tick a forward slot
+then a backward slot, the forward or backward of one microbatch on one virtual stage in
+every busy cell) for the config's schedule, P, M and V, with its bubble fraction and
+which blocks each stage runs.
 
 The table is the one the trainer runs: `plan.pipeline.schedule` (built by
 olmo_jax/parallel/pipeline/schedule.py from parallel.pipeline_schedule, pipe,
