@@ -7,12 +7,12 @@ v, and activations flow chunk k -> k + 1 (stage s -> s + 1, and P - 1 -> 0 into 
 virtual stage). A tick has two op slots per stage, run in order: the F slot (at most
 one forward: chunk k of microbatch m, (m, v)) and the B slot (at most one backward);
 then one ppermute each way carries the tick's activations and cotangents to the
-neighbouring stages, which can use them from the next tick. A stage's own forward
-already counts in its B slot: the last chunk's F (with the head's cotangent) and its B
-share a tick. The ticks run in lockstep, so a tick lasts as long as the longest
-(F + B) of any stage: pairing a forward with a backward in each tick of 1F1B's steady
-state keeps a stage from waiting, F-slot tick after B-slot tick, on its neighbours'
-slower ops (a backward costs several forwards with model.remat = block).
+neighbouring stages, which can use them from the next tick. A backward may use the
+forward its own stage ran in the F slot of the same tick: the last chunk's F (with the
+head's cotangent) and its B share a tick. The ticks run in lockstep, so a tick lasts as
+long as the longest (F + B) of any stage: pairing a forward with a backward in each tick
+of 1F1B's steady state keeps a stage from waiting, in its forward ticks, on its
+neighbours' slower backwards (a backward costs several forwards with model.remat = block).
 
 Schedules are per-stage op orders; `simulate` runs each stage through its order, an op
 taking its slot at the first tick its inputs exist:
@@ -35,8 +35,9 @@ for interleaved (and circular gpipe): the length is 2 (V M + P - 1) units, P - 1
 filling and P - 1 of draining around the V M forwards and backwards of a stage. 1f1b and
 interleaved take V M + 2 (P - 1) + (V - 1) P ticks, V M - 2 (P - 1) - (V - 1) P of them
 (when positive) with a forward and a backward on every stage. With a backward b times
-as long as a forward, a tick of the steady state lasts 1 + b, not the 2b of one-op
-ticks where neighbours alternate F and B (olmo_jax/planner/pipeline.py prices it).
+as long as a forward, a microbatch's F and B on a stage take 1 + b in the steady state,
+not the 2b of two one-op ticks where neighbours alternate F and B, each tick lasting a
+backward (olmo_jax/planner/pipeline.py prices the table so).
 """
 
 from __future__ import annotations
