@@ -1,6 +1,7 @@
 """Draw pipeline schedules: one panel per schedule, stages on the y axis, time on the x
-axis (one unit = a stage's forward of one microbatch: a tick of an interleaved schedule
-runs one of the stage's V chunks and lasts 1/V), forward ops in blue and backward ops in
+axis (one unit = a stage's forward of one microbatch: an op of an interleaved schedule
+runs one of the stage's V chunks and lasts 1/V; a tick is its forward slot, then its
+backward slot, each drawn where some stage uses it), forward ops in blue and backward ops in
 orange (lighter shades for later virtual stages), each cell labelled with its
 microbatch, idle cells blank; the panel title gives the schedule table's bubble fraction
 next to the textbook value and the activation slots a stage keeps (in chunks).
@@ -28,25 +29,40 @@ from olmo_jax.parallel.pipeline import schedule as sched_lib  # noqa: E402
 COLORS = {sched_lib.FWD: ("#1f77b4", "#9ecae1"), sched_lib.BWD: ("#ff7f0e", "#fdd0a2")}
 
 
+def _columns(s: sched_lib.Schedule):
+    """Per tick, the x offset of its F slot and of its B slot (in units of one op) and
+    the tick's width: the slots some stage uses, side by side."""
+    used = (s.table[..., sched_lib.COL["op"]] != sched_lib.IDLE).any(axis=2)  # [ticks, 2]
+    x, out = 0.0, []
+    for f_used, b_used in used:
+        out.append((x, x + (1 if f_used else 0)))
+        x += int(f_used) + int(b_used)
+    return out, x
+
+
 def draw(ax, s: sched_lib.Schedule, width: float) -> None:
-    ops, mbs, virt = s.column("op"), s.column("mb"), s.column("virtual")
+    col = sched_lib.COL
     dt = 1.0 / s.virtual
     shades = [i / max(1, s.virtual - 1) for i in range(s.virtual)]
+    offsets, _ = _columns(s)
     for t in range(s.ticks):
-        for stage in range(s.stages):
-            op = int(ops[t, stage])
-            if op == sched_lib.IDLE:
-                continue
-            dark, light = COLORS[op]
-            v = int(virt[t, stage])
-            color = matplotlib.colors.to_rgb(dark) if v == 0 else tuple(
-                (1 - shades[v]) * a + shades[v] * b
-                for a, b in zip(matplotlib.colors.to_rgb(dark), matplotlib.colors.to_rgb(light),
-                                strict=True))
-            ax.add_patch(Rectangle((t * dt, stage), dt, 1, facecolor=color, edgecolor="white",
-                                   linewidth=0.6))
-            ax.text((t + 0.5) * dt, stage + 0.5, str(mbs[t, stage]), ha="center", va="center",
-                    fontsize=7 if dt == 1 else 6, color="white" if v == 0 else "black")
+        for slot in (0, 1):
+            for stage in range(s.stages):
+                cell = s.table[t, slot, stage]
+                op = int(cell[col["op"]])
+                if op == sched_lib.IDLE:
+                    continue
+                dark, light = COLORS[op]
+                v = int(cell[col["virtual"]])
+                color = matplotlib.colors.to_rgb(dark) if v == 0 else tuple(
+                    (1 - shades[v]) * a + shades[v] * b
+                    for a, b in zip(matplotlib.colors.to_rgb(dark), matplotlib.colors.to_rgb(light),
+                                    strict=True))
+                x = offsets[t][slot] * dt
+                ax.add_patch(Rectangle((x, stage), dt, 1, facecolor=color, edgecolor="white",
+                                       linewidth=0.6))
+                ax.text(x + 0.5 * dt, stage + 0.5, str(cell[col["mb"]]), ha="center", va="center",
+                        fontsize=7 if dt == 1 else 6, color="white" if v == 0 else "black")
     ax.set_xlim(0, width)
     ax.set_ylim(s.stages, 0)
     ax.set_yticks([i + 0.5 for i in range(s.stages)], [f"stage {i}" for i in range(s.stages)])
@@ -69,7 +85,7 @@ def main(argv=None) -> Path:
         sched_lib.build("1f1b", args.stages, 1, args.microbatches),
         sched_lib.build("interleaved_1f1b", args.stages, args.virtual, args.microbatches),
     ]
-    width = max(s.ticks / s.virtual for s in schedules)
+    width = max(_columns(s)[1] / s.virtual for s in schedules)
     fig, axes = plt.subplots(len(schedules), 1, figsize=(max(8.0, 0.4 * width),
                                                          1.0 + (0.9 + 0.35 * args.stages) * len(schedules)))
     for ax, s in zip(axes, schedules, strict=True):

@@ -13,13 +13,14 @@ stages, so the plan's per-device FLOPs, bytes and collectives are the mean over 
 stages (the step's total / devices: per-token figures are exact).
 
 The bubble: the ticks run in lockstep (each ends with a ppermute between neighbouring
-stages), so a tick lasts as long as its slowest op. `cost` prices one execution of each
+stages), and in a tick a stage runs its F slot, then its B slot (schedule.py), so a tick
+lasts as long as the largest (F + B) of any stage. `cost` prices one execution of each
 branch with the roofline of its compiled operations and collectives (a forward or
 backward of one chunk, plus the prologue / head on the first / last chunk), lays those
-durations on the table, and compares its length (sum over ticks of the longest op) with
-the mean busy time of a stage. The difference is time a device idles: the projected step
-adds it (roofline.Projection.bubble_s). The table's own bubble (idle cells / all cells,
-what the trainer logs as `pipeline_bubble`) counts a backward as long as a forward.
+durations on the table, and compares its length (sum over ticks of the slowest stage's
+F + B) with the mean busy time of a stage. The difference is time a device idles: the
+projected step adds it (roofline.Projection.bubble_s). The table's own bubble (what the
+trainer logs as `pipeline_bubble`) counts a backward as long as a forward.
 """
 
 from __future__ import annotations
@@ -74,22 +75,25 @@ def branches(module: comms.HloModule) -> list[Branch]:
 
 
 def _cells(schedule: sched_lib.Schedule):
-    """(forward, backward, chunk index) per (tick, stage) of the table."""
-    ops = schedule.column("op")
-    k = schedule.column("virtual") * schedule.stages + np.arange(schedule.stages)[None, :]
-    return ops == sched_lib.FWD, ops == sched_lib.BWD, k
+    """(forward, backward, chunk index) per (tick, stage): the F slot's forward and the
+    B slot's backward ([ticks, P] each, the chunk index [ticks, 2, P])."""
+    ops = schedule.table[..., sched_lib.COL["op"]]
+    k = schedule.table[..., sched_lib.COL["virtual"]] * schedule.stages + np.arange(schedule.stages)
+    return ops[:, 0] == sched_lib.FWD, ops[:, 1] == sched_lib.BWD, k
 
 
 def shares(schedule: sched_lib.Schedule) -> dict[tuple[str, str], Fraction]:
     """Per role, the fraction of its conditional's runs that take the true branch, over
-    all stages: forwards / all cells, and the first / last chunks' share of them."""
+    all stages: forwards / (ticks x stages) (the F slot's cond runs once a tick), the
+    same for backwards, and the first / last chunks' share of them."""
     fwd, bwd, k = _cells(schedule)
+    kf, kb = k[:, 0], k[:, 1]
     last = schedule.chunks - 1
     return {(FWD, ""): Fraction(int(fwd.sum()), fwd.size),
             (BWD, ""): Fraction(int(bwd.sum()), bwd.size),
-            (FIRST, FWD): Fraction(int((fwd & (k == 0)).sum()), int(fwd.sum())),
-            (LAST, FWD): Fraction(int((fwd & (k == last)).sum()), int(fwd.sum())),
-            (FIRST, BWD): Fraction(int((bwd & (k == 0)).sum()), int(bwd.sum()))}
+            (FIRST, FWD): Fraction(int((fwd & (kf == 0)).sum()), int(fwd.sum())),
+            (LAST, FWD): Fraction(int((fwd & (kf == last)).sum()), int(fwd.sum())),
+            (FIRST, BWD): Fraction(int((bwd & (kb == 0)).sum()), int(bwd.sum()))}
 
 
 def branch_weights(module: comms.HloModule, schedule: sched_lib.Schedule
@@ -129,7 +133,7 @@ class PipelineCost:
     microbatches: int
     ticks: int
     passes: int  # table passes per step (trainer.grad_accum)
-    table_bubble: float  # idle cells / all cells
+    table_bubble: float  # the table's, in op times (Schedule.bubble)
     op_s: dict[str, float]  # ROLES label -> seconds of one execution (nothing overlapped)
     schedule_s: float  # lockstep length of the step's passes (nothing overlapped)
     busy_s: float  # mean busy time of a stage over those passes
@@ -168,16 +172,17 @@ def _seconds(module: comms.HloModule, root: str, weights: dict[str, Fraction],
 
 def lockstep(schedule: sched_lib.Schedule, op_s: dict[tuple[str, str], float]
              ) -> tuple[float, float]:
-    """(sum over ticks of the slowest stage's op, mean busy time per stage) of one pass
-    through the table, an op costing op_s[(role, within)] (+ the nested roles)."""
+    """(sum over ticks of the slowest stage's F slot + B slot, mean busy time per stage)
+    of one pass through the table, an op costing op_s[(role, within)] (+ the nested
+    roles)."""
     fwd, bwd, k = _cells(schedule)
-    first, last = k == 0, k == schedule.chunks - 1
-    cell = np.zeros(fwd.shape)
+    kf, kb = k[:, 0], k[:, 1]
+    cell = np.zeros(fwd.shape)  # [ticks, P]: a stage's time in the tick
     cell[fwd] += op_s[(FWD, "")]
     cell[bwd] += op_s[(BWD, "")]
-    cell[fwd & first] += op_s.get((FIRST, FWD), 0.0)
-    cell[fwd & last] += op_s.get((LAST, FWD), 0.0)
-    cell[bwd & first] += op_s.get((FIRST, BWD), 0.0)
+    cell[fwd & (kf == 0)] += op_s.get((FIRST, FWD), 0.0)
+    cell[fwd & (kf == schedule.chunks - 1)] += op_s.get((LAST, FWD), 0.0)
+    cell[bwd & (kb == 0)] += op_s.get((FIRST, BWD), 0.0)
     return float(cell.max(axis=1).sum()), float(cell.sum() / schedule.stages)
 
 

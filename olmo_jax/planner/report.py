@@ -434,8 +434,8 @@ def _bubble_lines(plan: Plan) -> list[str]:
     return [
         f"  bubble       {pc.bubble_s:8.3f} s   {pc.kind}, {pc.stages} stages{virtual}, "
         f"{pc.microbatches} microbatches: {pc.ticks} ticks x {pc.passes} pass(es), "
-        f"{pc.table_bubble:.1%} of the table's cells idle; priced with each op's roofline "
-        f"(ticks in lockstep, each as long as its slowest op) a stage idles {pc.bubble:.1%} "
+        f"{pc.table_bubble:.1%} idle in op times; priced with each op's roofline (ticks "
+        f"in lockstep, each as long as the slowest stage's F + B) a stage idles {pc.bubble:.1%} "
         f"of the {pc.schedule_s:,.3f} s schedule",
         f"               one op (roofline + its collectives): {ops}",
     ]

@@ -1,6 +1,7 @@
-"""Report section "pipeline": the pipeline schedule (stage x tick, the forward or backward
-of one microbatch on one virtual stage in every busy cell) for the config's schedule, P, M
-and V, with its bubble fraction and which blocks each stage runs.
+"""Report section "pipeline": the pipeline schedule (stage x tick, each tick a forward slot
+then a backward slot, the forward or backward of one microbatch on one virtual stage in
+every busy cell) for the config's schedule, P, M and V, with its bubble fraction and
+which blocks each stage runs.
 
 The table is the one the trainer runs: `plan.pipeline.schedule` (built by
 olmo_jax/parallel/pipeline/schedule.py from parallel.pipeline_schedule, pipe,
@@ -41,17 +42,21 @@ def _stage_blocks(chunks: Chunking | None, n_dense: int, n_layers: int, stages: 
 
 
 def schedule_cells(s: sched_lib.Schedule) -> list[dict]:
-    """Every busy (tick, stage) cell of the table: F/B, microbatch, virtual stage, chunk."""
-    ops, mbs, virt = s.column("op"), s.column("mb"), s.column("virtual")
+    """Every busy (tick, slot, stage) cell of the table: F/B, microbatch, virtual stage,
+    chunk (slot 0: the tick's forward slot, 1: its backward slot)."""
+    col = sched_lib.COL
     cells = []
     for t in range(s.ticks):
-        for stage in range(s.stages):
-            op = int(ops[t, stage])
-            if op == sched_lib.IDLE:
-                continue
-            v = int(virt[t, stage])
-            cells.append({"tick": t, "stage": stage, "kind": KIND[op], "microbatch": int(mbs[t, stage]),
-                          "virtual": v, "chunk": v * s.stages + stage})
+        for slot in (0, 1):
+            for stage in range(s.stages):
+                cell = s.table[t, slot, stage]
+                op = int(cell[col["op"]])
+                if op == sched_lib.IDLE:
+                    continue
+                v = int(cell[col["virtual"]])
+                cells.append({"tick": t, "slot": slot, "stage": stage, "kind": KIND[op],
+                              "microbatch": int(cell[col["mb"]]), "virtual": v,
+                              "chunk": v * s.stages + stage})
     return cells
 
 

@@ -13,7 +13,8 @@ parallel.microbatches = 4 microbatches everywhere) and an ahead-of-time compile 
 ShapeDtypeStructs (nothing allocated).
 
 Memory: from the compiled memory analysis, 1F1B's temporary bytes do not grow with the
-number of microbatches (M = 4P within 1.25x of M = P), GPipe's grow linearly with M.
+number of microbatches once its 2P - 1 stash slots are filled (M = 4P within 1.25x of
+M = 2P), GPipe's grow linearly with M.
 """
 
 import jax
@@ -121,11 +122,11 @@ def _temp_bytes(kind: str, microbatches: int, stages: int = 2) -> int:
 
 def test_1f1b_memory_is_flat_in_microbatches_gpipe_linear():
     P = 2
-    one_f1b = {M: _temp_bytes("1f1b", M, P) for M in (P, 4 * P)}
+    one_f1b = {M: _temp_bytes("1f1b", M, P) for M in (2 * P, 4 * P)}
     gpipe = {M: _temp_bytes("gpipe", M, P) for M in (P, 2 * P, 4 * P)}
     series = f"temp bytes by microbatches: 1f1b {one_f1b}, gpipe {gpipe}"
     print(series)
-    assert one_f1b[4 * P] <= 1.25 * one_f1b[P], series
+    assert one_f1b[4 * P] <= 1.25 * one_f1b[2 * P], series
     # GPipe keeps every microbatch's activations: equal steps per added microbatch.
     step_2p = (gpipe[2 * P] - gpipe[P]) / P
     step_4p = (gpipe[4 * P] - gpipe[2 * P]) / (2 * P)

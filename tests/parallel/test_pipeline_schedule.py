@@ -1,7 +1,9 @@
 """Pipeline schedule tables, layer chunking and the pipeline config checks: pure, nothing
-compiled. The bubble of every table equals the textbook value; every table is a valid
-execution (each op once, after its inputs); 1F1B keeps at most min(P, M) microbatches of
-activations on a stage whatever M is, GPipe all M x V."""
+compiled. The bubble of every table equals the textbook value; 1F1B's steady state pairs a
+forward and a backward on every stage in each tick; every table is a valid execution
+(each op once, after its inputs) whose buffer slots hold each value until it is read;
+1F1B keeps at most min(2P - 1, M) microbatches of activations on a stage whatever M is,
+GPipe all M x V."""
 
 import runpy
 from pathlib import Path
@@ -36,8 +38,27 @@ def test_bubble_is_the_textbook_value(case):
     # (P-1)/(V*M + P-1): the bubble over the busy time, (P-1)/M, divided by V.
     assert s.bubble == pytest.approx((P - 1) / (V * M + P - 1), abs=1e-12)
     assert s.bubble == pytest.approx(schedule.textbook_bubble(kind, P, M, V))
-    idle = s.bubble * s.ticks * P
-    assert idle / (s.ticks * P - idle) == pytest.approx((P - 1) / M / V)
+    idle = s.bubble * s.length * P
+    assert idle / (s.length * P - idle) == pytest.approx((P - 1) / M / V)
+    # In op times: P - 1 ticks of filling and P - 1 of draining around V M ops of each kind.
+    assert s.length == 2 * (V * M + P - 1)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] != "gpipe"], ids=_id)
+def test_1f1b_steady_state_pairs_a_forward_and_a_backward(case):
+    """1F1B's ticks run one forward and one backward on every stage in the steady state.
+    Around it: P - 1 ticks of filling and P - 1 of draining (each as long as one op), and
+    for interleaved the (V - 1) P forwards of the earlier virtual stages before the first
+    backward (and as many backwards after the last forward), every stage busy."""
+    kind, P, V, M = case
+    s = schedule.build(kind, P, V, M)
+    warm = (V - 1) * P
+    assert s.ticks == V * M + 2 * (P - 1) + warm
+    paired = (s.ops_per_tick() == 2).all(axis=1)  # every stage runs F + B
+    assert paired.sum() == max(0, V * M - 2 * (P - 1) - warm)
+    if paired.any():  # one steady run of them
+        first, last = np.nonzero(paired)[0][[0, -1]]
+        assert paired[first:last + 1].all()
 
 
 @pytest.mark.parametrize("case", CASES, ids=_id)
@@ -45,33 +66,88 @@ def test_table_is_a_valid_execution(case):
     kind, P, V, M = case
     s = schedule.build(kind, P, V, M)
     K = P * V
-    ops, mb, virt = s.column("op"), s.column("mb"), s.column("virtual")
-    when = {}
-    for t in range(s.ticks):
-        for stage in range(P):
-            if ops[t, stage] != IDLE:
-                key = (int(ops[t, stage]), int(mb[t, stage]), int(virt[t, stage]) * P + stage)
-                assert key not in when
-                when[key] = t
+    op, mb, virt = (s.table[..., schedule.COL[n]] for n in ("op", "mb", "virtual"))
+    assert np.all(np.isin(op[:, 0], (IDLE, FWD))) and np.all(np.isin(op[:, 1], (IDLE, BWD)))
+    when = {}  # (op, m, k) -> (tick, slot)
+    for t, slot, stage in zip(*np.nonzero(op != IDLE), strict=True):
+        key = (int(op[t, slot, stage]), int(mb[t, slot, stage]), int(virt[t, slot, stage]) * P + stage)
+        assert key not in when
+        when[key] = (int(t), int(slot))
     assert len(when) == 2 * M * K  # every forward and backward exactly once
     for m in range(M):
         for k in range(K):
-            if k:
-                assert when[(FWD, m, k)] > when[(FWD, m, k - 1)]
-            assert when[(BWD, m, k)] > when[(FWD, m, k)]
+            if k:  # from the neighbour: a tick later
+                assert when[(FWD, m, k)][0] > when[(FWD, m, k - 1)][0]
+            assert when[(BWD, m, k)] > when[(FWD, m, k)]  # same stage: a later slot
             if k < K - 1:
-                assert when[(BWD, m, k)] > when[(BWD, m, k + 1)]
+                assert when[(BWD, m, k)][0] > when[(BWD, m, k + 1)][0]
     # Slots: an op reads what its table row names; "none" only where nothing is read.
-    fwd_in, stash = s.column("fwd_in"), s.column("stash")
-    assert np.all((stash >= 0) == (ops != IDLE))
-    assert np.all(fwd_in[ops == BWD] == NO_SLOT)
+    fwd_in, stash = (s.table[..., schedule.COL[n]] for n in ("fwd_in", "stash"))
+    assert np.all((stash >= 0) == (op != IDLE))
+    assert np.all(fwd_in[:, 1] == NO_SLOT)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_buffer_slots_hold_each_value_until_it_is_read(case):
+    """Replays the table's buffer traffic in execution order (each tick: the F slots, the
+    B slots, then the arrivals): every read finds the value it needs, no write lands on
+    a slot whose value is still to be read, every slot is within the allocation."""
+    kind, P, V, M = case
+    s = schedule.build(kind, P, V, M)
+    K, col = P * V, schedule.COL
+    bufs = [{name: {} for name in s.slots} for _ in range(P)]
+
+    def write(stage, name, slot, value):
+        assert 0 <= slot < s.slots[name], (name, slot)
+        assert slot not in bufs[stage][name], (name, slot, "overwritten while alive")
+        bufs[stage][name][slot] = value
+
+    def read(stage, name, slot, value):
+        assert bufs[stage][name].pop(slot) == value, (name, slot)
+
+    for t in range(s.ticks):
+        sent = {}
+        for slot_i in (0, 1):
+            for stage in range(P):
+                cell = s.table[t, slot_i, stage]
+                if cell[col["op"]] == IDLE:
+                    continue
+                m, k = int(cell[col["mb"]]), int(cell[col["virtual"]]) * P + stage
+                if cell[col["op"]] == FWD:
+                    if k:
+                        read(stage, "fwd_in", cell[col["fwd_in"]], ("x", m, k))
+                    write(stage, "stash", cell[col["stash"]], ("res", m, k))
+                    if k == 0:
+                        write(stage, "prologue", cell[col["prologue"]], ("pro", m))
+                    if k == K - 1:
+                        write(stage, "bwd_in", cell[col["head_out"]], ("dx", m, k))
+                    else:
+                        sent[("fwd", (stage + 1) % P)] = ("x", m, k + 1)
+                else:
+                    read(stage, "bwd_in", cell[col["bwd_in"]], ("dx", m, k))
+                    read(stage, "stash", cell[col["stash"]], ("res", m, k))
+                    if k == 0:
+                        read(stage, "prologue", cell[col["prologue"]], ("pro", m))
+                    else:
+                        sent[("bwd", (stage - 1) % P)] = ("dx", m, k - 1)
+        for stage in range(P):
+            end = s.table[t, 1, stage]
+            assert np.all(s.table[t, 0, stage, [col["recv_fwd"], col["recv_bwd"]]] == NO_SLOT)
+            for way, name in (("fwd", "fwd_in"), ("bwd", "bwd_in")):
+                slot = int(end[col["recv_" + way]])
+                assert (slot != NO_SLOT) == ((way, stage) in sent)
+                if slot != NO_SLOT:
+                    write(stage, name, slot, sent[(way, stage)])
+    assert all(not b for per_stage in bufs for b in per_stage.values())
 
 
 def test_1f1b_activations_do_not_grow_with_microbatches():
     for P in (2, 4, 8):
         for M in (P, 2 * P, 4 * P, 8 * P):
             s = schedule.build("1f1b", P, 1, M)
-            assert s.slots["stash"] == P
+            # Stage 0 fills the round trip to the last stage and back, 2 (P - 1) ticks of
+            # one forward each, before its first backward pairs with a forward.
+            assert s.slots["stash"] == min(2 * P - 1, M)
             assert schedule.build("gpipe", P, 1, M).slots["stash"] == M
         assert schedule.build("1f1b", P, 1, 1).slots["stash"] == 1
     # Interleaved: Megatron's warm-up, 2(P-1) + (V-1)P + 1 chunks of 1/V stage each.
@@ -84,6 +160,7 @@ def test_1f1b_activations_do_not_grow_with_microbatches():
 def test_forward_only_schedule():
     s = schedule.forward_only(4, 2, 4)
     assert set(np.unique(s.column("op"))) == {IDLE, FWD}
+    assert np.all(s.table[:, 1, :, schedule.COL["op"]] == IDLE)
     assert np.sum(s.column("op") == FWD) == 4 * 4 * 2
 
 

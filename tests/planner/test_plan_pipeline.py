@@ -5,7 +5,8 @@ is counted as often as the schedule table runs it (the prologue's dense MLP and 
 head's LM head exactly as the formula says, the MoE blocks' terms times the padding
 layers, the expert all-to-alls once per forward / backward op), the stage-to-stage sends
 are in the collectives, and the projected step adds the schedule's bubble. The lockstep
-pricing of a table is checked on its own against the table's idle cells."""
+pricing of a table is checked on its own against the table's bubble, also with a
+backward slower than a forward."""
 
 import jax
 import pytest
@@ -99,8 +100,14 @@ def test_lockstep_pricing_of_a_table(kind, stages, virtual, micro):
     sched = sched_lib.build(kind, stages, virtual, micro)
     even = {(pipeline.FWD, ""): 1.0, (pipeline.BWD, ""): 1.0}
     length, busy = pipeline.lockstep(sched, even)
-    assert length == sched.ticks and busy == 2 * micro * virtual
+    assert length == sched.length and busy == 2 * micro * virtual
     assert 1 - busy / length == pytest.approx(sched.bubble)  # ops of one tick: the table's
+    # A tick lasts the slowest stage's F + B: a backward 2x or 3.9x a forward (remat =
+    # block) leaves the bubble at the textbook value (one-op ticks would make it grow).
+    for b in (2.0, 3.9):
+        length_b, busy_b = pipeline.lockstep(sched, {(pipeline.FWD, ""): 1.0, (pipeline.BWD, ""): b})
+        assert busy_b == pytest.approx((1 + b) * micro * virtual)
+        assert 1 - busy_b / length_b == pytest.approx(sched.bubble)
     slow_bwd = {(pipeline.FWD, ""): 1.0, (pipeline.BWD, ""): 2.0}
     length2, busy2 = pipeline.lockstep(sched, slow_bwd)
     assert busy2 == 3 * micro * virtual and length2 >= busy2

@@ -193,9 +193,10 @@ def test_pipeline_section_is_the_trainers_schedule_table(tmp_path):
     ref = schedule.build("1f1b", 2, 1, 2)
     assert (d["schedule"], d["stages"], d["microbatches"], d["virtual_stages"]) == ("1f1b", 2, 2, 1)
     assert d["ticks"] == ref.ticks and d["bubble"] == ref.bubble == pytest.approx(1 / 3)
-    grid = np.full((ref.ticks, 2, 2), -1)  # (op, microbatch) per tick and stage, from the cells
+    grid = np.full((2 * ref.ticks, 2, 2), -1)  # (op, microbatch) per op slot and stage, from the cells
     for c in d["cells"]:
-        grid[c["tick"], c["stage"]] = ({"F": schedule.FWD, "B": schedule.BWD}[c["kind"]], c["microbatch"])
+        grid[2 * c["tick"] + c["slot"], c["stage"]] = (
+            {"F": schedule.FWD, "B": schedule.BWD}[c["kind"]], c["microbatch"])
         assert c["virtual"] == 0 and c["chunk"] == c["stage"]
     busy = ref.column("op") != schedule.IDLE
     np.testing.assert_array_equal(grid[..., 0][busy], ref.column("op")[busy])
@@ -215,7 +216,7 @@ def test_pipeline_section_without_a_pipeline_is_one_stage(plan_and_mesh):
     assert d["schedule"] == "no pipeline" and d["stages"] == 1 and d["bubble"] == 0.0
     assert "parallel.pipe=1" in d["note"] and "grad_accum=2" in d["note"]
     assert [(c["tick"], c["kind"], c["microbatch"]) for c in d["cells"]] == [
-        (0, "F", 0), (1, "B", 0), (2, "F", 1), (3, "B", 1)]
+        (0, "F", 0), (0, "B", 0), (1, "F", 1), (1, "B", 1)]
     assert d["stage_blocks"][0]["chunks"][0]["blocks"] == [1, 2]
 
 

@@ -3,7 +3,8 @@ the plan's shard_map (so expert dispatch over `expert` and the loss sums over th
 axes happen inside each stage), with one `ppermute` each way between neighbouring
 stages per tick.
 
-At every tick a device reads its stage's row of the schedule table (schedule.py) and
+At every tick a device reads its stage's two cells of the schedule table (schedule.py):
+the F slot's op, then the B slot's (1F1B's steady state runs one of each per tick):
   FWD (m, v)  runs chunk k = v * P + s on microbatch m through `jax.vjp`: for k = 0 the
               embedding and dense blocks first (their VJP kept in the `prologue`
               buffer); the chunk's MoE layers' residuals go into the `stash` slot the
@@ -15,13 +16,14 @@ At every tick a device reads its stage's row of the schedule table (schedule.py)
               inbox slot, adds the weight gradients to the stage's chunk rows and, for
               k = 0, runs the prologue's VJP (embedding and dense-block gradients).
 and then sends its latest forward output to stage s + 1 and its latest input cotangent
-to stage s - 1; arrivals go into the inbox slots the table names. FWD and BWD each sit in
-a `lax.cond`: a device runs only its own op, and all devices of one stage take the same
-branch, so the collectives inside stay matched. The conds sit in named scopes (pipe_fwd,
-pipe_bwd; pipe_first for chunk 0's prologue, pipe_last for the head) that the planner
-reads to count each branch as often as the schedule runs it (olmo_jax/planner/pipeline.py).
-Buffers have the sizes the table needs: for 1F1B about P microbatches whatever M is; for
-GPipe all M.
+to stage s - 1 (once per tick, after both slots); arrivals go into the inbox slots the
+table names. FWD and BWD each sit in a `lax.cond`: a device runs only its own ops, and
+all devices of one stage take the same branches, so the collectives inside stay matched.
+The conds sit in named scopes (pipe_fwd, pipe_bwd; pipe_first for chunk 0's prologue,
+pipe_last for the head) that the planner reads to count each branch as often as the
+schedule runs it (olmo_jax/planner/pipeline.py).
+Buffers have the sizes the table needs: for 1F1B at most 2P - 1 microbatches whatever M
+is; for GPipe all M.
 
 Router statistics travel with the activations: a RouterStats buffer with a row per MoE
 block that every chunk fills in; the last chunk computes the losses from the whole buffer
@@ -315,18 +317,20 @@ class _Ticks:
         return carry
 
     def tick(self, carry, row):
-        cell = row[self.prog.s]
-        op = cell[COL["op"]]
+        """row [2, P, fields]: the stage's F slot, then its B slot, then the sends."""
+        cell_f, cell_b = row[0, self.prog.s], row[1, self.prog.s]
         with jax.named_scope("pipe_fwd"):
-            carry = jax.lax.cond(op == sched_lib.FWD, self.fwd, _skip, carry, cell)
+            carry = jax.lax.cond(cell_f[COL["op"]] == sched_lib.FWD, self.fwd, _skip, carry, cell_f)
         if self.BACKWARD:
             with jax.named_scope("pipe_bwd"):
-                carry = jax.lax.cond(op == sched_lib.BWD, self.bwd, _skip, carry, cell)
-        return self.send(carry, cell), None
+                carry = jax.lax.cond(cell_b[COL["op"]] == sched_lib.BWD, self.bwd, _skip, carry,
+                                     cell_b)
+        return self.send(carry, cell_b), None
 
     def send(self, carry, cell):
         """The latest forward output to stage s + 1 (and, training, the latest input
-        cotangent to stage s - 1), into the inbox slots the table names."""
+        cotangent to stage s - 1), into the inbox slots the table names (in the B-slot
+        `cell`: the end of the tick)."""
         P = self.prog.P
         with jax.named_scope("pipe_send"):
             arrived_f = jax.lax.ppermute(carry.out_fwd, PIPE, _ring(P, 1))
