@@ -74,6 +74,9 @@ def _reference_loss_and_grads(layer, x, top_k, norm_topk_prob, capacity):
         ("tiled", 0.0, 2, False),  # the per-expert GEMM loop, runs padded to 8 rows
         ("tiled", 0.0, 3, True),
         ("tiled", 0.75, 2, False),  # capacity buffers under tiled: the batched einsum
+        ("blas", 0.0, 2, False),  # one OpenBLAS SGEMM per expert (FFI), runs back to back
+        ("blas", 0.0, 3, True),
+        ("blas", 0.75, 2, False),  # capacity buffers: every group `capacity` rows
     ],
 )
 def test_moe_path_matches_naive_reference(gmm_impl, capacity_factor, top_k, norm):
