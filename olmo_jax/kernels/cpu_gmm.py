@@ -80,7 +80,7 @@ def _build() -> Path:
                 done = subprocess.run(cmd, capture_output=True, text=True)
             except OSError as e:
                 raise Unavailable(f"cpu_gmm: cannot run the C++ compiler {cxx!r} ({e}); "
-                                  "install g++ or set CXX, or use model.moe.gmm_impl=tiled")
+                                  "install g++ or set CXX, or use model.moe.gmm_impl=tiled") from e
             if done.returncode:
                 raise Unavailable(f"cpu_gmm: building {SOURCE.name} failed:\n{done.stderr[-2000:]}")
         os.replace(lib, out)  # atomic: concurrent builders write the same bytes
