@@ -5,7 +5,7 @@ backward are each one call (cpu_gmm.cc); the SwiGLU's element-wise work runs bet
 expert's GEMMs. Reference: model/moe/tiled.py's XLA loop and the naive loop in the tests.
 
 The C++ is built on first use (g++, jax.ffi.include_dir()) into a cache folder
-($OLMO_JAX_KERNEL_CACHE, else ~/.cache/olmo_jax), keyed by the source, jax's version and
+($OLMO_JAX_KERNEL_CACHE, else ~/.cache/olmo_jax, else a temporary folder), keyed by the source, jax's version and
 the CPU; numpy's OpenBLAS is found by its cblas_sgemm symbol and handed to the library.
 `available()` says whether all of that works here (auto falls back to the tiled loop).
 
@@ -64,10 +64,17 @@ def _build() -> Path:
     src = SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join(
         [src, jax.__version__.encode(), " ".join(CXXFLAGS).encode(), _cpu_key().encode()]))
-    out = _cache_dir() / f"cpu_gmm-{key.hexdigest()[:16]}.so"
+    name = f"cpu_gmm-{key.hexdigest()[:16]}.so"
+    out = _cache_dir() / name
     if out.exists():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:  # e.g. a read-only home: a per-user temporary folder
+        out = Path(tempfile.gettempdir()) / f"olmo_jax-{os.getuid()}" / name
+        if out.exists():
+            return out
+        out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         obj, lib = Path(tmp) / "cpu_gmm.o", Path(tmp) / out.name
         cxx = os.environ.get("CXX", "g++")
