@@ -109,7 +109,7 @@ void zero_gaps(const Runs& r, float* a, int64_t width) {
   }
 }
 
-// Runs item(i) for i in order_ (a permutation of 0..n-1) on the calling thread and up to
+// Runs item(i) for i in `order` (a permutation of 0..n-1) on the calling thread and up to
 // pool.num_threads() - 1 pool tasks, each pulling the next index; returns when all are
 // done. Deadlock-free whether or not the pool ever runs the tasks: the caller pulls too,
 // and waits only for items already taken.
@@ -125,11 +125,11 @@ template <typename Item>
 void parallel_items(ffi::ThreadPool& pool, std::vector<int64_t> order, const Item& item) {
   const int64_t n = order.size();
   const int64_t threads = std::min<int64_t>(pool.num_threads(), n);
-  SingleThreadedBlas single;
-  if (threads <= 1) {
+  if (threads <= 1) {  // one expert, or no pool: OpenBLAS threads each GEMM itself
     for (int64_t i : order) item(i);
     return;
   }
+  SingleThreadedBlas single;
   auto work = std::make_shared<Work>();
   work->order = std::move(order);
   auto drain = [work, n, &item]() {
