@@ -35,7 +35,10 @@ adds to the dots it counts itself; XLA:GPU's own GEMM fusions are dots it counts
   (S + 1) / 2S of the entries when T = S;
 - cuDNN block-scaled GEMMs: 2 x result elements x lhs's last (contracted) dimension;
 - Mosaic GPU kernels: the `cost_estimate_json` flops the kernel declared, else 0 (and
-  `uncounted_kernels` lists them).
+  `uncounted_kernels` lists them);
+- the CPU expert FFN's FFI calls (olmo_jax/kernels/cpu_gmm.py, gmm_impl=blas): over the
+  static buffer of R rows (operand 0, [R, D]) and w_gate [E, D, F], 3 GEMMs of 2 R D F
+  forward, 6 backward (the routing runs only the routed rows, as a grouped GEMM would).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragg
 BLOCK_SCALED_DOT = "__cudnn$blockScaledDot"
 UNREWRITTEN_BLOCK_SCALED_DOT = "__op$block_scaled_dot"
 MOSAIC_GPU = ("mosaic_gpu_v2", "mosaic_gpu")
+CPU_SWIGLU = {"olmo_cpu_swiglu_fwd": (3, 3), "olmo_cpu_swiglu_bwd": (6, 5)}  # GEMMs, w_gate operand
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 
 
@@ -176,6 +180,11 @@ def custom_call_dot_flops(module: comms.HloModule, ins: comms.Instruction) -> fl
     if target == BLOCK_SCALED_DOT and ins.operands:
         lhs = _dims(module.type_of(ins.operands[0]))
         return 2.0 * out * lhs[-1] if lhs else 0.0
+    if target in CPU_SWIGLU and len(ins.operands) > CPU_SWIGLU[target][1]:
+        gemms, wg = CPU_SWIGLU[target]
+        R, D = _dims(module.type_of(ins.operands[0]))
+        F = _dims(module.type_of(ins.operands[wg]))[-1]
+        return gemms * 2.0 * R * D * F
     if target in MOSAIC_GPU:
         m = _COST.search(ins.args)
         if m:

@@ -171,6 +171,8 @@ def expert_buffer_factor(step: CompiledStep) -> tuple[float | None, str]:
     if impl == "tiled":
         return None, ("gmm_impl=tiled: per-expert GEMM loops whose trip counts are the routing's "
                       "(at most 7 padding rows per expert); the HLO counts each loop body once")
+    if impl == "blas":
+        return None, "gmm_impl=blas: one BLAS SGEMM per expert over its routed rows (an FFI call)"
     return None, f"gmm_impl={impl} (on CPU ragged_dot expands to a dense product over experts)"
 
 

@@ -22,6 +22,17 @@ def test_auto_on_cpu_is_the_tiled_loop():
     assert resolve_gmm_impl("ragged_dot") == "ragged_dot"
 
 
+def test_auto_on_cpu_in_float32_is_the_blas_kernel_and_blas_is_checked():
+    assert resolve_gmm_impl("auto", jnp.float32) == "blas"  # g++ and numpy's OpenBLAS here
+    assert resolve_gmm_impl("blas", jnp.float32) == "blas"
+    with pytest.raises(ValueError, match="gmm_impl=blas runs float32.*model.dtype=float32"):
+        resolve_gmm_impl("blas", jnp.bfloat16)
+    with pytest.raises(ValueError, match="gmm_impl=blas has no MXFP8 version"):
+        resolve_gmm_impl("blas", jnp.float32, "mxfp8")
+    with _gpu((9, 0)), pytest.raises(ValueError, match="gmm_impl=blas runs on a CPU"):
+        resolve_gmm_impl("blas", jnp.float32)
+
+
 def test_tiled_with_mxfp8_is_refused_naming_the_fix():
     with pytest.raises(ValueError, match="gmm_impl=tiled has no MXFP8 version.*gmm_impl=auto"):
         resolve_gmm_impl("tiled", jnp.bfloat16, "mxfp8")

@@ -141,7 +141,8 @@ def test_rowwise_rows_are_grouped_by_local_expert_then_sender():
 @pytest.mark.parametrize("kind,gmm_impl", [("rowwise", "einsum"), ("ragged", "einsum"),
                                            ("ragged", "ragged_dot"), ("allgather", "einsum"),
                                            ("allgather", "ragged_dot"), ("ragged", "tiled"),
-                                           ("allgather", "tiled")])
+                                           ("allgather", "tiled"), ("ragged", "blas"),
+                                           ("allgather", "blas"), ("rowwise", "blas")])
 def test_backend_matches_naive_on_random_and_worst_case_routing(kind, gmm_impl):
     ep, E, S, k = 4, 8, 6, 2
     cf = E / k  # rowwise: enough slots that nothing can drop
@@ -213,7 +214,7 @@ def test_emulated_ragged_all_to_all_with_several_slices_per_peer():
 
 
 @pytest.mark.parametrize("kind", ["rowwise", "ragged", "allgather", "local"])
-@pytest.mark.parametrize("gmm_impl", ["einsum", "tiled", "ragged_dot"])
+@pytest.mark.parametrize("gmm_impl", ["einsum", "tiled", "ragged_dot", "blas"])
 def test_buffer_rows_is_the_size_of_the_buffer_the_backend_builds(kind, gmm_impl):
     """The sizing the planner uses (parallel.expert.buffer_rows, from model/moe/sizing.py)
     is the row count of the buffer each backend hands the expert FFN (traced, not run)."""

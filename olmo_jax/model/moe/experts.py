@@ -9,10 +9,12 @@ by `olmo_jax.kernels.resolve_gmm_impl`):
   einsum      a padded batched einsum: over [E, C, D] capacity buffers, or, dropless,
               over blocks of the blocked layout with each block's expert's weights
               gathered ([U, b, D] x [U, D, F]);
-  tiled       a loop of dense per-expert GEMMs over the sorted layout padded to 8 rows
-              per expert (olmo_jax/model/moe/tiled.py); the fastest dropless path on CPU;
-  auto        tiled on CPU (einsum with MXFP8 experts), pallas on Hopper (bf16),
-              ragged_dot elsewhere.
+  tiled       a loop of dense per-expert XLA GEMMs over the sorted layout padded to 8
+              rows per expert (olmo_jax/model/moe/tiled.py); dropless, any dtype;
+  blas        one OpenBLAS SGEMM per expert over its rows, an XLA FFI call (float32 on
+              CPU; olmo_jax/kernels/cpu_gmm.py); the fastest dropless path on CPU;
+  auto        blas on CPU in float32, tiled there otherwise (einsum with MXFP8 experts),
+              pallas on Hopper (bf16), ragged_dot elsewhere.
 MXFP8 versions of these FFNs: olmo_jax/model/moe/mxfp8_experts.py.
 """
 

@@ -2,12 +2,13 @@
 expert FFN from the buffer's group layout (olmo_jax/model/moe/buffer.py), the resolved
 gmm_impl and model.moe.precision.
 
-  Slots  ragged_dot, pallas: the grouped GEMM with every group `capacity` rows;
+  Slots  ragged_dot, pallas, blas: the grouped GEMM with every group `capacity` rows;
          einsum, tiled: one batched product over the [G, C, D] capacity buffers
   Runs   einsum: the blocked batched matmul (runs padded to blocks, each block's owner
          from the run sizes); tiled: the per-expert GEMM loop (runs padded to 8 rows);
-         ragged_dot, pallas: the grouped GEMM over the runs
-bf16 FFNs: olmo_jax/model/moe/experts.py and tiled.py; MXFP8: mxfp8_experts.py.
+         ragged_dot, pallas, blas: the grouped GEMM over the runs
+bf16 FFNs: olmo_jax/model/moe/experts.py, tiled.py and (float32 on CPU, one BLAS SGEMM
+per expert) olmo_jax/kernels/cpu_gmm.py; MXFP8: mxfp8_experts.py.
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ def expert_ffn(x_RD: jax.Array, layout: GroupLayout, weights, cfg: MoEConfig,
                impl: str) -> jax.Array:
     """y_RD: every group's SwiGLU over its rows; `weights` (w_gate, w_up, w_down) hold
     one expert per group, in the compute dtype."""
+    if impl == "blas":
+        return _ffn_blas(x_RD, layout, weights)
     ffn = expert_ffns(cfg, impl)
     if isinstance(layout, Slots):
         G, C = layout.groups, layout.capacity
@@ -92,3 +95,18 @@ def expert_ffn(x_RD: jax.Array, layout: GroupLayout, weights, cfg: MoEConfig,
     if impl in GROUPED_GEMMS:
         return ffn.ragged(x_RD, layout.sizes_E, *weights)
     raise ValueError(f"unknown gmm_impl {impl!r}")
+
+
+def _ffn_blas(x_RD, layout: GroupLayout, weights):
+    """The FFI kernel over the layout's runs (Slots: G runs of `capacity` rows)."""
+    from olmo_jax.kernels import cpu_gmm
+
+    if isinstance(layout, Slots):
+        sizes_E = jnp.full((layout.groups,), layout.capacity, jnp.int32)
+        multiple = layout.capacity
+    elif isinstance(layout, Runs):
+        sizes_E, multiple = layout.sizes_E.astype(jnp.int32), layout.multiple
+    else:
+        raise TypeError(f"expert_ffn: unknown group layout {type(layout).__name__}")
+    starts_E, _ = tiled.padded_runs(sizes_E, multiple)
+    return cpu_gmm.ffn_runs(x_RD, starts_E, sizes_E, *weights)

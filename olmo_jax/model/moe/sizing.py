@@ -40,7 +40,7 @@ def run_multiple(impl: str, n_assignments: int, groups: int) -> int:
     """How the dropless layout pads each group's run for the expert FFN `impl` (a
     resolved gmm_impl): to blocks of block_size rows for the blocked einsum, to
     TILE_MULTIPLE rows for the tiled per-expert loop, not at all for the grouped GEMMs
-    (ragged_dot, pallas)."""
+    (ragged_dot, pallas, blas)."""
     if impl == "einsum":
         return block_size(n_assignments, groups)
     if impl == "tiled":
