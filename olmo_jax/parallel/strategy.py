@@ -7,8 +7,9 @@ mesh, so every collective is explicit: expert dispatch (expert.py backends), the
 router-statistics and loss sums (`allsum`), and parameter gather / gradient reduction
 (zero.py; for a bf16 model the matmul weights' compute copies are cast before they are
 gathered, `with_compute_dtypes`, and gradients reduced in fp32). The optimizer update
-runs outside, elementwise on the stored shards; Muon's Newton-Schulz, which is not elementwise, runs in its own shard_map on whole matrices,
-each owned by one data-parallel rank (muon.py, `optimizer_args`).
+runs outside, elementwise on the stored shards; Muon's Newton-Schulz, which is not
+elementwise, runs in its own shard_map on whole matrices, each owned by one data-parallel
+rank (muon.py, `optimizer_args`).
 
     plan = build_plan(cfg, model_cfg)          # validates the config against the devices
     graphdef, state = init_state(model_cfg, tx, seed, dispatcher=plan.dispatcher)
