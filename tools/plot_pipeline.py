@@ -25,8 +25,9 @@ from matplotlib.patches import Rectangle  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from olmo_jax.parallel.pipeline import schedule as sched_lib  # noqa: E402
+from olmo_jax.report.pipeline_view import schedule_cells  # noqa: E402
 
-COLORS = {sched_lib.FWD: ("#1f77b4", "#9ecae1"), sched_lib.BWD: ("#ff7f0e", "#fdd0a2")}
+COLORS = {"F": ("#1f77b4", "#9ecae1"), "B": ("#ff7f0e", "#fdd0a2")}  # by pipeline_view.KIND
 
 
 def _columns(s: sched_lib.Schedule):
@@ -41,28 +42,21 @@ def _columns(s: sched_lib.Schedule):
 
 
 def draw(ax, s: sched_lib.Schedule, width: float) -> None:
-    col = sched_lib.COL
     dt = 1.0 / s.virtual
     shades = [i / max(1, s.virtual - 1) for i in range(s.virtual)]
     offsets, _ = _columns(s)
-    for t in range(s.ticks):
-        for slot in (0, 1):
-            for stage in range(s.stages):
-                cell = s.table[t, slot, stage]
-                op = int(cell[col["op"]])
-                if op == sched_lib.IDLE:
-                    continue
-                dark, light = COLORS[op]
-                v = int(cell[col["virtual"]])
-                color = matplotlib.colors.to_rgb(dark) if v == 0 else tuple(
-                    (1 - shades[v]) * a + shades[v] * b
-                    for a, b in zip(matplotlib.colors.to_rgb(dark), matplotlib.colors.to_rgb(light),
-                                    strict=True))
-                x = offsets[t][slot] * dt
-                ax.add_patch(Rectangle((x, stage), dt, 1, facecolor=color, edgecolor="white",
-                                       linewidth=0.6))
-                ax.text(x + 0.5 * dt, stage + 0.5, str(cell[col["mb"]]), ha="center", va="center",
-                        fontsize=7 if dt == 1 else 6, color="white" if v == 0 else "black")
+    for c in schedule_cells(s):
+        dark, light = COLORS[c["kind"]]
+        v = c["virtual"]
+        color = matplotlib.colors.to_rgb(dark) if v == 0 else tuple(
+            (1 - shades[v]) * a + shades[v] * b
+            for a, b in zip(matplotlib.colors.to_rgb(dark), matplotlib.colors.to_rgb(light),
+                            strict=True))
+        x = offsets[c["tick"]][c["slot"]] * dt
+        ax.add_patch(Rectangle((x, c["stage"]), dt, 1, facecolor=color, edgecolor="white",
+                               linewidth=0.6))
+        ax.text(x + 0.5 * dt, c["stage"] + 0.5, str(c["microbatch"]), ha="center", va="center",
+                fontsize=7 if dt == 1 else 6, color="white" if v == 0 else "black")
     ax.set_xlim(0, width)
     ax.set_ylim(s.stages, 0)
     ax.set_yticks([i + 0.5 for i in range(s.stages)], [f"stage {i}" for i in range(s.stages)])
@@ -90,9 +84,9 @@ def main(argv=None) -> Path:
                                                          1.0 + (0.9 + 0.35 * args.stages) * len(schedules)))
     for ax, s in zip(axes, schedules, strict=True):
         draw(ax, s, width)
-    fig.legend(handles=[Rectangle((0, 0), 1, 1, color=COLORS[sched_lib.FWD][0], label="forward"),
-                        Rectangle((0, 0), 1, 1, color=COLORS[sched_lib.BWD][0], label="backward"),
-                        Rectangle((0, 0), 1, 1, color=COLORS[sched_lib.FWD][1],
+    fig.legend(handles=[Rectangle((0, 0), 1, 1, color=COLORS["F"][0], label="forward"),
+                        Rectangle((0, 0), 1, 1, color=COLORS["B"][0], label="backward"),
+                        Rectangle((0, 0), 1, 1, color=COLORS["F"][1],
                                   label="later virtual stage")],
                loc="lower center", ncol=3, fontsize=8)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
