@@ -73,7 +73,10 @@ def test_memory_parts_add_up(plan):
     mem = plan.step.compiled.memory_analysis()
     assert sum(plan.args.values()) == mem.argument_size_in_bytes
     assert 0 <= plan.args["opt_state"] - 2 * plan.args["params"] < 64  # two moments + counts
-    assert plan.peak_bytes >= mem.temp_size_in_bytes
+    # The temp allocation is XLA's heap-simulator packing of the live ranges, which may
+    # exceed the largest live set by fragmentation: 1.4% here since the float32 CPU
+    # experts are FFI calls (gmm_impl=auto -> blas), 0 with the XLA loop before.
+    assert plan.peak_bytes >= 0.97 * mem.temp_size_in_bytes
     assert sum(g.bytes for g in plan.peak) == plan.peak_bytes
     labels = [g.label for g in plan.peak]
     assert "argument: params" in labels and "argument: opt_state" in labels
