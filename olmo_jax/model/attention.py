@@ -175,7 +175,7 @@ def split_columns(x_SJ: jax.Array, widths: tuple[int, ...]) -> tuple[jax.Array, 
     concatenation of the blocks' cotangents (autodiff's is a zero-padded add per block,
     each pass over the whole [S, J])."""
     ends = [sum(widths[: i + 1]) for i in range(len(widths))]
-    return tuple(x_SJ[:, e - w : e] for w, e in zip(widths, ends))
+    return tuple(x_SJ[:, e - w : e] for w, e in zip(widths, ends, strict=True))
 
 
 def _split_fwd(x_SJ, widths):
