@@ -43,7 +43,6 @@ from olmo_jax.model.qk_rope import norm_rope_heads
 from olmo_jax.model.rope import apply_rope
 
 ATTENTION_IMPLS = ("auto", "cudnn", "xla")  # model.attention_impl (resolve_attention_impl)
-FUSED_QK_ROPE = True  # the fused QK-norm + RoPE path (qk_rope.py); False: the unfused one
 
 
 def resolve_attention_impl(impl: str, dtype) -> str:
@@ -231,7 +230,7 @@ class Attention(nnx.Module):
         k_BTKH = k_SJ.reshape(B, T, K, H)
         v_BTKH = v_SJ.reshape(B, T, K, H)
         impl = resolve_attention_impl(self.impl, dt)
-        if impl == "xla" and self.q_norm is not None and not self.clip_qkv and FUSED_QK_ROPE:
+        if impl == "xla" and self.q_norm is not None and not self.clip_qkv:
             # QK-norm, RoPE and the head-major transpose as one custom VJP (qk_rope.py).
             q_BNTH = norm_rope_heads(q_BTNH, self.q_norm.weight[...], self.q_norm.eps, cos_TH, sin_TH)
             k_BKAH = norm_rope_heads(k_BTKH, self.k_norm.weight[...], self.k_norm.eps, cos_TH, sin_TH)
