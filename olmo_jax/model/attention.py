@@ -11,10 +11,7 @@ target platform: the mesh's devices while a step is traced):
   cudnn  cuDNN's fused flash attention (`jax.nn.dot_product_attention(...,
          implementation="cudnn")`, causal, grouped-query heads): no [T, A] buffer.
   auto   cudnn on an NVIDIA GPU in bfloat16/float16, xla elsewhere.
-QK-norm, clipping and RoPE are applied before either core. On the xla core with QK-norm
-and no clipping, QK-norm, RoPE and the head-major transpose are one hand-written VJP
-(olmo_jax/model/qk_rope.py), and the q / k / v column split of the fused projection has a
-backward that is one concatenation (`split_columns`), not a zero-padded add per block.
+QK-norm, clipping and RoPE are applied before either core.
 
 Matches Hugging Face `OlmoeAttention` (QK-norm spans all heads of q and of k; clipping
 is applied after the norm), so converted checkpoints give the same logits. With
@@ -39,7 +36,6 @@ from olmo_jax.model import mxfp8
 from olmo_jax.model.config import TransformerConfig
 from olmo_jax.model.norm import RMSNorm
 from olmo_jax.model.params import normal_param
-from olmo_jax.model.qk_rope import norm_rope_heads
 from olmo_jax.model.rope import apply_rope
 
 ATTENTION_IMPLS = ("auto", "cudnn", "xla")  # model.attention_impl (resolve_attention_impl)
@@ -168,26 +164,6 @@ def _attention_bwd(T, offset, res, do_BKMH):
 _attention_core.defvjp(_attention_fwd, _attention_bwd)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(1,))
-def split_columns(x_SJ: jax.Array, widths: tuple[int, ...]) -> tuple[jax.Array, ...]:
-    """x's columns split into consecutive blocks of `widths`; the backward pass is one
-    concatenation of the blocks' cotangents (autodiff's is a zero-padded add per block,
-    each pass over the whole [S, J])."""
-    ends = [sum(widths[: i + 1]) for i in range(len(widths))]
-    return tuple(x_SJ[:, e - w : e] for w, e in zip(widths, ends, strict=True))
-
-
-def _split_fwd(x_SJ, widths):
-    return split_columns(x_SJ, widths), None
-
-
-def _split_bwd(widths, _, d_blocks):
-    return (jnp.concatenate(d_blocks, axis=1),)
-
-
-split_columns.defvjp(_split_fwd, _split_bwd)
-
-
 class Attention(nnx.Module):
     def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
         D, N, K, H = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_size
@@ -225,19 +201,9 @@ class Attention(nnx.Module):
              self.v_proj[...].reshape(D, K * H)], axis=1,
         ).astype(dt)
         qkv_SJ = self._proj("rd,dj->rj", x_BTD.astype(dt).reshape(B * T, D), w_qkv_DJ)
-        q_SJ, k_SJ, v_SJ = split_columns(qkv_SJ, (N * H, K * H, K * H))
-        q_BTNH = q_SJ.reshape(B, T, N, H)
-        k_BTKH = k_SJ.reshape(B, T, K, H)
-        v_BTKH = v_SJ.reshape(B, T, K, H)
-        impl = resolve_attention_impl(self.impl, dt)
-        if impl == "xla" and self.q_norm is not None and not self.clip_qkv:
-            # QK-norm, RoPE and the head-major transpose as one custom VJP (qk_rope.py).
-            q_BNTH = norm_rope_heads(q_BTNH, self.q_norm.weight[...], self.q_norm.eps, cos_TH, sin_TH)
-            k_BKAH = norm_rope_heads(k_BTKH, self.k_norm.weight[...], self.k_norm.eps, cos_TH, sin_TH)
-            with jax.named_scope("attention_scores"):  # named for olmo_jax/planner
-                o_BNTH = causal_attention_heads(q_BNTH, k_BKAH, v_BTKH.transpose(0, 2, 1, 3))
-                o_BTNH = o_BNTH.transpose(0, 2, 1, 3)  # fused with the chunks' concatenation
-            return self._out(o_BTNH)
+        q_BTNH = qkv_SJ[:, : N * H].reshape(B, T, N, H)
+        k_BTKH = qkv_SJ[:, N * H : (N + K) * H].reshape(B, T, K, H)
+        v_BTKH = qkv_SJ[:, (N + K) * H :].reshape(B, T, K, H)
         if self.q_norm is not None:
             q_BTNH = self.q_norm(q_BTNH)
             k_BTKH = self.k_norm(k_BTKH)
@@ -246,7 +212,7 @@ class Attention(nnx.Module):
             q_BTNH, k_BTKH, v_BTKH = (jnp.clip(a, -c, c) for a in (q_BTNH, k_BTKH, v_BTKH))
         q_BTNH = apply_rope(q_BTNH, cos_TH, sin_TH)
         k_BTKH = apply_rope(k_BTKH, cos_TH, sin_TH)
-        if impl == "cudnn":
+        if resolve_attention_impl(self.impl, dt) == "cudnn":
             with jax.named_scope("attention_scores"):  # named for olmo_jax/planner
                 o_BTNH = cudnn_attention(q_BTNH, k_BTKH, v_BTKH)
         else:
@@ -256,11 +222,6 @@ class Attention(nnx.Module):
                 q_BNTH, k_BKAH, v_BKAH = (a.transpose(0, 2, 1, 3) for a in (q_BTNH, k_BTKH, v_BTKH))
                 o_BNTH = causal_attention_heads(q_BNTH, k_BKAH, v_BKAH)
                 o_BTNH = o_BNTH.transpose(0, 2, 1, 3)  # fused with the chunks' concatenation
-        return self._out(o_BTNH)
-
-    def _out(self, o_BTNH):
-        B, T, N, H = o_BTNH.shape
-        D = self.o_proj.shape[2]
         o_SJ = o_BTNH.reshape(B * T, N * H)
-        y_SD = self._proj("rj,jd->rd", o_SJ, self.o_proj[...].reshape(N * H, D).astype(self.dtype))
+        y_SD = self._proj("rj,jd->rd", o_SJ, self.o_proj[...].reshape(N * H, D).astype(dt))
         return y_SD.reshape(B, T, D)

@@ -21,30 +21,11 @@ def _norm_axes(x, weight):
     return tuple(range(x.ndim - weight.ndim, x.ndim))
 
 
-def rms_norm_forward(x, weight, eps):
-    """(the norm of x, 1/rms of x in float32): the forward pass and its residual."""
+def _rms_norm_fwd(x, weight, eps):
     axes = _norm_axes(x, weight)
     x32 = x.astype(jnp.float32)
     rstd = jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=axes, keepdims=True) + eps)
     y = weight.astype(x.dtype) * (x32 * rstd).astype(x.dtype)
-    return y, rstd
-
-
-def rms_norm_backward(x, weight, rstd, dy):
-    """(dx, dweight) of rms_norm from the saved x and 1/rms (olmo_jax/model/qk_rope.py
-    chains it after RoPE's backward)."""
-    axes = _norm_axes(x, weight)
-    batch_axes = tuple(range(x.ndim - weight.ndim))
-    x32, dy32 = x.astype(jnp.float32), dy.astype(jnp.float32)
-    xhat = x32 * rstd
-    dweight = jnp.sum(dy32 * xhat, axis=batch_axes).astype(weight.dtype)
-    g = dy32 * weight.astype(jnp.float32)
-    dx = rstd * (g - xhat * jnp.mean(g * xhat, axis=axes, keepdims=True))
-    return dx.astype(x.dtype), dweight
-
-
-def _rms_norm_fwd(x, weight, eps):
-    y, rstd = rms_norm_forward(x, weight, eps)
     return y, (x, weight, rstd)
 
 
@@ -52,8 +33,14 @@ def _rms_norm_bwd(eps, res, dy):
     # Written by hand so the backward pass keeps only x and 1/rms, and the weight is not
     # materialized at the activations' shape to be shared between the two passes.
     x, weight, rstd = res
-    dx, dweight = rms_norm_backward(x, weight, rstd, dy)
-    return cotangent_like(dx, x), cotangent_like(dweight, weight)
+    axes = _norm_axes(x, weight)
+    batch_axes = tuple(range(x.ndim - weight.ndim))
+    x32, dy32 = x.astype(jnp.float32), dy.astype(jnp.float32)
+    xhat = x32 * rstd
+    dweight = jnp.sum(dy32 * xhat, axis=batch_axes).astype(weight.dtype)
+    g = dy32 * weight.astype(jnp.float32)
+    dx = rstd * (g - xhat * jnp.mean(g * xhat, axis=axes, keepdims=True))
+    return cotangent_like(dx.astype(x.dtype), x), cotangent_like(dweight, weight)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
