@@ -131,10 +131,18 @@ def unknown_key_error(cfg: ml_collections.ConfigDict, dotted: str) -> ConfigErro
 def upgrade(saved: dict) -> dict:
     """A resolved config as an older olmo_jax wrote it (a run folder's config.json), in
     this schema: parallel.capacity_factor (rowwise receive slots, default 1.25) becomes
-    model.moe.capacity_factor where it sized rowwise dispatch, and is dropped elsewhere."""
+    model.moe.capacity_factor where it sized rowwise dispatch, and is dropped elsewhere; model
+    and data fields added since take the meaning their absence had (model/config
+    ABSENT_FIELD_MEANING, data.instances plus_one), as checkpoint/manager reads old models."""
+    from olmo_jax.model.config import ABSENT_FIELD_MEANING
     from olmo_jax.parallel.expert import ROWWISE_CAPACITY_FACTOR
 
     d = {k: dict(v) if isinstance(v, dict) else v for k, v in saved.items()}
+    # Fields added since: what their absence meant then (a pre-norm model; plus_one windows).
+    if "model" in d:
+        d["model"] = {**ABSENT_FIELD_MEANING, **d["model"]}
+    if "data" in d:
+        d["data"] = {"instances": "plus_one", **d["data"]}
     p = d.get("parallel", {})
     if "capacity_factor" in p:
         cf = p.pop("capacity_factor")

@@ -79,6 +79,12 @@ def test_one_capacity_factor_sizes_rowwise_and_local_buffers():
     saved["parallel"]["dispatch"] = "ragged"
     assert upgrade(saved)["model"]["moe"]["capacity_factor"] == 0.0
     assert "capacity_factor" not in upgrade(saved)["parallel"] and "capacity_factor" in saved["parallel"]
+    # A run folder from before the layout fields and data.instances: today's defaults
+    # (OLMo-core's post-norm layout, its instances) would describe another model and data.
+    old = upgrade({"model": {"d_model": 64}, "data": {"paths": ""}})
+    assert old["model"]["block_norm"] == "pre" and old["model"]["embedding_norm"] is False
+    assert old["model"]["d_model"] == 64 and old["data"]["instances"] == "plus_one"
+    assert upgrade({"model": {"block_norm": "peri"}})["model"]["block_norm"] == "peri"
 
 
 def test_dispatcher_choice():
