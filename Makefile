@@ -32,8 +32,8 @@ $(VENV)/.installed: pyproject.toml
 	  $$py -m venv $(VENV); fi
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev,hf,tensorboard,wandb]'
-	@$(PY) -c "from olmo_jax.kernels import cpu_gmm; w = cpu_gmm.available(); \
-	  print('cpu_gmm (gmm_impl=blas):', w or 'built')"
+	@$(PY) -c "from olmo_jax.kernels import cpu_ffi; w = cpu_ffi.available(); \
+	  print('CPU FFI kernels (gmm_impl=blas, attention_impl=blas):', w or 'built')"
 	@touch $@
 
 # The transformers/torch oracle used only by parity tests (Python 3.11: the CPU torch wheel).

@@ -6,8 +6,12 @@ the choice of grouped-matmul implementation by platform and config.
     mxfp8.py           MXFP8 quantize / dequantize / packed payload; fused row+column
                        quantize kernel; reference: the jnp functions
     platform.py        device capability, interpret mode (running the kernels on a CPU)
+    cpu_ffi.py         the CPU FFI kernels' one library (C++ built on first use, numpy's
+                       OpenBLAS handed in; cpu_blas.h/.cc: the SGEMM and the thread pool)
     cpu_gmm.py/.cc     the routed SwiGLU over expert runs as an XLA FFI call into numpy's
-                       OpenBLAS (CPU, float32; built on first use); reference: tiled.py
+                       OpenBLAS (CPU, float32); reference: tiled.py
+    cpu_attention.py/.cc  the causal attention core and its QK-norm / clipping / RoPE as
+                       XLA FFI calls (CPU, float32); reference: model/attention.py's xla
 
 Importing this package is cheap: the Pallas modules load when a kernel is first used.
 """

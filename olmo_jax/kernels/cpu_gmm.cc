@@ -1,6 +1,6 @@
 // The routed SwiGLU over expert runs on a CPU: one SGEMM per expert over its contiguous
 // rows, through the OpenBLAS that numpy ships (its cblas_sgemm address is handed in by
-// olmo_jax/kernels/cpu_gmm.py), as XLA FFI handlers. Built by cpu_gmm.py on first use.
+// olmo_jax/kernels/cpu_ffi.py), as XLA FFI handlers. Built by cpu_ffi.py on first use.
 //
 // Layout: x_RD rows; expert e owns rows [starts_E[e], starts_E[e] + sizes_E[e]), the
 // runs in ascending order and disjoint; rows outside every run come out zero.
@@ -11,70 +11,17 @@
 // float32 only; every GEMM reads its operands in place (leading dimensions, no copies).
 //
 // Threads: the experts are spread over XLA's own intra-op thread pool, largest first,
-// each expert's GEMMs single-threaded: OpenBLAS's own threads, woken per GEMM, fight XLA's
-// for the cores (measured 3-10x slower on a loaded 2-core machine). OpenBLAS is set to
-// one thread (openblas_set_num_threads, process-wide: numpy's BLAS in other Python
-// threads runs single-threaded meanwhile) while any of these calls runs, and restored
-// when the last one ends.
+// each expert's GEMMs single-threaded (cpu_blas.h).
 
-#include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
-#include <memory>
-#include <mutex>
 #include <numeric>
-#include <cstdint>
-#include <cstring>
-#include <vector>
 
-#include "xla/ffi/api/ffi.h"
+#include "cpu_blas.h"
 
 namespace ffi = xla::ffi;
+using namespace olmo_cpu;
 
 namespace {
-
-// OpenBLAS cblas_sgemm with 64-bit integers (numpy's scipy_openblas64_).
-using Sgemm = void (*)(int order, int trans_a, int trans_b, int64_t m, int64_t n, int64_t k,
-                       float alpha, const float* a, int64_t lda, const float* b, int64_t ldb,
-                       float beta, float* c, int64_t ldc);
-constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
-Sgemm g_sgemm = nullptr;
-using GetThreads = int (*)();
-using SetThreads = void (*)(int);
-GetThreads g_get_threads = nullptr;
-SetThreads g_set_threads = nullptr;
-
-// OpenBLAS single-threaded while at least one kernel call runs (a counted scope).
-std::mutex g_threads_mu;
-int g_inside = 0, g_saved_threads = 1;
-
-struct SingleThreadedBlas {
-  SingleThreadedBlas() {
-    std::lock_guard<std::mutex> lock(g_threads_mu);
-    if (g_inside++ == 0) {
-      g_saved_threads = g_get_threads();
-      if (g_saved_threads != 1) g_set_threads(1);
-    }
-  }
-  ~SingleThreadedBlas() {
-    std::lock_guard<std::mutex> lock(g_threads_mu);
-    if (--g_inside == 0 && g_saved_threads != 1) g_set_threads(g_saved_threads);
-  }
-};
-
-// C[m, n] = alpha op(A) op(B) + beta C, row-major.
-void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
-          const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  if (m == 0 || n == 0) return;
-  if (k == 0) {  // BLAS leaves C alone for k = 0 only when beta = 1
-    if (beta == 0.0f)
-      for (int64_t i = 0; i < m; ++i) std::memset(c + i * ldc, 0, n * sizeof(float));
-    return;
-  }
-  g_sgemm(kRowMajor, ta ? kTrans : kNoTrans, tb ? kTrans : kNoTrans, m, n, k, 1.0f, a, lda,
-          b, ldb, beta, c, ldc);
-}
 
 inline float sigmoid(float v) { return 1.0f / (1.0f + std::exp(-v)); }
 
@@ -109,45 +56,6 @@ void zero_gaps(const Runs& r, float* a, int64_t width) {
   }
 }
 
-// Runs item(i) for i in `order` (a permutation of 0..n-1) on the calling thread and up to
-// pool.num_threads() - 1 pool tasks, each pulling the next index; returns when all are
-// done. Deadlock-free whether or not the pool ever runs the tasks: the caller pulls too,
-// and waits only for items already taken.
-struct Work {
-  std::vector<int64_t> order;
-  std::atomic<int64_t> next{0};
-  int64_t done = 0;
-  std::mutex mu;
-  std::condition_variable cv;
-};
-
-template <typename Item>
-void parallel_items(ffi::ThreadPool& pool, std::vector<int64_t> order, const Item& item) {
-  const int64_t n = order.size();
-  const int64_t threads = std::min<int64_t>(pool.num_threads(), n);
-  if (threads <= 1) {  // one expert, or no pool: OpenBLAS threads each GEMM itself
-    for (int64_t i : order) item(i);
-    return;
-  }
-  SingleThreadedBlas single;
-  auto work = std::make_shared<Work>();
-  work->order = std::move(order);
-  auto drain = [work, n, &item]() {
-    int64_t mine = 0;
-    for (int64_t k; (k = work->next.fetch_add(1)) < n; ++mine) item(work->order[k]);
-    if (mine == 0) return;
-    std::lock_guard<std::mutex> lock(work->mu);
-    work->done += mine;
-    if (work->done == n) work->cv.notify_all();
-  };
-  // the pool's tasks may outlive this call only when they find no item left, so they
-  // touch `item` (a reference into this frame) only while an item is still unfinished
-  for (int64_t t = 1; t < threads; ++t) pool.Schedule([drain] { drain(); });
-  drain();
-  std::unique_lock<std::mutex> lock(work->mu);
-  work->cv.wait(lock, [&] { return work->done == n; });
-}
-
 // The experts, most rows first (the longest items start first).
 std::vector<int64_t> by_size(const Runs& r) {
   std::vector<int64_t> order(r.E);
@@ -157,16 +65,11 @@ std::vector<int64_t> by_size(const Runs& r) {
   return order;
 }
 
-ffi::Error no_blas() {
-  return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                    "cpu_gmm: the BLAS sgemm was not set (olmo_jax.kernels.cpu_gmm loads it)");
-}
-
 ffi::Error SwigluFwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> starts,
                      ffi::Buffer<ffi::S32> sizes, ffi::Buffer<ffi::F32> wg,
                      ffi::Buffer<ffi::F32> wu, ffi::Buffer<ffi::F32> wd,
                      ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::F32> gu) {
-  if (!g_sgemm) return no_blas();
+  if (!g_sgemm) return no_blas("cpu_gmm");
   const int64_t R = x.dimensions()[0], D = x.dimensions()[1];
   const int64_t E = wg.dimensions()[0], F = wg.dimensions()[2], J = 2 * F;
   Runs runs{starts.typed_data(), sizes.typed_data(), E, R};
@@ -202,7 +105,7 @@ ffi::Error SwigluBwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
                      ffi::Buffer<ffi::F32> wu, ffi::Buffer<ffi::F32> wd,
                      ffi::ResultBuffer<ffi::F32> dx, ffi::ResultBuffer<ffi::F32> dwg,
                      ffi::ResultBuffer<ffi::F32> dwu, ffi::ResultBuffer<ffi::F32> dwd) {
-  if (!g_sgemm) return no_blas();
+  if (!g_sgemm) return no_blas("cpu_gmm");
   const int64_t R = x.dimensions()[0], D = x.dimensions()[1];
   const int64_t E = wg.dimensions()[0], F = wg.dimensions()[2], J = 2 * F;
   Runs runs{starts.typed_data(), sizes.typed_data(), E, R};
@@ -249,13 +152,6 @@ ffi::Error SwigluBwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
 }
 
 }  // namespace
-
-// cblas_sgemm (64-bit integers), openblas_get_num_threads, openblas_set_num_threads.
-extern "C" void olmo_cpu_gmm_set_blas(void* sgemm, void* get_threads, void* set_threads) {
-  g_get_threads = reinterpret_cast<GetThreads>(get_threads);
-  g_set_threads = reinterpret_cast<SetThreads>(set_threads);
-  g_sgemm = reinterpret_cast<Sgemm>(sgemm);
-}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OlmoCpuSwigluFwd, SwigluFwd,
                               ffi::Ffi::Bind()

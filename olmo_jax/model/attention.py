@@ -10,7 +10,12 @@ target platform: the mesh's devices while a step is traced):
          queries, not the scores. XLA still materializes each chunk's float32 scores.
   cudnn  cuDNN's fused flash attention (`jax.nn.dot_product_attention(...,
          implementation="cudnn")`, causal, grouped-query heads): no [T, A] buffer.
-  auto   cudnn on an NVIDIA GPU in bfloat16/float16, xla elsewhere.
+  blas   a CPU FFI kernel (olmo_jax/kernels/cpu_attention.py): flash attention's math in
+         64-row query blocks, each block's scores one OpenBLAS SGEMM into a per-thread
+         buffer, reading q, k and v in the projections' [B, T, heads, H] layout (no
+         transposes); float32 on a CPU, built on first use.
+  auto   cudnn on an NVIDIA GPU in bfloat16/float16, blas on a CPU in float32 (where it
+         builds), xla elsewhere.
 QK-norm, clipping and RoPE are applied before either core.
 
 Matches Hugging Face `OlmoeAttention` (QK-norm spans all heads of q and of k; clipping
@@ -30,7 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from olmo_jax import shapes
-from olmo_jax.kernels import platform
+from olmo_jax.kernels import cpu_ffi, platform
 from olmo_jax.kernels.vma import cotangent_like
 from olmo_jax.model import mxfp8
 from olmo_jax.model.config import TransformerConfig
@@ -38,23 +43,33 @@ from olmo_jax.model.norm import RMSNorm
 from olmo_jax.model.params import normal_param
 from olmo_jax.model.rope import apply_rope
 
-ATTENTION_IMPLS = ("auto", "cudnn", "xla")  # model.attention_impl (resolve_attention_impl)
+ATTENTION_IMPLS = ("auto", "cudnn", "blas", "xla")  # model.attention_impl (resolve_attention_impl)
 
 
 def resolve_attention_impl(impl: str, dtype) -> str:
-    """`model.attention_impl` on the target platform: "cudnn" or "xla". An explicit cudnn
-    where it cannot run is refused naming the field."""
-    gpu = platform.current_target().is_gpu
-    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    """`model.attention_impl` on the target platform: "cudnn", "blas" or "xla". An explicit
+    cudnn or blas where it cannot run is refused naming the field."""
+    target = platform.current_target()
+    dt = jnp.dtype(dtype)
+    half = dt in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    cpu_f32 = target.platform == "cpu" and dt == jnp.dtype(jnp.float32)
     if impl == "auto":
-        return "cudnn" if gpu and half else "xla"
-    if impl == "cudnn" and not (gpu and half):
-        why = f"the target is {platform.current_target().describe()}" if not gpu else \
-            f"model.dtype is {jnp.dtype(dtype).name}"
+        if target.is_gpu and half:
+            return "cudnn"
+        return "blas" if cpu_f32 and cpu_ffi.available() is None else "xla"
+    if impl == "cudnn" and not (target.is_gpu and half):
+        why = f"the target is {target.describe()}" if not target.is_gpu else \
+            f"model.dtype is {dt.name}"
         raise ValueError(
             f"model.attention_impl=cudnn runs cuDNN's fused attention on an NVIDIA GPU in "
             f"bfloat16/float16, but {why}; use model.attention_impl=auto or xla"
         )
+    if impl == "blas":
+        why = (f"the target is {target.describe()}" if target.platform != "cpu" else
+               f"model.dtype is {dt.name}" if not cpu_f32 else cpu_ffi.available())
+        if why:
+            raise ValueError(f"model.attention_impl=blas runs a float32 CPU kernel, but {why}; "
+                             f"use model.attention_impl=auto or xla")
     return impl
 
 
@@ -172,6 +187,7 @@ class Attention(nnx.Module):
         self.k_proj = normal_param(rngs.params(), (D, K, H), ("embed", "kv_heads", "head_dim"), std)
         self.v_proj = normal_param(rngs.params(), (D, K, H), ("embed", "kv_heads", "head_dim"), std)
         self.o_proj = normal_param(rngs.params(), (N, H, D), ("q_heads", "head_dim", "embed"), std)
+        self.qk_norm_span = ("head" if cfg.head_qk_norm else "all") if cfg.qk_norm else None
         if cfg.qk_norm and cfg.head_qk_norm:  # OLMo-core's use_head_qk_norm: per head
             self.q_norm = RMSNorm((H,), ("head_dim",), cfg.norm_eps)
             self.k_norm = RMSNorm((H,), ("head_dim",), cfg.norm_eps)
@@ -201,9 +217,29 @@ class Attention(nnx.Module):
              self.v_proj[...].reshape(D, K * H)], axis=1,
         ).astype(dt)
         qkv_SJ = self._proj("rd,dj->rj", x_BTD.astype(dt).reshape(B * T, D), w_qkv_DJ)
-        q_BTNH = qkv_SJ[:, : N * H].reshape(B, T, N, H)
-        k_BTKH = qkv_SJ[:, N * H : (N + K) * H].reshape(B, T, K, H)
-        v_BTKH = qkv_SJ[:, (N + K) * H :].reshape(B, T, K, H)
+        impl = resolve_attention_impl(self.impl, dt)
+        if impl == "blas":  # QK-norm, clipping, RoPE and the core: CPU FFI calls
+            from olmo_jax.kernels import cpu_attention
+
+            norms = {} if self.q_norm is None else {
+                "q_norm": self.q_norm.weight[...], "k_norm": self.k_norm.weight[...],
+                "eps": self.q_norm.eps}
+            q_BTNH, k_BTKH, v_BTKH = cpu_attention.qk_prep(
+                qkv_SJ.reshape(B, T, -1), N, K, cos_TH, sin_TH, norm=self.qk_norm_span,
+                clip=self.clip_qkv, **norms)
+            with jax.named_scope("attention_scores"):  # named for olmo_jax/planner
+                o_BTNH = cpu_attention.causal_attention(q_BTNH, k_BTKH, v_BTKH)
+        else:
+            o_BTNH = self._xla_or_cudnn(impl, qkv_SJ.reshape(B, T, -1), N, K, H, cos_TH, sin_TH)
+        o_SJ = o_BTNH.reshape(B * T, N * H)
+        y_SD = self._proj("rj,jd->rd", o_SJ, self.o_proj[...].reshape(N * H, D).astype(dt))
+        return y_SD.reshape(B, T, D)
+
+    def _xla_or_cudnn(self, impl, qkv_BTJ, N, K, H, cos_TH, sin_TH):
+        B, T, _ = qkv_BTJ.shape
+        q_BTNH = qkv_BTJ[..., : N * H].reshape(B, T, N, H)
+        k_BTKH = qkv_BTJ[..., N * H : (N + K) * H].reshape(B, T, K, H)
+        v_BTKH = qkv_BTJ[..., (N + K) * H :].reshape(B, T, K, H)
         if self.q_norm is not None:
             q_BTNH = self.q_norm(q_BTNH)
             k_BTKH = self.k_norm(k_BTKH)
@@ -212,16 +248,11 @@ class Attention(nnx.Module):
             q_BTNH, k_BTKH, v_BTKH = (jnp.clip(a, -c, c) for a in (q_BTNH, k_BTKH, v_BTKH))
         q_BTNH = apply_rope(q_BTNH, cos_TH, sin_TH)
         k_BTKH = apply_rope(k_BTKH, cos_TH, sin_TH)
-        if resolve_attention_impl(self.impl, dt) == "cudnn":
-            with jax.named_scope("attention_scores"):  # named for olmo_jax/planner
-                o_BTNH = cudnn_attention(q_BTNH, k_BTKH, v_BTKH)
-        else:
+        with jax.named_scope("attention_scores"):  # named for olmo_jax/planner
+            if impl == "cudnn":
+                return cudnn_attention(q_BTNH, k_BTKH, v_BTKH)
             # Head-major for the core: one 4-D transpose each (XLA fuses it into the
             # norm / RoPE element-wise work that produces q and k), none per chunk.
-            with jax.named_scope("attention_scores"):  # named for olmo_jax/planner
-                q_BNTH, k_BKAH, v_BKAH = (a.transpose(0, 2, 1, 3) for a in (q_BTNH, k_BTKH, v_BTKH))
-                o_BNTH = causal_attention_heads(q_BNTH, k_BKAH, v_BKAH)
-                o_BTNH = o_BNTH.transpose(0, 2, 1, 3)  # fused with the chunks' concatenation
-        o_SJ = o_BTNH.reshape(B * T, N * H)
-        y_SD = self._proj("rj,jd->rd", o_SJ, self.o_proj[...].reshape(N * H, D).astype(dt))
-        return y_SD.reshape(B, T, D)
+            q_BNTH, k_BKAH, v_BKAH = (a.transpose(0, 2, 1, 3) for a in (q_BTNH, k_BTKH, v_BTKH))
+            o_BNTH = causal_attention_heads(q_BNTH, k_BKAH, v_BKAH)
+            return o_BNTH.transpose(0, 2, 1, 3)  # fused with the chunks' concatenation

@@ -59,11 +59,11 @@ def _same(cfg, changes: dict) -> bool:
     return all(get_path(cfg, k) == v for k, v in changes.items())
 
 
-def _variant(cfg, devices, changes: dict):
+def _variant(cfg, devices, changes: dict, kind: str):
     variant = copy.deepcopy(cfg)
     for dotted, value in changes.items():
         set_path(variant, dotted, value)
-    return compile_train_step(variant, devices)
+    return compile_train_step(variant, devices, kind=kind)
 
 
 def run(cfg: ml_collections.ConfigDict, n_devices: int, kind: str, compare: bool,
@@ -83,12 +83,12 @@ def run(cfg: ml_collections.ConfigDict, n_devices: int, kind: str, compare: bool
         devices = start_devices(n_devices)
     notes = [where.note] if where.note else []
     spec = hardware.device_spec(kind, n_devices)
-    plan = report.build(compile_train_step(cfg, devices), spec, notes=notes)
+    plan = report.build(compile_train_step(cfg, devices, kind=kind), spec, notes=notes)
     text = [report.format_plan(plan, config_path)]
     out = {"plan": plan.to_json()}
     if compare:
         plans = [dataclasses.replace(plan, label=label) if _same(cfg, changes)
-                 else report.build(_variant(cfg, devices, changes), spec, label=label,
+                 else report.build(_variant(cfg, devices, changes, kind), spec, label=label,
                                    notes=notes)
                  for label, changes in comparison_variants(cfg)]
         text.append(report.format_comparison(plans))

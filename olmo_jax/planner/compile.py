@@ -23,6 +23,12 @@ the backend's default options (no dump, full optimisation): what tests/gpu compi
 abstract GPUs (olmo_jax.targets). `lowered` keeps the StableHLO, where the JAX-level
 choices (ragged_dot, Pallas kernels, scaled_matmul) are still visible by name.
 
+On fake CPU devices a planner compile for a GPU kind (`kind`: one of olmo_jax.targets'
+kinds, or None) is the XLA:CPU fallback of a GPU's program, so `model.attention_impl=auto`
+compiles the xla attention core there (a GPU's choice in float32; where the GPU runs
+cuDNN's, report.py takes the core's [T, S] buffers off), not the CPU's FFI kernel
+(olmo_jax/kernels/cpu_attention.py), which `kind="cpu"` and the trainer's step keep.
+
 A pipelined step's module is counted with each pipeline branch run as often as the
 schedule runs it, averaged over the stages (pipeline.branch_weights).
 """
@@ -41,6 +47,7 @@ import ml_collections
 from olmo_jax import config as config_lib
 from olmo_jax import targets
 from olmo_jax.data import load_tokenizer
+from olmo_jax.kernels import platform
 from olmo_jax.model import TransformerConfig
 from olmo_jax.optim import build_optimizer
 from olmo_jax.parallel.strategy import ParallelPlan, build_plan
@@ -97,26 +104,29 @@ def model_config(cfg: ml_collections.ConfigDict) -> TransformerConfig:
 
 
 def compile_train_step(cfg: ml_collections.ConfigDict, devices, *, trainer_step: bool = False,
-                       options: dict | None = None) -> CompiledStep:
+                       options: dict | None = None, kind: str | None = None) -> CompiledStep:
     """Lowers and compiles `cfg`'s train step for a mesh over `devices`: the planner's
     (unguarded, `planner_options` with the buffer dump), or with
     `trainer_step` the trainer's exact program (module docstring), compiled with XLA
     `options` (None: the backend's defaults, as the trainer compiles)."""
     config_lib.validate(cfg)
     t0 = time.perf_counter()
-    model_cfg = model_config(cfg)
-    plan = build_plan(cfg, model_cfg, devices=devices)
+    model_cfg = compiled_model_cfg = model_config(cfg)
+    if (not trainer_step and kind != "cpu" and model_cfg.attention_impl == "auto"
+            and platform.target_of(devices).platform == "cpu"):  # module docstring
+        compiled_model_cfg = dataclasses.replace(model_cfg, attention_impl="xla")
+    plan = build_plan(cfg, compiled_model_cfg, devices=devices)
     t = cfg.trainer
     tx, schedule = build_optimizer(cfg.optim, t.max_steps)
     guard_cfg = guard_lib.GuardConfig.from_trainer(t) if trainer_step else None
-    graphdef, abstract = abstract_train_state(model_cfg, tx, dispatcher=plan.dispatcher,
+    graphdef, abstract = abstract_train_state(compiled_model_cfg, tx, dispatcher=plan.dispatcher,
                                               guard_cfg=guard_cfg)
     shardings = plan.state_shardings(abstract, tx)
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                          abstract, shardings)
     batch = jax.ShapeDtypeStruct(plan.batch_shape(t.global_batch_size, t.seq_len), jnp.int32,
                                  sharding=plan.batch_sharding())
-    train_step = make_train_step(graphdef, model_cfg, tx, schedule, t.grad_accum, parallel=plan,
+    train_step = make_train_step(graphdef, compiled_model_cfg, tx, schedule, t.grad_accum, parallel=plan,
                                  expert_ranks=plan.mesh.shape["expert"])
     if trainer_step:
         train_step = guard_lib.guarded(train_step, guard_cfg)

@@ -38,7 +38,12 @@ adds to the dots it counts itself; XLA:GPU's own GEMM fusions are dots it counts
   `uncounted_kernels` lists them);
 - the CPU expert FFN's FFI calls (olmo_jax/kernels/cpu_gmm.py, gmm_impl=blas): over the
   static buffer of R rows (operand 0, [R, D]) and w_gate [E, D, F], 3 GEMMs of 2 R D F
-  forward, 6 backward (the routing runs only the routed rows, as a grouped GEMM would).
+  forward, 6 backward (the routing runs only the routed rows, as a grouped GEMM would);
+- the CPU attention core's FFI calls (olmo_jax/kernels/cpu_attention.py,
+  attention_impl=blas): q (operand 0) [B, T, N, H]; 2 GEMMs of 2 B N T T H forward, 5
+  backward (QK^T recomputed from the saved log-sum-exp, dV, dP, dQ, dK), each over the
+  share of the [T, T] scores its query blocks compute (`cpu_attention.computed_fraction`);
+  its QK-norm / RoPE calls (`CPU_FFI`) hold no matmul.
 """
 
 from __future__ import annotations
@@ -57,6 +62,10 @@ BLOCK_SCALED_DOT = "__cudnn$blockScaledDot"
 UNREWRITTEN_BLOCK_SCALED_DOT = "__op$block_scaled_dot"
 MOSAIC_GPU = ("mosaic_gpu_v2", "mosaic_gpu")
 CPU_SWIGLU = {"olmo_cpu_swiglu_fwd": (3, 3), "olmo_cpu_swiglu_bwd": (6, 5)}  # GEMMs, w_gate operand
+CPU_ATTENTION = {"olmo_cpu_attention_fwd": 2, "olmo_cpu_attention_bwd": 5}  # GEMMs
+# every CPU FFI kernel (olmo_jax/kernels/cpu_ffi.py): opaque to XLA's own cost analysis
+CPU_FFI = frozenset({*CPU_SWIGLU, *CPU_ATTENTION, "olmo_cpu_attention_prep_fwd",
+                     "olmo_cpu_attention_prep_bwd"})
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 
 
@@ -185,6 +194,11 @@ def custom_call_dot_flops(module: comms.HloModule, ins: comms.Instruction) -> fl
         R, D = _dims(module.type_of(ins.operands[0]))
         F = _dims(module.type_of(ins.operands[wg]))[-1]
         return gemms * 2.0 * R * D * F
+    if target in CPU_ATTENTION and ins.operands:
+        from olmo_jax.kernels.cpu_attention import computed_fraction
+
+        B, T, N, H = _dims(module.type_of(ins.operands[0]))
+        return CPU_ATTENTION[target] * 2.0 * B * N * T * T * H * computed_fraction(T)
     if target in MOSAIC_GPU:
         m = _COST.search(ins.args)
         if m:

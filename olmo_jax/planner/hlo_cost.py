@@ -303,7 +303,7 @@ class Walker:
 def program_cost(module: HloModule, loops_once: bool = False) -> ProgramCost:
     """FLOPs by model scope and bytes accessed of one run of `module`, per device.
     `loops_once`: count each loop body once and leave out the FLOPs and bytes of FFI calls
-    XLA cannot see into (gpu_hlo.CPU_SWIGLU), as XLA's cost analysis does."""
+    XLA cannot see into (gpu_hlo.CPU_FFI), as XLA's cost analysis does."""
     walker = Walker(module)
     dots: dict[str, float] = collections.defaultdict(float)
     recomputed: dict[str, float] = collections.defaultdict(float)
@@ -317,7 +317,7 @@ def program_cost(module: HloModule, loops_once: bool = False) -> ProgramCost:
         n = 1 if loops_once else ins.count
         scope = walker.scope(ins)
         d, o, t = walker.flops(ins)
-        opaque = loops_once and gpu_hlo.call_target(ins) in gpu_hlo.CPU_SWIGLU
+        opaque = loops_once and gpu_hlo.call_target(ins) in gpu_hlo.CPU_FFI
         if opaque:
             d = 0.0
         dots[scope] += n * d

@@ -192,14 +192,20 @@ def layer_factors(step: CompiledStep) -> dict[str, float]:
 
 def attention_impl(step: CompiledStep, kind: str) -> str:
     """The attention core on device kind `kind`: what an XLA:GPU program compiled (cuDNN's
-    custom calls or not), else model.attention_impl resolved for that GPU ("xla" on cpu)."""
+    custom calls or not); for a CPU, what its program runs (the blas FFI kernel or not);
+    else (a GPU kind planned on XLA:CPU) model.attention_impl resolved for that GPU."""
     if step.gpu_kind is not None:
         return "cudnn" if gpu_hlo.cudnn_attention(step.module) else "xla"
     if kind not in targets.KINDS:
-        return "xla"
+        return "blas" if cpu_attention_kernel(step) else "xla"
     g = targets.spec(kind)
     with platform.targeting(platform.Target("gpu", g.capability, g.num_sms, abstract=True)):
         return resolve_attention_impl(step.model_cfg.attention_impl, step.model_cfg.compute_dtype)
+
+
+def cpu_attention_kernel(step: CompiledStep) -> bool:
+    """The program runs the CPU attention FFI kernel (attention_impl=blas)."""
+    return any(gpu_hlo.call_target(i) in gpu_hlo.CPU_ATTENTION for i in step.module.instructions)
 
 
 def scores_bytes(peak: list[memory.PeakGroup]) -> int:
@@ -303,6 +309,14 @@ def _scores_note(plan: Plan, seq: int) -> str:
         return ("cuDNN fused attention (gpu_hlo.custom_call_dot_flops): the causal triangle, "
                 "2 GEMMs forward, 5 in the flash backward (QK^T recomputed from the saved "
                 "log-sum-exp): x1.17")
+    if cpu_attention_kernel(plan.step):
+        from olmo_jax.kernels import cpu_attention
+
+        frac = cpu_attention.computed_fraction(seq)
+        return (f"(entries computed / causal) x (matmuls / 6): the CPU kernel's "
+                f"{cpu_attention.BLOCK}-row query blocks skip the blocks above the diagonal "
+                f"(x{frac * 2 * seq / (seq + 1):.2f}); the backward recomputes QK^T from the saved "
+                "log-sum-exp (7 matmuls: x1.17)")
     n = query_chunks(seq)  # chunk i computes keys up to its end: (n + 1) / 2n of s^2
     blocks = (f"{n} query chunks skip the blocks above the diagonal, the rest is computed"
               if n > 1 else "masked entries above the diagonal are computed")

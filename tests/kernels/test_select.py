@@ -102,7 +102,13 @@ def test_attention_impl_is_chosen_for_the_target():
     from olmo_jax.model.attention import resolve_attention_impl
 
     assert resolve_attention_impl("auto", jnp.bfloat16) == "xla"  # CPU
+    assert resolve_attention_impl("auto", jnp.float32) == "blas"  # CPU, float32: the FFI kernel
+    assert resolve_attention_impl("blas", jnp.float32) == "blas"
+    with pytest.raises(ValueError, match="attention_impl=blas .* model.dtype is bfloat16"):
+        resolve_attention_impl("blas", jnp.bfloat16)
     with _gpu((9, 0)):
+        with pytest.raises(ValueError, match="attention_impl=blas .* the target is a GPU"):
+            resolve_attention_impl("blas", jnp.float32)
         assert resolve_attention_impl("auto", jnp.bfloat16) == "cudnn"
         assert resolve_attention_impl("auto", jnp.float32) == "xla"
         assert resolve_attention_impl("xla", jnp.bfloat16) == "xla"

@@ -29,3 +29,42 @@ def test_attention_matches_reference_fwd_and_grads(n_heads, kv_heads, T):
     for g, r in zip(grads, ref_grads, strict=True):
         np.testing.assert_allclose(g, r, atol=1e-5, rtol=0)
         assert float(jnp.max(jnp.abs(r))) > 1e-2
+
+
+@pytest.mark.parametrize("layout", [
+    {"qk_norm": True, "head_qk_norm": True}, {"qk_norm": True, "head_qk_norm": False},
+    {"qk_norm": False}, {"qk_norm": True, "head_qk_norm": False, "clip_qkv": 0.5}])
+def test_the_attention_block_is_the_same_function_with_each_cpu_core(layout):
+    """The whole Attention module (projections, QK-norm, clipping, RoPE, core, output)
+    with attention_impl=blas (the CPU FFI kernels) against xla (the jnp path): output and
+    the gradient of every parameter and of the input, float32."""
+    from flax import nnx
+
+    from olmo_jax.model.attention import Attention
+    from olmo_jax.model.config import TransformerConfig
+    from olmo_jax.model.rope import rope_tables
+
+    B, T = 2, 80
+    outs = {}
+    for impl in ("xla", "blas"):
+        cfg = TransformerConfig(d_model=32, n_heads=4, n_kv_heads=2, attention_impl=impl,
+                                dtype="float32", norm_eps=1e-5, **layout)
+        attn = Attention(cfg, rngs=nnx.Rngs(3))
+        graphdef, params = nnx.split(attn)
+        params = jax.tree.map(lambda p: p + 0.05 * jnp.cos(jnp.arange(p.size).reshape(p.shape)),
+                              params)  # norm weights away from 1
+        x = jax.random.normal(jax.random.key(1), (B, T, 32))
+        probe = jax.random.normal(jax.random.key(2), (B, T, 32))
+        cos, sin = rope_tables(jnp.arange(T), cfg.head_size, cfg.rope_theta)
+
+        def loss(params, x):
+            return jnp.sum(jnp.sin(nnx.merge(graphdef, params)(x, cos, sin)) * probe)
+
+        outs[impl] = jax.jit(jax.value_and_grad(loss, (0, 1)))(params, x)
+    (v_x, (gp_x, gx_x)), (v_b, (gp_b, gx_b)) = outs["xla"], outs["blas"]
+    np.testing.assert_allclose(v_b, v_x, rtol=1e-6, atol=1e-4)
+    np.testing.assert_allclose(gx_b, gx_x, atol=1e-5, rtol=1e-5)
+    flat_x, flat_b = jax.tree.leaves(gp_x), jax.tree.leaves(gp_b)
+    assert len(flat_x) == len(flat_b) >= 4
+    for a, b in zip(flat_b, flat_x, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,407 @@
+// Causal grouped-query attention on a CPU, forward and backward, as XLA FFI handlers:
+// flash attention's math in query blocks of kBlock rows, each block's scores one SGEMM
+// through numpy's OpenBLAS (cpu_blas.h) into a per-thread [kBlock, T] buffer, never a
+// [T, T] matrix in memory. Built by olmo_jax/kernels/cpu_ffi.py on first use.
+//
+// Layout: q [B, T, N, H], k and v [B, T, K, H] (the projections' own layout: each head's
+// rows are read in place with leading dimension N*H or K*H, no transposes); query head n
+// attends with kv head n / (N / K). Query block [r0, r1) attends keys [0, r1): the blocks
+// above the diagonal are skipped, the diagonal block is masked.
+//   forward:  s = q k^T / sqrt(H); p = softmax(s) over the keys up to the query's own
+//             position; o = p v; lse = logsumexp(s) per query, [B, N, T], saved.
+//   backward: p recomputed from q, k and lse; dv = p^T do; dp = do v^T;
+//             ds = p (dp - rowsum(do o)) / sqrt(H); dq = ds k; dk = ds^T q
+//             (dk and dv summed over the N / K query heads of their kv head).
+// float32 only. Items: (batch, query head) forward, (batch, kv head) backward (each owns
+// the rows of its outputs), spread over XLA's intra-op thread pool.
+
+#include <cmath>
+#include <numeric>
+
+#include "cpu_blas.h"
+
+namespace ffi = xla::ffi;
+using namespace olmo_cpu;
+
+namespace {
+
+constexpr int64_t kBlock = 64;  // query rows per block
+
+struct Dims {
+  int64_t B, T, N, K, H;
+  int64_t G() const { return N / K; }
+  int64_t qs() const { return N * H; }  // row strides
+  int64_t ks() const { return K * H; }
+};
+
+ffi::Error check(const Dims& d, ffi::Span<const int64_t> k_dims) {
+  if (k_dims.size() != 4 || k_dims[0] != d.B || k_dims[1] != d.T || k_dims[3] != d.H ||
+      d.K == 0 || d.N % d.K != 0)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "cpu_attention: q must be [B, T, N, H], k and v [B, T, K, H], N % K == 0");
+  return ffi::Error::Success();
+}
+
+std::vector<int64_t> items(int64_t n) {
+  std::vector<int64_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  return order;
+}
+
+ffi::Error AttentionFwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                        ffi::Buffer<ffi::F32> v, ffi::ResultBuffer<ffi::F32> o,
+                        ffi::ResultBuffer<ffi::F32> lse) {
+  if (!g_sgemm) return no_blas("cpu_attention");
+  const auto qd = q.dimensions();
+  const Dims d{qd[0], qd[1], qd[2], k.dimensions()[2], qd[3]};
+  if (auto err = check(d, k.dimensions()); err.failure()) return err;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d.H));
+  const float *q_p = q.typed_data(), *k_p = k.typed_data(), *v_p = v.typed_data();
+  float *o_p = o->typed_data(), *lse_p = lse->typed_data();
+  parallel_items(pool, items(d.B * d.N), [&](int64_t item) {
+    const int64_t b = item / d.N, n = item % d.N, kv = n / d.G();
+    const float* q_bn = q_p + b * d.T * d.qs() + n * d.H;
+    const float* k_b = k_p + b * d.T * d.ks() + kv * d.H;
+    const float* v_b = v_p + b * d.T * d.ks() + kv * d.H;
+    float* o_bn = o_p + b * d.T * d.qs() + n * d.H;
+    float* lse_bn = lse_p + (b * d.N + n) * d.T;
+    thread_local std::vector<float> s;
+    s.resize(kBlock * d.T);
+    for (int64_t r0 = 0; r0 < d.T; r0 += kBlock) {
+      const int64_t r1 = std::min(d.T, r0 + kBlock), m = r1 - r0, A = r1;
+      gemm(false, true, m, A, d.H, q_bn + r0 * d.qs(), d.qs(), k_b, d.ks(), 0.0f, s.data(), A);
+      for (int64_t i = 0; i < m; ++i) {
+        float* s_i = s.data() + i * A;
+        const int64_t valid = r0 + i + 1;  // keys 0 .. its own position
+        float mx = s_i[0];
+        for (int64_t j = 1; j < valid; ++j) mx = std::max(mx, s_i[j]);
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < valid; ++j) {
+          const float e = std::exp((s_i[j] - mx) * scale);
+          s_i[j] = e;
+          sum += e;
+        }
+        const float inv = 1.0f / sum;
+#pragma omp simd
+        for (int64_t j = 0; j < valid; ++j) s_i[j] *= inv;
+        for (int64_t j = valid; j < A; ++j) s_i[j] = 0.0f;
+        lse_bn[r0 + i] = mx * scale + std::log(sum);
+      }
+      gemm(false, false, m, d.H, A, s.data(), A, v_b, d.ks(), 0.0f, o_bn + r0 * d.qs(), d.qs());
+    }
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error AttentionBwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                        ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> o,
+                        ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dout,
+                        ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
+                        ffi::ResultBuffer<ffi::F32> dv) {
+  if (!g_sgemm) return no_blas("cpu_attention");
+  const auto qd = q.dimensions();
+  const Dims d{qd[0], qd[1], qd[2], k.dimensions()[2], qd[3]};
+  if (auto err = check(d, k.dimensions()); err.failure()) return err;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d.H));
+  const float *q_p = q.typed_data(), *k_p = k.typed_data(), *v_p = v.typed_data(),
+              *o_p = o.typed_data(), *lse_p = lse.typed_data(), *do_p = dout.typed_data();
+  float *dq_p = dq->typed_data(), *dk_p = dk->typed_data(), *dv_p = dv->typed_data();
+  parallel_items(pool, items(d.B * d.K), [&](int64_t item) {
+    const int64_t b = item / d.K, kv = item % d.K;
+    const int64_t kv_off = b * d.T * d.ks() + kv * d.H;
+    const float *k_b = k_p + kv_off, *v_b = v_p + kv_off;
+    float *dk_b = dk_p + kv_off, *dv_b = dv_p + kv_off;
+    for (int64_t t = 0; t < d.T; ++t) {
+      std::memset(dk_b + t * d.ks(), 0, d.H * sizeof(float));
+      std::memset(dv_b + t * d.ks(), 0, d.H * sizeof(float));
+    }
+    thread_local std::vector<float> scratch;
+    scratch.resize(2 * kBlock * d.T + kBlock);
+    float *p = scratch.data(), *dp = p + kBlock * d.T, *delta = dp + kBlock * d.T;
+    for (int64_t g = 0; g < d.G(); ++g) {
+      const int64_t n = kv * d.G() + g, q_off = b * d.T * d.qs() + n * d.H;
+      const float *q_bn = q_p + q_off, *o_bn = o_p + q_off, *do_bn = do_p + q_off;
+      float* dq_bn = dq_p + q_off;
+      const float* lse_bn = lse_p + (b * d.N + n) * d.T;
+      for (int64_t r0 = 0; r0 < d.T; r0 += kBlock) {
+        const int64_t r1 = std::min(d.T, r0 + kBlock), m = r1 - r0, A = r1;
+        const float *q_blk = q_bn + r0 * d.qs(), *do_blk = do_bn + r0 * d.qs();
+        gemm(false, true, m, A, d.H, q_blk, d.qs(), k_b, d.ks(), 0.0f, p, A);
+        for (int64_t i = 0; i < m; ++i) {
+          float* p_i = p + i * A;
+          const int64_t valid = r0 + i + 1;
+          const float l = lse_bn[r0 + i];
+#pragma omp simd
+          for (int64_t j = 0; j < valid; ++j) p_i[j] = std::exp(p_i[j] * scale - l);
+          for (int64_t j = valid; j < A; ++j) p_i[j] = 0.0f;
+          const float *o_i = o_bn + (r0 + i) * d.qs(), *do_i = do_blk + i * d.qs();
+          float dl = 0.0f;
+#pragma omp simd reduction(+ : dl)
+          for (int64_t h = 0; h < d.H; ++h) dl += o_i[h] * do_i[h];
+          delta[i] = dl;
+        }
+        gemm(true, false, A, d.H, m, p, A, do_blk, d.qs(), 1.0f, dv_b, d.ks());  // dv += p^T do
+        gemm(false, true, m, A, d.H, do_blk, d.qs(), v_b, d.ks(), 0.0f, dp, A);  // dp = do v^T
+        for (int64_t i = 0; i < m; ++i) {
+          float *p_i = p + i * A, *dp_i = dp + i * A;
+          const float dl = delta[i];
+#pragma omp simd
+          for (int64_t j = 0; j < A; ++j) p_i[j] = p_i[j] * (dp_i[j] - dl) * scale;  // ds
+        }
+        gemm(false, false, m, d.H, A, p, A, k_b, d.ks(), 0.0f, dq_bn + r0 * d.qs(), d.qs());
+        gemm(true, false, A, d.H, m, p, A, q_blk, d.qs(), 1.0f, dk_b, d.ks());  // dk += ds^T q
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
+// ---- QK-norm, clipping and RoPE: the projections' [B, T, (N + 2K) H] output to q, k, v ----
+//
+// Per row (token t = row % T): q = rope(clip(norm(x_q))), k = rope(clip(norm(x_k))),
+// v = clip(x_v). norm (RMSNorm in float32): 0 none, 1 each head over its H (one [H]
+// weight), 2 all heads of q (of k) together ([N H] / [K H] weights). clip: 0 none, else
+// clamp to [-clip, clip] after the norm (Hugging Face OLMoE's order). RoPE: "rotate half"
+// with the [T, H] cos / sin tables. The backward recomputes the forward from the input row.
+
+struct Prep {
+  int64_t N, K, H, norm;
+  float eps, clip;
+  int64_t J() const { return (N + 2 * K) * H; }
+  int64_t seg(int64_t L) const { return norm == 1 ? H : L; }  // one norm's span
+};
+
+// y[0, L) = clip(norm(x)); xhat (the normalized x) and rstd per segment kept for the
+// backward when asked for.
+void norm_clip(const Prep& p, const float* x, int64_t L, const float* w, float* y, float* xhat,
+               float* rstd) {
+  const int64_t S = p.seg(L);
+  for (int64_t s0 = 0; s0 < L; s0 += S) {
+    float r = 1.0f;
+    if (p.norm) {
+      float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t j = 0; j < S; ++j) ss += x[s0 + j] * x[s0 + j];
+      r = 1.0f / std::sqrt(ss / static_cast<float>(S) + p.eps);
+    }
+    if (rstd) rstd[s0 / S] = r;
+    for (int64_t j = 0; j < S; ++j) {
+      const float xh = p.norm ? x[s0 + j] * r : x[s0 + j];
+      if (xhat) xhat[s0 + j] = xh;
+      y[s0 + j] = p.norm ? w[j] * xh : xh;
+    }
+  }
+  if (p.clip > 0.0f)
+    for (int64_t j = 0; j < L; ++j) y[j] = std::min(std::max(y[j], -p.clip), p.clip);
+}
+
+// out = y cos + rotate_half(y) sin, head by head.
+void rope(const float* y, int64_t L, int64_t H, const float* cos_t, const float* sin_t,
+          float* out) {
+  const int64_t h2 = H / 2;
+  for (int64_t n0 = 0; n0 < L; n0 += H) {
+    const float* yn = y + n0;
+    float* on = out + n0;
+    for (int64_t h = 0; h < h2; ++h) on[h] = yn[h] * cos_t[h] - yn[h + h2] * sin_t[h];
+    for (int64_t h = h2; h < H; ++h) on[h] = yn[h] * cos_t[h] + yn[h - h2] * sin_t[h];
+  }
+}
+
+// The transpose of `rope`: dy from d out.
+void rope_t(const float* g, int64_t L, int64_t H, const float* cos_t, const float* sin_t,
+            float* dy) {
+  const int64_t h2 = H / 2;
+  for (int64_t n0 = 0; n0 < L; n0 += H) {
+    const float* gn = g + n0;
+    float* dn = dy + n0;
+    for (int64_t h = 0; h < h2; ++h) dn[h] = gn[h] * cos_t[h] + gn[h + h2] * sin_t[h + h2];
+    for (int64_t h = h2; h < H; ++h) dn[h] = gn[h] * cos_t[h] - gn[h - h2] * sin_t[h - h2];
+  }
+}
+
+// dx (and += dw) of y = clip(norm(x)) from dy (overwritten).
+void norm_clip_t(const Prep& p, const float* x, int64_t L, const float* w, float* dy, float* dx,
+                 float* dw, float* scratch) {
+  float *xhat = scratch, *y = scratch + L, *rstd = scratch + 2 * L;
+  norm_clip(p, x, L, w, y, xhat, rstd);
+  if (p.clip > 0.0f)
+    for (int64_t j = 0; j < L; ++j)
+      if (!(y[j] > -p.clip && y[j] < p.clip)) dy[j] = 0.0f;
+  if (!p.norm) {
+    std::memcpy(dx, dy, L * sizeof(float));
+    return;
+  }
+  const int64_t S = p.seg(L);
+  for (int64_t s0 = 0; s0 < L; s0 += S) {
+    const float r = rstd[s0 / S];
+    float m = 0.0f;
+    for (int64_t j = 0; j < S; ++j) {
+      const float g = dy[s0 + j] * w[j];
+      dw[j] += dy[s0 + j] * xhat[s0 + j];
+      dy[s0 + j] = g;
+      m += g * xhat[s0 + j];
+    }
+    m /= static_cast<float>(S);
+    for (int64_t j = 0; j < S; ++j) dx[s0 + j] = r * (dy[s0 + j] - xhat[s0 + j] * m);
+  }
+}
+
+ffi::Error check_prep(const Prep& p, int64_t J, int64_t T, int64_t wq, int64_t wk,
+                      ffi::Span<const int64_t> cos_dims) {
+  const bool ok = J == p.J() && p.H % 2 == 0 && cos_dims.size() == 2 && cos_dims[0] == T &&
+                  cos_dims[1] == p.H &&
+                  (p.norm == 0 || (wq == p.seg(p.N * p.H) && wk == p.seg(p.K * p.H)));
+  if (!ok)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "cpu_attention prep: qkv must be [B, T, (N + 2K) H], cos / sin [T, H] "
+                      "(H even), the norm weights [H] (norm 1) or [N H] and [K H] (norm 2)");
+  return ffi::Error::Success();
+}
+
+constexpr int64_t kRows = 64;  // rows per item of the prep kernels
+
+ffi::Error PrepFwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::F32> qw,
+                   ffi::Buffer<ffi::F32> kw, ffi::Buffer<ffi::F32> cos,
+                   ffi::Buffer<ffi::F32> sin, ffi::ResultBuffer<ffi::F32> q,
+                   ffi::ResultBuffer<ffi::F32> k, ffi::ResultBuffer<ffi::F32> v,
+                   int64_t n_heads, int64_t kv_heads, int64_t norm, float eps, float clip) {
+  const auto xd = qkv.dimensions();
+  const int64_t T = xd[xd.size() - 2], J = xd[xd.size() - 1], R = qkv.element_count() / J;
+  const Prep p{n_heads, kv_heads, cos.dimensions()[1], norm, eps, clip};
+  if (auto err = check_prep(p, J, T, qw.element_count(), kw.element_count(), cos.dimensions());
+      err.failure())
+    return err;
+  const int64_t LQ = p.N * p.H, LK = p.K * p.H;
+  const float *x_p = qkv.typed_data(), *qw_p = qw.typed_data(), *kw_p = kw.typed_data(),
+              *cos_p = cos.typed_data(), *sin_p = sin.typed_data();
+  float *q_p = q->typed_data(), *k_p = k->typed_data(), *v_p = v->typed_data();
+  parallel_items(pool, items((R + kRows - 1) / kRows), [&](int64_t item) {
+    thread_local std::vector<float> y;
+    y.resize(LQ);
+    for (int64_t r = item * kRows; r < std::min(R, (item + 1) * kRows); ++r) {
+      const float *x = x_p + r * J, *c = cos_p + (r % T) * p.H, *s = sin_p + (r % T) * p.H;
+      norm_clip(p, x, LQ, qw_p, y.data(), nullptr, nullptr);
+      rope(y.data(), LQ, p.H, c, s, q_p + r * LQ);
+      norm_clip(p, x + LQ, LK, kw_p, y.data(), nullptr, nullptr);
+      rope(y.data(), LK, p.H, c, s, k_p + r * LK);
+      float* v_r = v_p + r * LK;
+      const float* xv = x + LQ + LK;
+      if (p.clip > 0.0f)
+        for (int64_t j = 0; j < LK; ++j) v_r[j] = std::min(std::max(xv[j], -p.clip), p.clip);
+      else
+        std::memcpy(v_r, xv, LK * sizeof(float));
+    }
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error PrepBwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::F32> qw,
+                   ffi::Buffer<ffi::F32> kw, ffi::Buffer<ffi::F32> cos,
+                   ffi::Buffer<ffi::F32> sin, ffi::Buffer<ffi::F32> dq,
+                   ffi::Buffer<ffi::F32> dk, ffi::Buffer<ffi::F32> dv,
+                   ffi::ResultBuffer<ffi::F32> dqkv, ffi::ResultBuffer<ffi::F32> dqw,
+                   ffi::ResultBuffer<ffi::F32> dkw, int64_t n_heads, int64_t kv_heads,
+                   int64_t norm, float eps, float clip) {
+  const auto xd = qkv.dimensions();
+  const int64_t T = xd[xd.size() - 2], J = xd[xd.size() - 1], R = qkv.element_count() / J;
+  const Prep p{n_heads, kv_heads, cos.dimensions()[1], norm, eps, clip};
+  const int64_t WQ = qw.element_count(), WK = kw.element_count();
+  if (auto err = check_prep(p, J, T, WQ, WK, cos.dimensions()); err.failure()) return err;
+  const int64_t LQ = p.N * p.H, LK = p.K * p.H, n_items = (R + kRows - 1) / kRows;
+  const float *x_p = qkv.typed_data(), *qw_p = qw.typed_data(), *kw_p = kw.typed_data(),
+              *cos_p = cos.typed_data(), *sin_p = sin.typed_data(), *dq_p = dq.typed_data(),
+              *dk_p = dk.typed_data(), *dv_p = dv.typed_data();
+  float* dx_p = dqkv->typed_data();
+  // each item's weight-gradient partial sums, added in item order (deterministic)
+  std::vector<float> dw_parts(n_items * (WQ + WK), 0.0f);
+  parallel_items(pool, items(n_items), [&](int64_t item) {
+    thread_local std::vector<float> buf;
+    buf.resize(4 * LQ + 1);
+    float *g = buf.data(), *scratch = g + LQ;
+    float *dqw_i = dw_parts.data() + item * (WQ + WK), *dkw_i = dqw_i + WQ;
+    for (int64_t r = item * kRows; r < std::min(R, (item + 1) * kRows); ++r) {
+      const float *x = x_p + r * J, *c = cos_p + (r % T) * p.H, *s = sin_p + (r % T) * p.H;
+      float* dx = dx_p + r * J;
+      rope_t(dq_p + r * LQ, LQ, p.H, c, s, g);
+      norm_clip_t(p, x, LQ, qw_p, g, dx, dqw_i, scratch);
+      rope_t(dk_p + r * LK, LK, p.H, c, s, g);
+      norm_clip_t(p, x + LQ, LK, kw_p, g, dx + LQ, dkw_i, scratch);
+      const float *xv = x + LQ + LK, *dv_r = dv_p + r * LK;
+      float* dxv = dx + LQ + LK;
+      for (int64_t j = 0; j < LK; ++j)
+        dxv[j] = (p.clip > 0.0f && !(xv[j] > -p.clip && xv[j] < p.clip)) ? 0.0f : dv_r[j];
+    }
+  });
+  float *dqw_p = dqw->typed_data(), *dkw_p = dkw->typed_data();
+  std::memset(dqw_p, 0, WQ * sizeof(float));
+  std::memset(dkw_p, 0, WK * sizeof(float));
+  if (p.norm)
+    for (int64_t i = 0; i < n_items; ++i) {
+      const float* part = dw_parts.data() + i * (WQ + WK);
+      for (int64_t j = 0; j < WQ; ++j) dqw_p[j] += part[j];
+      for (int64_t j = 0; j < WK; ++j) dkw_p[j] += part[WQ + j];
+    }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OlmoCpuAttentionFwd, AttentionFwd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q_BTNH
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_BTKH
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v_BTKH
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // o_BTNH
+                                  .Ret<ffi::Buffer<ffi::F32>>()); // lse_BNT
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OlmoCpuAttentionBwd, AttentionBwd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q_BTNH
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_BTKH
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v_BTKH
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // o_BTNH
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // lse_BNT
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // do_BTNH
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // dq_BTNH
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // dk_BTKH
+                                  .Ret<ffi::Buffer<ffi::F32>>()); // dv_BTKH
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OlmoCpuAttentionPrepFwd, PrepFwd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // qkv_BTJ
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q_norm weight
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_norm weight
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // cos_TH
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // sin_TH
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // q_BTNH
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // k_BTKH
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // v_BTKH
+                                  .Attr<int64_t>("n_heads")
+                                  .Attr<int64_t>("kv_heads")
+                                  .Attr<int64_t>("norm")
+                                  .Attr<float>("eps")
+                                  .Attr<float>("clip"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OlmoCpuAttentionPrepBwd, PrepBwd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // qkv_BTJ
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q_norm weight
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_norm weight
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // cos_TH
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // sin_TH
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // dq_BTNH
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // dk_BTKH
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // dv_BTKH
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // dqkv_BTJ
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // d q_norm weight
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // d k_norm weight
+                                  .Attr<int64_t>("n_heads")
+                                  .Attr<int64_t>("kv_heads")
+                                  .Attr<int64_t>("norm")
+                                  .Attr<float>("eps")
+                                  .Attr<float>("clip"));

@@ -1,0 +1,139 @@
+"""The causal attention core as an XLA FFI call on CPUs (`model.attention_impl=blas`,
+auto's choice there for float32): flash attention's math in query blocks of 64 rows, each
+block's scores one SGEMM through numpy's OpenBLAS into a per-thread buffer (cpu_attention.cc),
+the blocks above the diagonal skipped. Forward and the custom VJP's backward are each one
+call; the forward saves only the output and the log-sum-exp per query.
+
+q [B, T, N, H], k and v [B, T, K, H] (grouped-query: query head n uses kv head n // (N/K)),
+in the projections' own layout, so no head-major transposes are made. float32 only.
+Reference: olmo_jax/model/attention.py's xla core and the naive softmax in the tests.
+The C++ is built on first use with the other CPU kernels (olmo_jax/kernels/cpu_ffi.py).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from olmo_jax.kernels import cpu_ffi
+from olmo_jax.kernels.vma import cotangent_like
+
+FWD, BWD = "olmo_cpu_attention_fwd", "olmo_cpu_attention_bwd"
+PREP_FWD, PREP_BWD = "olmo_cpu_attention_prep_fwd", "olmo_cpu_attention_prep_bwd"
+NORMS = {None: 0, "head": 1, "all": 2}  # qk_prep's `norm` -> the kernel's attribute
+BLOCK = 64  # query rows per block (cpu_attention.cc's kBlock)
+
+
+def computed_fraction(T: int) -> float:
+    """The share of the [T, T] scores the kernel computes: query block [r0, r1) against
+    keys [0, r1)."""
+    starts = range(0, T, BLOCK)
+    return sum((min(T, r0 + BLOCK) - r0) * min(T, r0 + BLOCK) for r0 in starts) / (T * T)
+
+
+def _fwd_call(q_BTNH, k_BTKH, v_BTKH):
+    B, T, N, _ = q_BTNH.shape
+    outs = (jax.ShapeDtypeStruct(q_BTNH.shape, q_BTNH.dtype),
+            jax.ShapeDtypeStruct((B, N, T), jnp.float32))
+    return cpu_ffi.call(FWD, outs, q_BTNH, k_BTKH, v_BTKH)
+
+
+@jax.custom_vjp
+def _attention(q_BTNH, k_BTKH, v_BTKH):
+    return _fwd_call(q_BTNH, k_BTKH, v_BTKH)[0]
+
+
+def _attention_fwd(q_BTNH, k_BTKH, v_BTKH):
+    o_BTNH, lse_BNT = _fwd_call(q_BTNH, k_BTKH, v_BTKH)
+    return o_BTNH, (q_BTNH, k_BTKH, v_BTKH, o_BTNH, lse_BNT)
+
+
+def _attention_bwd(res, do_BTNH):
+    q_BTNH, k_BTKH, v_BTKH, o_BTNH, lse_BNT = res
+    outs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (q_BTNH, k_BTKH, v_BTKH))
+    dq_BTNH, dk_BTKH, dv_BTKH = cpu_ffi.call(BWD, outs, q_BTNH, k_BTKH, v_BTKH, o_BTNH, lse_BNT,
+                                             do_BTNH.astype(q_BTNH.dtype))
+    return (cotangent_like(dq_BTNH, q_BTNH), cotangent_like(dk_BTKH, k_BTKH),
+            cotangent_like(dv_BTKH, v_BTKH))
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def causal_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array) -> jax.Array:
+    """softmax(q k^T / sqrt(H)) v under a causal mask, [B, T, N, H] (float32 only);
+    differentiable in q, k and v. Raises Unavailable (with the reason) where the kernels
+    cannot be built, ValueError for other dtypes or shapes."""
+    arrays = (q_BTNH, k_BTKH, v_BTKH)
+    if any(jnp.dtype(a.dtype) != jnp.float32 for a in arrays):
+        raise ValueError(
+            f"model.attention_impl=blas runs float32, got {[a.dtype.name for a in arrays]}: "
+            "set model.dtype=float32 or model.attention_impl=auto")
+    B, T, N, H = q_BTNH.shape
+    K = k_BTKH.shape[2]
+    if k_BTKH.shape != (B, T, K, H) or v_BTKH.shape != k_BTKH.shape or N % K:
+        raise ValueError(f"cpu attention: q {q_BTNH.shape}, k {k_BTKH.shape}, v {v_BTKH.shape}: "
+                         "want q [B, T, N, H], k and v [B, T, K, H] with N % K == 0")
+    cpu_ffi.require("model.attention_impl=xla")
+    return _attention(*arrays)
+
+
+def _prep_attrs(n_heads, kv_heads, norm, eps, clip):
+    return {"n_heads": np.int64(n_heads), "kv_heads": np.int64(kv_heads),
+            "norm": np.int64(NORMS[norm]), "eps": np.float32(eps), "clip": np.float32(clip or 0.0)}
+
+
+def _prep_outs(qkv_BTJ, n_heads, kv_heads):
+    B, T, J = qkv_BTJ.shape
+    H = J // (n_heads + 2 * kv_heads)
+    return tuple(jax.ShapeDtypeStruct((B, T, n, H), qkv_BTJ.dtype)
+                 for n in (n_heads, kv_heads, kv_heads))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _prep(qkv_BTJ, q_w, k_w, cos_TH, sin_TH, n_heads, kv_heads, norm, eps, clip):
+    return cpu_ffi.call(PREP_FWD, _prep_outs(qkv_BTJ, n_heads, kv_heads), qkv_BTJ, q_w, k_w,
+                        cos_TH, sin_TH, **_prep_attrs(n_heads, kv_heads, norm, eps, clip))
+
+
+def _prep_fwd(qkv_BTJ, q_w, k_w, cos_TH, sin_TH, n_heads, kv_heads, norm, eps, clip):
+    out = _prep(qkv_BTJ, q_w, k_w, cos_TH, sin_TH, n_heads, kv_heads, norm, eps, clip)
+    return out, (qkv_BTJ, q_w, k_w, cos_TH, sin_TH)
+
+
+def _prep_bwd(n_heads, kv_heads, norm, eps, clip, res, cts):
+    qkv_BTJ, q_w, k_w, cos_TH, sin_TH = res
+    outs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (qkv_BTJ, q_w, k_w))
+    dqkv_BTJ, dq_w, dk_w = cpu_ffi.call(
+        PREP_BWD, outs, qkv_BTJ, q_w, k_w, cos_TH, sin_TH,
+        *(ct.astype(qkv_BTJ.dtype) for ct in cts), **_prep_attrs(n_heads, kv_heads, norm, eps, clip))
+    return (cotangent_like(dqkv_BTJ, qkv_BTJ), cotangent_like(dq_w, q_w),
+            cotangent_like(dk_w, k_w), jnp.zeros_like(cos_TH), jnp.zeros_like(sin_TH))
+
+
+_prep.defvjp(_prep_fwd, _prep_bwd)
+
+
+def qk_prep(qkv_BTJ: jax.Array, n_heads: int, kv_heads: int, cos_TH: jax.Array,
+            sin_TH: jax.Array, *, norm: str | None = None, q_norm=None, k_norm=None,
+            eps: float = 1e-6, clip: float | None = None):
+    """(q [B, T, N, H], k and v [B, T, K, H]) from the projections' [B, T, (N + 2K) H]
+    output [q | k | v]: q and k RMS-normalized (`norm` "head": each head over H with one
+    [H] weight; "all": all heads of q (of k) together, [N, H] / [K, H] weights; None: no
+    norm), then clamped to [-clip, clip] (None: not clamped; v is clamped too), then
+    rotated (RoPE, rotate half, the [T, H] cos / sin tables); float32 only. The
+    attention block's element-wise work before the core as one FFI call each way;
+    differentiable in qkv and the norm weights (the tables are constants)."""
+    if jnp.dtype(qkv_BTJ.dtype) != jnp.float32:
+        raise ValueError(f"model.attention_impl=blas runs float32, got {qkv_BTJ.dtype}: set "
+                         "model.dtype=float32 or model.attention_impl=auto")
+    cpu_ffi.require("model.attention_impl=xla")
+    dummy = jnp.zeros((1,), jnp.float32)
+    q_w = dummy if norm is None else q_norm.reshape(-1).astype(jnp.float32)
+    k_w = dummy if norm is None else k_norm.reshape(-1).astype(jnp.float32)
+    q, k, v = _prep(qkv_BTJ, q_w, k_w, cos_TH.astype(jnp.float32), sin_TH.astype(jnp.float32),
+                    n_heads, kv_heads, norm, float(eps), float(clip or 0.0))
+    return q, k, v
