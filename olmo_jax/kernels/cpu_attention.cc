@@ -19,6 +19,7 @@
 #include <numeric>
 
 #include "cpu_blas.h"
+#include "cpu_rms.h"
 
 namespace ffi = xla::ffi;
 using namespace olmo_cpu;
@@ -177,20 +178,13 @@ struct Prep {
 void norm_clip(const Prep& p, const float* x, int64_t L, const float* w, float* y, float* xhat,
                float* rstd) {
   const int64_t S = p.seg(L);
-  for (int64_t s0 = 0; s0 < L; s0 += S) {
-    float r = 1.0f;
-    if (p.norm) {
-      float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t j = 0; j < S; ++j) ss += x[s0 + j] * x[s0 + j];
-      r = 1.0f / std::sqrt(ss / static_cast<float>(S) + p.eps);
+  if (p.norm) {
+    for (int64_t s0 = 0; s0 < L; s0 += S) {
+      const float r = rms_span(x + s0, S, w, p.eps, y + s0, xhat ? xhat + s0 : nullptr);
+      if (rstd) rstd[s0 / S] = r;
     }
-    if (rstd) rstd[s0 / S] = r;
-    for (int64_t j = 0; j < S; ++j) {
-      const float xh = p.norm ? x[s0 + j] * r : x[s0 + j];
-      if (xhat) xhat[s0 + j] = xh;
-      y[s0 + j] = p.norm ? w[j] * xh : xh;
-    }
+  } else {
+    std::memcpy(y, x, L * sizeof(float));
   }
   if (p.clip > 0.0f)
     for (int64_t j = 0; j < L; ++j) y[j] = std::min(std::max(y[j], -p.clip), p.clip);
@@ -233,18 +227,8 @@ void norm_clip_t(const Prep& p, const float* x, int64_t L, const float* w, float
     return;
   }
   const int64_t S = p.seg(L);
-  for (int64_t s0 = 0; s0 < L; s0 += S) {
-    const float r = rstd[s0 / S];
-    float m = 0.0f;
-    for (int64_t j = 0; j < S; ++j) {
-      const float g = dy[s0 + j] * w[j];
-      dw[j] += dy[s0 + j] * xhat[s0 + j];
-      dy[s0 + j] = g;
-      m += g * xhat[s0 + j];
-    }
-    m /= static_cast<float>(S);
-    for (int64_t j = 0; j < S; ++j) dx[s0 + j] = r * (dy[s0 + j] - xhat[s0 + j] * m);
-  }
+  for (int64_t s0 = 0; s0 < L; s0 += S)
+    rms_span_t(xhat + s0, rstd[s0 / S], S, w, dy + s0, dx + s0, dw);
 }
 
 ffi::Error check_prep(const Prep& p, int64_t J, int64_t T, int64_t wq, int64_t wk,

@@ -1,7 +1,9 @@
 """The CPU FFI kernels' library: cpu_blas.cc/.h (numpy's OpenBLAS handed in, the thread
-pool), cpu_gmm.cc (the routed SwiGLU, `model.moe.gmm_impl=blas`) and cpu_attention.cc (the
-causal attention core, `model.attention_impl=blas`), built into one shared library on
-first use and registered as XLA FFI targets on the CPU platform.
+pool), cpu_gmm.cc (the routed SwiGLU, `model.moe.gmm_impl=blas`), cpu_attention.cc (QK-norm,
+clipping, RoPE and the causal attention core, `model.attention_impl=blas`) and cpu_norm.cc
+(the residual stream's RMSNorm, model/norm.py, on CPU in float32), with cpu_rms.h (the
+RMSNorm of a span, shared by the last two), built into one shared library on first use and
+registered as XLA FFI targets on the CPU platform.
 
 The C++ is built with g++ (`$CXX`) against jax.ffi.include_dir() into a cache folder
 ($OLMO_JAX_KERNEL_CACHE, else ~/.cache/olmo_jax, else a temporary folder), keyed by the
@@ -28,8 +30,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from olmo_jax.kernels import vma
 
 HERE = Path(__file__).parent
-SOURCES = tuple(HERE / n for n in ("cpu_blas.cc", "cpu_gmm.cc", "cpu_attention.cc"))
-HEADERS = (HERE / "cpu_blas.h",)
+SOURCES = tuple(HERE / n for n in ("cpu_blas.cc", "cpu_gmm.cc", "cpu_attention.cc",
+                                   "cpu_norm.cc"))
+HEADERS = (HERE / "cpu_blas.h", HERE / "cpu_rms.h")
 # FFI target name -> the library's handler symbol
 TARGETS = {
     "olmo_cpu_swiglu_fwd": "OlmoCpuSwigluFwd", "olmo_cpu_swiglu_bwd": "OlmoCpuSwigluBwd",
@@ -37,6 +40,7 @@ TARGETS = {
     "olmo_cpu_attention_bwd": "OlmoCpuAttentionBwd",
     "olmo_cpu_attention_prep_fwd": "OlmoCpuAttentionPrepFwd",
     "olmo_cpu_attention_prep_bwd": "OlmoCpuAttentionPrepBwd",
+    "olmo_cpu_rms_norm_fwd": "OlmoCpuRmsNormFwd", "olmo_cpu_rms_norm_bwd": "OlmoCpuRmsNormBwd",
 }
 CXXFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-fPIC")
 # numpy's OpenBLAS (64-bit integers, symbols prefixed scipy_ in the scipy-openblas wheels):

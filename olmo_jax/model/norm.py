@@ -1,4 +1,11 @@
-"""RMSNorm, computed in float32 and cast back (the Hugging Face OLMoE definition)."""
+"""RMSNorm, computed in float32 and cast back (the Hugging Face OLMoE definition).
+
+On a CPU target in float32 with a [D] weight, where the CPU FFI kernels build
+(olmo_jax/kernels/cpu_ffi.py), the norm and its backward are one FFI call each
+(kernels/cpu_norm.cc, the same math): XLA:CPU otherwise materializes the weight's broadcast
+and runs the reductions and element-wise work as separate passes. Elsewhere (GPUs, other
+dtypes, QK-norm's [N, H] weights) the jnp functions below, the reference.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +13,46 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from olmo_jax.kernels import cpu_ffi, platform
 from olmo_jax.kernels.vma import cotangent_like
 from olmo_jax.model.params import ones_param
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """x * rsqrt(mean(x^2) + eps) over all trailing axes that `weight` spans, times weight."""
+    if _cpu_kernel(x, weight):
+        return _rms_norm_cpu(x, weight, eps)
     return _rms_norm(x, weight, eps)
+
+
+def _cpu_kernel(x, weight) -> bool:
+    f32 = jnp.dtype(jnp.float32)
+    return (weight.ndim == 1 and jnp.dtype(x.dtype) == f32 and jnp.dtype(weight.dtype) == f32
+            and platform.current_target().platform == "cpu" and cpu_ffi.available() is None)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _rms_norm_cpu(x, weight, eps):
+    return cpu_ffi.call("olmo_cpu_rms_norm_fwd", (jax.ShapeDtypeStruct(x.shape, x.dtype),), x,
+                        weight, eps=np.float32(eps))[0]
+
+
+def _rms_norm_cpu_fwd(x, weight, eps):
+    return _rms_norm_cpu(x, weight, eps), (x, weight)
+
+
+def _rms_norm_cpu_bwd(eps, res, dy):
+    x, weight = res
+    outs = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(weight.shape, weight.dtype))
+    dx, dweight = cpu_ffi.call("olmo_cpu_rms_norm_bwd", outs, x, weight, dy.astype(x.dtype),
+                               eps=np.float32(eps))
+    return cotangent_like(dx, x), cotangent_like(dweight, weight)
+
+
+_rms_norm_cpu.defvjp(_rms_norm_cpu_fwd, _rms_norm_cpu_bwd)
 
 
 def _norm_axes(x, weight):
