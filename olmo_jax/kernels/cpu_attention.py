@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from olmo_jax import shapes
 from olmo_jax.kernels import cpu_ffi
 from olmo_jax.kernels.vma import cotangent_like
 
@@ -63,6 +64,7 @@ def _attention_bwd(res, do_BTNH):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
+@shapes.check("-> B T N H")
 def causal_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array) -> jax.Array:
     """softmax(q k^T / sqrt(H)) v under a causal mask, [B, T, N, H] (float32 only);
     differentiable in q, k and v. Raises Unavailable (with the reason) where the kernels
@@ -117,6 +119,7 @@ def _prep_bwd(n_heads, kv_heads, norm, eps, clip, res, cts):
 _prep.defvjp(_prep_fwd, _prep_bwd)
 
 
+@shapes.check("-> B T N H, B T K H, B T K H")
 def qk_prep(qkv_BTJ: jax.Array, n_heads: int, kv_heads: int, cos_TH: jax.Array,
             sin_TH: jax.Array, *, norm: str | None = None, q_norm=None, k_norm=None,
             eps: float = 1e-6, clip: float | None = None):
