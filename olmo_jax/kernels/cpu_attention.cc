@@ -1,5 +1,5 @@
 // Causal grouped-query attention on a CPU, forward and backward, as XLA FFI handlers:
-// flash attention's math in query blocks of kBlock rows, each block's scores one SGEMM
+// flash attention's math in query blocks of `block` rows (an attribute), each block's scores one SGEMM
 // through numpy's OpenBLAS (cpu_blas.h) into a per-thread [kBlock, T] buffer, never a
 // [T, T] matrix in memory. Built by olmo_jax/kernels/cpu_ffi.py on first use.
 //
@@ -26,7 +26,6 @@ using namespace olmo_cpu;
 
 namespace {
 
-constexpr int64_t kBlock = 64;  // query rows per block
 
 struct Dims {
   int64_t B, T, N, K, H;
@@ -51,7 +50,7 @@ std::vector<int64_t> items(int64_t n) {
 
 ffi::Error AttentionFwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                         ffi::Buffer<ffi::F32> v, ffi::ResultBuffer<ffi::F32> o,
-                        ffi::ResultBuffer<ffi::F32> lse) {
+                        ffi::ResultBuffer<ffi::F32> lse, int64_t kBlock) {
   if (!g_sgemm) return no_blas("cpu_attention");
   const auto qd = q.dimensions();
   const Dims d{qd[0], qd[1], qd[2], k.dimensions()[2], qd[3]};
@@ -66,8 +65,9 @@ ffi::Error AttentionFwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
     const float* v_b = v_p + b * d.T * d.ks() + kv * d.H;
     float* o_bn = o_p + b * d.T * d.qs() + n * d.H;
     float* lse_bn = lse_p + (b * d.N + n) * d.T;
-    thread_local std::vector<float> s;
+    thread_local std::vector<float> s, inv;
     s.resize(kBlock * d.T);
+    inv.resize(kBlock);
     for (int64_t r0 = 0; r0 < d.T; r0 += kBlock) {
       const int64_t r1 = std::min(d.T, r0 + kBlock), m = r1 - r0, A = r1;
       gemm(false, true, m, A, d.H, q_bn + r0 * d.qs(), d.qs(), k_b, d.ks(), 0.0f, s.data(), A);
@@ -75,21 +75,29 @@ ffi::Error AttentionFwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
         float* s_i = s.data() + i * A;
         const int64_t valid = r0 + i + 1;  // keys 0 .. its own position
         float mx = s_i[0];
-        for (int64_t j = 1; j < valid; ++j) mx = std::max(mx, s_i[j]);
+#pragma omp simd reduction(max : mx)
+        for (int64_t j = 0; j < valid; ++j) mx = std::max(mx, s_i[j]);
+        const float shift = mx * scale;
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < valid; ++j) {
-          const float e = std::exp((s_i[j] - mx) * scale);
+          const float e = std::exp(s_i[j] * scale - shift);
           s_i[j] = e;
           sum += e;
         }
-        const float inv = 1.0f / sum;
-#pragma omp simd
-        for (int64_t j = 0; j < valid; ++j) s_i[j] *= inv;
-        for (int64_t j = valid; j < A; ++j) s_i[j] = 0.0f;
-        lse_bn[r0 + i] = mx * scale + std::log(sum);
+        std::fill(s_i + valid, s_i + A, 0.0f);
+        inv[i] = 1.0f / sum;
+        lse_bn[r0 + i] = shift + std::log(sum);
       }
-      gemm(false, false, m, d.H, A, s.data(), A, v_b, d.ks(), 0.0f, o_bn + r0 * d.qs(), d.qs());
+      // o = (exp(s - max) v) / sum: the normalization on the [m, H] output, not the scores
+      float* o_blk = o_bn + r0 * d.qs();
+      gemm(false, false, m, d.H, A, s.data(), A, v_b, d.ks(), 0.0f, o_blk, d.qs());
+      for (int64_t i = 0; i < m; ++i) {
+        float* o_i = o_blk + i * d.qs();
+        const float r = inv[i];
+#pragma omp simd
+        for (int64_t h = 0; h < d.H; ++h) o_i[h] *= r;
+      }
     }
   });
   return ffi::Error::Success();
@@ -99,7 +107,7 @@ ffi::Error AttentionBwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
                         ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> o,
                         ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dout,
                         ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
-                        ffi::ResultBuffer<ffi::F32> dv) {
+                        ffi::ResultBuffer<ffi::F32> dv, int64_t kBlock) {
   if (!g_sgemm) return no_blas("cpu_attention");
   const auto qd = q.dimensions();
   const Dims d{qd[0], qd[1], qd[2], k.dimensions()[2], qd[3]};
@@ -338,7 +346,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OlmoCpuAttentionFwd, AttentionFwd,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // k_BTKH
                                   .Arg<ffi::Buffer<ffi::F32>>()   // v_BTKH
                                   .Ret<ffi::Buffer<ffi::F32>>()   // o_BTNH
-                                  .Ret<ffi::Buffer<ffi::F32>>()); // lse_BNT
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // lse_BNT
+                                  .Attr<int64_t>("block"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OlmoCpuAttentionBwd, AttentionBwd,
                               ffi::Ffi::Bind()
@@ -351,7 +360,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OlmoCpuAttentionBwd, AttentionBwd,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // do_BTNH
                                   .Ret<ffi::Buffer<ffi::F32>>()   // dq_BTNH
                                   .Ret<ffi::Buffer<ffi::F32>>()   // dk_BTKH
-                                  .Ret<ffi::Buffer<ffi::F32>>()); // dv_BTKH
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // dv_BTKH
+                                  .Attr<int64_t>("block"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OlmoCpuAttentionPrepFwd, PrepFwd,
                               ffi::Ffi::Bind()

@@ -25,7 +25,7 @@ from olmo_jax.kernels.vma import cotangent_like
 FWD, BWD = "olmo_cpu_attention_fwd", "olmo_cpu_attention_bwd"
 PREP_FWD, PREP_BWD = "olmo_cpu_attention_prep_fwd", "olmo_cpu_attention_prep_bwd"
 NORMS = {None: 0, "head": 1, "all": 2}  # qk_prep's `norm` -> the kernel's attribute
-BLOCK = 64  # query rows per block (cpu_attention.cc's kBlock)
+BLOCK = 64  # query rows per block of the kernel (its `block` attribute)
 
 
 def computed_fraction(T: int) -> float:
@@ -39,7 +39,7 @@ def _fwd_call(q_BTNH, k_BTKH, v_BTKH):
     B, T, N, _ = q_BTNH.shape
     outs = (jax.ShapeDtypeStruct(q_BTNH.shape, q_BTNH.dtype),
             jax.ShapeDtypeStruct((B, N, T), jnp.float32))
-    return cpu_ffi.call(FWD, outs, q_BTNH, k_BTKH, v_BTKH)
+    return cpu_ffi.call(FWD, outs, q_BTNH, k_BTKH, v_BTKH, block=np.int64(BLOCK))
 
 
 @jax.custom_vjp
@@ -56,7 +56,7 @@ def _attention_bwd(res, do_BTNH):
     q_BTNH, k_BTKH, v_BTKH, o_BTNH, lse_BNT = res
     outs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (q_BTNH, k_BTKH, v_BTKH))
     dq_BTNH, dk_BTKH, dv_BTKH = cpu_ffi.call(BWD, outs, q_BTNH, k_BTKH, v_BTKH, o_BTNH, lse_BNT,
-                                             do_BTNH.astype(q_BTNH.dtype))
+                                             do_BTNH.astype(q_BTNH.dtype), block=np.int64(BLOCK))
     return (cotangent_like(dq_BTNH, q_BTNH), cotangent_like(dk_BTKH, k_BTKH),
             cotangent_like(dv_BTKH, v_BTKH))
 
