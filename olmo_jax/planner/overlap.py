@@ -61,6 +61,7 @@ class Row:
     link_s: float  # their time on the links
     between_s: float  # roofline time of the ops scheduled between start and done
     exposed_s: float  # time the compute waited on them in the replayed schedule
+    between_by_scope: dict[str, float] = dataclasses.field(default_factory=dict)  # of between_s
 
     @property
     def hidden_s(self) -> float:
@@ -147,6 +148,7 @@ class _Replay:
             self.links[c.name] = _Link(_row_key(c), coll_s.get(c.name, 0.0),
                                        ins.opcode.endswith("-start") and not _SYNC.search(ins.args))
         self.memo: dict[str, _State] = {}
+        self.walker: hlo_cost.Walker | None = None
 
     def alone(self, comp: str) -> _State:
         """One run of `comp` replayed from an idle link."""
@@ -240,19 +242,32 @@ class _Replay:
         st.link += out.link
         st.exposed.update(out.exposed)
 
-    def between(self, comp: str) -> dict[str, float]:
+    def between(self, comp: str) -> dict[str, collections.Counter]:
         """Per async collective of `comp`: the roofline time of what is scheduled between
-        its start and its done (loops and calls at their replayed length)."""
+        its start and its done, by model scope (hlo_cost.scope_of; a loop, call or
+        conditional at its replayed length, under its opcode)."""
         out, open_ = {}, {}
         for ins in self.order.get(comp, ()):
-            for name in open_:
-                open_[name] += self._length(ins)
+            if ins.opcode.endswith("-done") and ins.operands and ins.operands[0] in open_:
+                out[ins.operands[0]] = open_.pop(ins.operands[0])
+            if open_ and (length := self._length(ins)):
+                scope = self._scope(ins)
+                for window in open_.values():
+                    window[scope] += length
             link = self.links.get(ins.name)
             if link is not None and link.asynchronous:
-                open_[ins.name] = 0.0
-            elif ins.operands and ins.operands[0] in open_ and ins.opcode.endswith("-done"):
-                out[ins.operands[0]] = open_.pop(ins.operands[0]) - self._length(ins)
+                open_[ins.name] = collections.Counter()
         return out
+
+    def _scope(self, ins: comms.Instruction) -> str:
+        if ins.opcode in ("while", "call", "conditional"):
+            return ins.opcode
+        if self.walker is None:
+            self.walker = hlo_cost.Walker(self.module)
+        if ins.opcode == "async-start" and (m := _CALLS.search(ins.args)):
+            root = self.module.roots.get(m.group(1))
+            return self.walker.scope(root) if root is not None else hlo_cost.OTHER
+        return self.walker.scope(ins)
 
     def _length(self, ins: comms.Instruction) -> float:
         if ins.name in self.links:
@@ -281,6 +296,7 @@ def simulate(module: comms.HloModule, ops: list[hlo_cost.OpCost], spec: hardware
     async_runs = collections.Counter()
     link_s = collections.Counter()
     between_s = collections.Counter()
+    by_scope: dict[tuple, collections.Counter] = collections.defaultdict(collections.Counter)
     between = {}
     for comp in {replay.module.instruction(n).computation for n in replay.links}:
         between.update(replay.between(comp))
@@ -290,7 +306,10 @@ def simulate(module: comms.HloModule, ops: list[hlo_cost.OpCost], spec: hardware
         link_s[link.key] += n * link.seconds
         if link.asynchronous:
             async_runs[link.key] += n
-            between_s[link.key] += n * between.get(name, 0.0)
-    rows = [Row(*k, runs[k], async_runs[k], link_s[k], between_s[k], st.exposed.get(k, 0.0))
+            for scope, t in between.get(name, {}).items():
+                between_s[link.key] += n * t
+                by_scope[link.key][scope] += n * t
+    rows = [Row(*k, runs[k], async_runs[k], link_s[k], between_s[k], st.exposed.get(k, 0.0),
+                dict(by_scope[k].most_common()))
             for k in sorted(runs) if runs[k]]
     return Scheduled(st.t, st.compute, st.link, rows)

@@ -26,8 +26,7 @@ from olmo_jax.model.attention import query_chunks, resolve_attention_impl
 from olmo_jax.model.moe import sizing
 from olmo_jax.parallel.expert import buffer_rows, rowwise_capacity_factor
 from olmo_jax.parallel.mesh import batch_shards
-from olmo_jax.planner import comms, gpu_hlo, hardware, hlo_cost, memory, overlap, pipeline
-from olmo_jax.planner import roofline
+from olmo_jax.planner import comms, gpu_hlo, hardware, hlo_cost, memory, overlap, pipeline, roofline
 from olmo_jax.planner import optimizer as optimizer_lib
 from olmo_jax.planner.compile import CompiledStep
 
@@ -451,6 +450,13 @@ def _overlap_section(plan: Plan) -> list[str]:
                      f"{_runs(r.async_runs):>7} {r.link_s * 1e3:10,.3f} "
                      f"{r.between_s * 1e3:10,.3f} {r.hidden_s * 1e3:10,.3f} "
                      f"{r.exposed_s * 1e3:10,.3f}")
+    lines.append("  what runs between start and done (the largest parts):")
+    for r in sc.rows:
+        if r.between_s > 0:
+            parts = ", ".join(f"{scope} {t / r.between_s:.0%}"
+                              for scope, t in list(r.between_by_scope.items())[:4]
+                              if t >= 0.005 * r.between_s)
+            lines.append(f"    {r.kind} {r.purpose} {r.phase}: {parts}")
     lines.append(f"  replayed: {_secs(sc.step_s)} = roofline {_secs(sc.compute_s)} + "
                  f"{_secs(sc.exposed_s)} of the {_secs(sc.link_s)} on the links exposed "
                  f"({1 - sc.exposed_s / sc.link_s if sc.link_s else 1:.0%} hidden)"

@@ -127,6 +127,8 @@ def test_replay_by_hand():
     assert rows[("moe_rowwise", "bwd")].between_s == pytest.approx(1.5 * MS)
     assert rows[("pipe_send", "fwd")].between_s == pytest.approx(6 * 0.25 * MS)
     assert rows[("muon_gather", "step")].between_s == pytest.approx(3 * MS)  # loop 2 alone
+    assert rows[("muon_gather", "step")].between_by_scope == {"while": pytest.approx(3 * MS)}
+    assert rows[("zero_gather", "step")].between_by_scope == {"other": pytest.approx(3 * MS)}
     assert sum(r.exposed_s for r in s.rows) == pytest.approx(s.exposed_s)
 
 
