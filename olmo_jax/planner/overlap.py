@@ -129,7 +129,7 @@ class _Replay:
             self.comp_count.setdefault(ins.computation, ins.count)
         by_comp = {}  # a computation wrapping one collective (an async-start's) -> it
         self.links: dict[str, _Link] = {}  # instruction issuing a collective -> its link use
-        colls = comms.collectives(module)
+        colls = [c for c in comms.collectives(module) if c.group_size > 1]  # 1: no traffic
         for c in colls:
             by_comp[c.computation] = c
         self.wrapped = set()

@@ -10,6 +10,11 @@ chip, the xla core materializes them. An XLA:GPU program shows which it compiled
 XLA:CPU program (always the xla core) the planner subtracts the scores' bytes, from the
 HBM traffic and from the peak it compares with the HBM, where the GPU would fuse them.
 
+The step time comes three ways (roofline.Projection): nothing overlapped, as the
+compiler scheduled it (the program replayed in its instruction order, planner/overlap.py,
+with its own "Overlap" section: per collective what is asynchronous, what runs between
+its start and done, and what stays exposed), and collectives fully overlapped.
+
 Per-token HLO figures are per-device program FLOPs x devices / tokens per step (every
 device runs the same program on its share of the batch). In a pipelined step the stages
 take different branches of that program: per-device figures are the mean over the stages
