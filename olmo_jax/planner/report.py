@@ -34,6 +34,7 @@ from olmo_jax.parallel.mesh import batch_shards
 from olmo_jax.planner import comms, gpu_hlo, hardware, hlo_cost, memory, overlap, pipeline, roofline
 from olmo_jax.planner import optimizer as optimizer_lib
 from olmo_jax.planner.compile import CompiledStep
+from olmo_jax.trainer import preflight
 
 TERMS = {  # formula term -> label
     "attention_proj": "attention q/k/v/o",
@@ -97,6 +98,11 @@ class Plan:
         return self.peak_bytes - (self.scores_bytes if self.fused_scores else 0)
 
     @property
+    def allocated_bytes(self) -> int:
+        """What XLA allocates per device for the step (trainer/preflight.py's estimate)."""
+        return preflight.MemoryEstimate.of(self.step.compiled).total
+
+    @property
     def matmul_ratio(self) -> float:
         """HLO / formula for the parameter matmuls, the routed experts' buffer padding and
         a pipeline's padding layers taken out (the number that should be 1)."""
@@ -119,6 +125,7 @@ class Plan:
             "argument_bytes": mem.argument_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes,
             "argument_parts": self.args, "peak_bytes": self.peak_bytes,
             "peak_bytes_counted": self.counted_peak_bytes, "scores_bytes": self.scores_bytes,
+            "allocated_bytes": self.allocated_bytes,
             "compiler": self.compiler, "attention_impl": self.attention_impl,
             "matmul_efficiency": self.spec.matmul_efficiency,
             "link_efficiency": self.spec.link_efficiency,
@@ -391,6 +398,13 @@ def _memory_section(plan: Plan) -> list[str]:
              f"  temporaries  {_bytes(mem.temp_size_in_bytes)}; outputs "
              f"{_bytes(mem.output_size_in_bytes)} ({_bytes(mem.alias_size_in_bytes)} reuse the "
              "donated arguments)"]
+    alloc = plan.allocated_bytes
+    lines.append(f"  allocated    {_bytes(alloc)}: arguments + outputs - donated + temporaries + code, "
+                 "what XLA allocates (its temporaries one block) and the trainer's preflight "
+                 "compares with the device's memory"
+                 + (f" ({1 - alloc / hbm:.0%} headroom of {_bytes(hbm)}; JAX preallocates 75% of "
+                    "a GPU's memory unless XLA_PYTHON_CLIENT_MEM_FRACTION says more)"
+                    if hbm and plan.step.gpu_kind is not None else ""))
     if plan.peak_bytes:
         counted = plan.counted_peak_bytes
         fit = (f" of {_bytes(hbm)} HBM on a {plan.spec.kind.upper()}: "

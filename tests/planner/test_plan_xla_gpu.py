@@ -80,6 +80,9 @@ def test_memory_is_xla_gpus_buffer_assignment(out):
     labels = [g["label"] for g in plan["peak"]]
     assert "argument: params" in labels and "argument: opt_state" in labels
     assert "other" not in labels  # every live value found by name in XLA:GPU's module
+    # XLA allocates its temporaries as one block: at least what is live at the peak.
+    assert plan["allocated_bytes"] >= plan["peak_bytes"]
+    assert plan["allocated_bytes"] >= plan["argument_bytes"] + plan["temp_bytes"]
 
 
 def test_all_to_all_bytes_match_the_dispatch_formula_at_bf16(out):
