@@ -115,6 +115,7 @@ class OpCost:
     # A dtype convert or layout copy the backend inserted (no op_name of its own): XLA:CPU
     # widens bf16 around its matmuls and copies into its matmul library's layouts.
     backend_inserted: bool = False
+    name: str = ""  # the instruction's (planner/overlap.py prices the schedule by name)
 
 
 @dataclasses.dataclass
@@ -333,7 +334,7 @@ def program_cost(module: HloModule, loops_once: bool = False) -> ProgramCost:
             by_scope[scope] += b
     ops = [OpCost(walker.scope(ins), 1 if loops_once else ins.count, op_dots.get(ins.name, 0.0),
                   walker.bytes(ins), ins.opcode.removesuffix("-start") in KINDS,
-                  walker.backend_inserted(ins))
+                  walker.backend_inserted(ins), ins.name)
            for ins in module.instructions if ins.count and ins.context == "top"]
     ops = [op for op in ops if op.dot_flops or op.bytes]
     return ProgramCost(dict(dots), dict(recomputed), dict(others), trans, moved, dict(by_scope),

@@ -19,8 +19,10 @@ branch with the roofline of its compiled operations and collectives (a forward o
 backward of one chunk, plus the prologue / head on the first / last chunk), lays those
 durations on the table, and compares its length (sum over ticks of the slowest stage's
 F + B) with the mean busy time of a stage. The difference is time a device idles: the
-projected step adds it (roofline.Projection.bubble_s). The table's own bubble (what the
-trainer logs as `pipeline_bubble`) counts a backward as long as a forward.
+projected step adds it (roofline.Projection.bubble_s), each op priced nothing overlapped,
+collectives fully overlapped, and as the compiler scheduled it (planner/overlap.py). The
+table's own bubble (what the trainer logs as `pipeline_bubble`) counts a backward as long
+as a forward.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from fractions import Fraction
 import numpy as np
 
 from olmo_jax.parallel.pipeline import schedule as sched_lib
-from olmo_jax.planner import comms, hlo_cost, roofline
+from olmo_jax.planner import comms, hlo_cost, overlap, roofline
 from olmo_jax.planner.hardware import DeviceSpec
 
 FWD, BWD = "pipe_fwd", "pipe_bwd"
@@ -139,6 +141,8 @@ class PipelineCost:
     busy_s: float  # mean busy time of a stage over those passes
     schedule_overlapped_s: float  # the same with each op's collectives overlapped
     busy_overlapped_s: float
+    schedule_scheduled_s: float  # the same with each op as the compiler scheduled it
+    busy_scheduled_s: float
 
     @property
     def bubble_s(self) -> float:
@@ -149,25 +153,31 @@ class PipelineCost:
         return self.schedule_overlapped_s - self.busy_overlapped_s
 
     @property
+    def bubble_scheduled_s(self) -> float:
+        return self.schedule_scheduled_s - self.busy_scheduled_s
+
+    @property
     def bubble(self) -> float:
         """Idle share of the schedule's time."""
         return self.bubble_s / self.schedule_s if self.schedule_s else 0.0
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self) | {"bubble": self.bubble, "bubble_s": self.bubble_s,
-                                           "bubble_overlapped_s": self.bubble_overlapped_s}
+                                           "bubble_overlapped_s": self.bubble_overlapped_s,
+                                           "bubble_scheduled_s": self.bubble_scheduled_s}
 
 
 def _seconds(module: comms.HloModule, root: str, weights: dict[str, Fraction],
              spec: DeviceSpec, dtype: str, mesh: dict[str, int],
-             accounting: roofline.Accounting) -> tuple[float, float]:
-    """(nothing overlapped, collectives overlapped) seconds of one run of computation
-    `root`: its operations' roofline plus its collectives on the links."""
+             accounting: roofline.Accounting) -> tuple[float, float, float]:
+    """(nothing overlapped, collectives overlapped, as scheduled) seconds of one run of
+    computation `root`: its operations' roofline plus its collectives on the links."""
     rooted = module.counted(weights, root=root)
     ops = hlo_cost.program_cost(rooted).ops
     links = roofline.link_uses(comms.collectives(rooted))
     p = roofline.project(ops, links, spec, dtype, mesh, 1.0, 1.0, accounting=accounting)
-    return p.step_s, p.overlapped_s
+    replay = overlap.simulate(rooted, ops, spec, dtype, mesh, accounting, root=root)
+    return p.step_s, p.overlapped_s, replay.step_s
 
 
 def lockstep(schedule: sched_lib.Schedule, op_s: dict[tuple[str, str], float]
@@ -197,16 +207,20 @@ def cost(module: comms.HloModule, schedule: sched_lib.Schedule, passes: int,
     for b in found:
         if b.within:
             alone[b.taken], alone[b.skipped] = Fraction(0), Fraction(1)
-    per_role: dict[tuple[str, str], list[tuple[float, float]]] = collections.defaultdict(list)
+    per_role: dict[tuple[str, str], list[tuple[float, float, float]]] = \
+        collections.defaultdict(list)
     for b in found:
         per_role[(b.role, b.within)].append(
             _seconds(module, b.taken, weights if b.within else alone, spec, dtype, mesh,
                      accounting))
     plain = {r: float(np.mean([s[0] for s in v])) for r, v in per_role.items()}
     over = {r: float(np.mean([s[1] for s in v])) for r, v in per_role.items()}
+    as_sched = {r: float(np.mean([s[2] for s in v])) for r, v in per_role.items()}
     sched_s, busy_s = lockstep(schedule, plain)
     sched_o, busy_o = lockstep(schedule, over)
+    sched_a, busy_a = lockstep(schedule, as_sched)
     return PipelineCost(schedule.kind, schedule.stages, schedule.virtual, schedule.microbatches,
                         schedule.ticks, passes, schedule.bubble,
                         {ROLES[r]: s for r, s in plain.items()}, passes * sched_s,
-                        passes * busy_s, passes * sched_o, passes * busy_o)
+                        passes * busy_s, passes * sched_o, passes * busy_o, passes * sched_a,
+                        passes * busy_a)

@@ -10,6 +10,11 @@ chip, the xla core materializes them. An XLA:GPU program shows which it compiled
 XLA:CPU program (always the xla core) the planner subtracts the scores' bytes, from the
 HBM traffic and from the peak it compares with the HBM, where the GPU would fuse them.
 
+The step time comes three ways (roofline.Projection): nothing overlapped, as the
+compiler scheduled it (the program replayed in its instruction order, planner/overlap.py,
+with its own "Overlap" section: per collective what is asynchronous, what runs between
+its start and done, and what stays exposed), and collectives fully overlapped.
+
 Per-token HLO figures are per-device program FLOPs x devices / tokens per step (every
 device runs the same program on its share of the batch). In a pipelined step the stages
 take different branches of that program: per-device figures are the mean over the stages
@@ -26,9 +31,10 @@ from olmo_jax.model.attention import query_chunks, resolve_attention_impl
 from olmo_jax.model.moe import sizing
 from olmo_jax.parallel.expert import buffer_rows, rowwise_capacity_factor
 from olmo_jax.parallel.mesh import batch_shards
-from olmo_jax.planner import comms, gpu_hlo, hardware, hlo_cost, memory, pipeline, roofline
+from olmo_jax.planner import comms, gpu_hlo, hardware, hlo_cost, memory, overlap, pipeline, roofline
 from olmo_jax.planner import optimizer as optimizer_lib
 from olmo_jax.planner.compile import CompiledStep
+from olmo_jax.trainer import preflight
 
 TERMS = {  # formula term -> label
     "attention_proj": "attention q/k/v/o",
@@ -74,6 +80,7 @@ class Plan:
     optimizer: optimizer_lib.OptimizerCost | None = None  # the update's share, per device
     attention_impl: str = "xla"  # the attention core on the device kind (module docstring)
     scores_bytes: int = 0  # of peak_bytes: [T, S] score matrices of the xla core
+    scheduled: overlap.Scheduled | None = None  # the step replayed as the compiler scheduled it
 
     @property
     def compiler(self) -> str:
@@ -89,6 +96,11 @@ class Plan:
     def counted_peak_bytes(self) -> int:
         """The peak the HBM is compared with: without score matrices the GPU fuses."""
         return self.peak_bytes - (self.scores_bytes if self.fused_scores else 0)
+
+    @property
+    def allocated_bytes(self) -> int:
+        """What XLA allocates per device for the step (trainer/preflight.py's estimate)."""
+        return preflight.MemoryEstimate.of(self.step.compiled).total
 
     @property
     def matmul_ratio(self) -> float:
@@ -113,6 +125,7 @@ class Plan:
             "argument_bytes": mem.argument_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes,
             "argument_parts": self.args, "peak_bytes": self.peak_bytes,
             "peak_bytes_counted": self.counted_peak_bytes, "scores_bytes": self.scores_bytes,
+            "allocated_bytes": self.allocated_bytes,
             "compiler": self.compiler, "attention_impl": self.attention_impl,
             "matmul_efficiency": self.spec.matmul_efficiency,
             "link_efficiency": self.spec.link_efficiency,
@@ -124,7 +137,11 @@ class Plan:
             "hbm_bytes": p.hbm_bytes, "step_s": p.step_s, "overlapped_s": p.overlapped_s,
             "tokens_per_s_per_device": p.tokens_per_s(), "mfu": p.mfu(),
             "tokens_per_s_per_device_overlapped": p.tokens_per_s(True),
-            "mfu_overlapped": p.mfu(True), "lower_s": s.lower_s, "compile_s": s.compile_s,
+            "mfu_overlapped": p.mfu(True), "scheduled_s": p.scheduled_s,
+            "tokens_per_s_per_device_scheduled": p.tokens_per_s(overlap="scheduled"),
+            "mfu_scheduled": p.mfu(overlap="scheduled"),
+            "overlap": self.scheduled.to_json() if self.scheduled is not None else None,
+            "lower_s": s.lower_s, "compile_s": s.compile_s,
             "notes": self.notes,
             "pipeline": self.pipeline.to_json() if self.pipeline is not None else None,
             "optimizer": self.optimizer.to_json() if self.optimizer is not None else None,
@@ -236,9 +253,11 @@ def build(step: CompiledStep, spec: hardware.DeviceSpec, label: str = "",
     if step.plan.pipeline is not None:
         pipe = pipeline.cost(step.module, step.plan.pipeline.schedule, step.plan.grad_accum,
                              spec, dtype, mesh, accounting)
+    scheduled = overlap.simulate(step.module, cost.ops, spec, dtype, mesh, accounting)
     proj = roofline.project(cost.ops, roofline.link_uses(colls), spec, dtype, mesh, tokens / n,
                             model_flops, pipe.bubble_s if pipe else 0.0,
-                            pipe.bubble_overlapped_s if pipe else 0.0, accounting)
+                            pipe.bubble_overlapped_s if pipe else 0.0, accounting,
+                            scheduled.step_s, pipe.bubble_scheduled_s if pipe else 0.0)
     shapes = memory.param_shapes(step.state.params, step.plan)
     peak_bytes, peak = memory.peak_groups(step.live_range, step.module, shapes)
     notes = list(notes or [])
@@ -258,7 +277,8 @@ def build(step: CompiledStep, spec: hardware.DeviceSpec, label: str = "",
                 memory.argument_bytes(step.state, step.shardings, step.batch), peak_bytes, peak,
                 proj, notes, pipe, layer_factors(step),
                 optimizer_lib.optimizer_cost(step, cost, colls, spec, accounting), impl,
-                0 if step.gpu_kind is not None and impl == "cudnn" else scores_bytes(peak))
+                0 if step.gpu_kind is not None and impl == "cudnn" else scores_bytes(peak),
+                scheduled)
 
 
 # ---- text ------------------------------------------------------------------------------
@@ -297,8 +317,10 @@ def _reference(plan: Plan) -> str | None:
     line = (f"  reference   OLMo-core measured {what}: {tok_s / 1e3:,.1f}k tokens/s/GPU = "
             f"{achieved / 1e12:,.0f} TFLOP/s = {achieved / peak:.0%} MFU of a {kind.upper()}")
     if plan.spec.kind == kind:
-        line += (f"; this projection is {plan.projection.tokens_per_s() / tok_s:.2f}x that "
-                 f"(no overlap), {plan.projection.tokens_per_s(True) / tok_s:.2f}x (overlap)")
+        p = plan.projection
+        line += (f"; this projection is {p.tokens_per_s() / tok_s:.2f}x that (no overlap), "
+                 f"{p.tokens_per_s(overlap='scheduled') / tok_s:.2f}x (as scheduled), "
+                 f"{p.tokens_per_s(True) / tok_s:.2f}x (fully overlapped)")
     return line
 
 
@@ -390,6 +412,13 @@ def _memory_section(plan: Plan) -> list[str]:
              f"  temporaries  {_bytes(mem.temp_size_in_bytes)}; outputs "
              f"{_bytes(mem.output_size_in_bytes)} ({_bytes(mem.alias_size_in_bytes)} reuse the "
              "donated arguments)"]
+    alloc = plan.allocated_bytes
+    lines.append(f"  allocated    {_bytes(alloc)}: arguments + outputs - donated + temporaries + code, "
+                 "what XLA allocates (its temporaries one block) and the trainer's preflight "
+                 "compares with the device's memory"
+                 + (f" ({1 - alloc / hbm:.0%} headroom of {_bytes(hbm)}; JAX preallocates 75% of "
+                    "a GPU's memory unless XLA_PYTHON_CLIENT_MEM_FRACTION says more)"
+                    if hbm and plan.step.gpu_kind is not None else ""))
     if plan.peak_bytes:
         counted = plan.counted_peak_bytes
         fit = (f" of {_bytes(hbm)} HBM on a {plan.spec.kind.upper()}: "
@@ -436,6 +465,36 @@ def _collectives_section(plan: Plan) -> list[str]:
     if widened:
         lines.append(f"  (XLA:CPU sends bf16 collectives as f32: the compiled CPU program moves "
                      f"{comms.total_bytes(plan.colls) / 1e6:,.1f} MB)")
+    return lines
+
+
+def _overlap_section(plan: Plan) -> list[str]:
+    sc = plan.scheduled
+    if sc is None:
+        return []
+    lines = [f"Overlap as {plan.compiler} scheduled the step (planner/overlap.py: the program "
+             "replayed in its instruction order, each asynchronous collective hidden by at most "
+             "the compute issued between its start and done; ms per step"
+             + (", pipeline bubble not included" if plan.pipeline is not None else "") + ")",
+             f"  {'collective':<18} {'purpose':<13} {'phase':<5} {'runs':>7} {'async':>7} "
+             f"{'on links':>10} {'between':>10} {'hidden':>10} {'exposed':>10}"]
+    for r in sc.rows:
+        lines.append(f"  {r.kind:<18} {r.purpose:<13} {r.phase:<5} {_runs(r.runs):>7} "
+                     f"{_runs(r.async_runs):>7} {r.link_s * 1e3:10,.3f} "
+                     f"{r.between_s * 1e3:10,.3f} {r.hidden_s * 1e3:10,.3f} "
+                     f"{r.exposed_s * 1e3:10,.3f}")
+    lines.append("  what runs between start and done (the largest parts):")
+    for r in sc.rows:
+        if r.between_s > 0:
+            parts = ", ".join(f"{scope} {t / r.between_s:.0%}"
+                              for scope, t in list(r.between_by_scope.items())[:4]
+                              if t >= 0.005 * r.between_s)
+            lines.append(f"    {r.kind} {r.purpose} {r.phase}: {parts}")
+    lines.append(f"  replayed: {_secs(sc.step_s)} = roofline {_secs(sc.compute_s)} + "
+                 f"{_secs(sc.exposed_s)} of the {_secs(sc.link_s)} on the links exposed "
+                 f"({1 - sc.exposed_s / sc.link_s if sc.link_s else 1:.0%} hidden)"
+                 + ("; XLA:CPU runs every collective synchronously (not a GPU's schedule)"
+                    if plan.compiler == "XLA:CPU" else ""))
     return lines
 
 
@@ -488,6 +547,9 @@ def _projection_section(plan: Plan) -> list[str]:
         f"  step         {p.step_s:8.3f} s   nothing overlapped: {p.tokens_per_s():,.0f} "
         f"tokens/s/device, {p.model_flops_per_device / p.step_s / 1e12:,.0f} TFLOP/s, "
         f"MFU {p.mfu():.1%}",
+        f"               {p.scheduled_s:8.3f} s   as {plan.compiler} scheduled it: "
+        f"{p.tokens_per_s(overlap='scheduled'):,.0f} tokens/s/device, "
+        f"MFU {p.mfu(overlap='scheduled'):.1%} (the overlap section)",
         f"               {p.overlapped_s:8.3f} s   collectives fully overlapped: "
         f"{p.tokens_per_s(True):,.0f} tokens/s/device, MFU {p.mfu(True):.1%}",
     ]
@@ -534,9 +596,9 @@ def format_plan(plan: Plan, config_path: str = "") -> str:
                     "program's, the same on every device")
     head += [f"  note        {n}" for n in plan.notes]
     sections = [head, _flops_section(plan), _memory_section(plan),
-                _collectives_section(plan), _projection_section(plan)]
+                _collectives_section(plan), _overlap_section(plan), _projection_section(plan)]
     if plan.optimizer is not None:
-        sections.insert(4, optimizer_lib.format_section(plan.optimizer))
+        sections.insert(5, optimizer_lib.format_section(plan.optimizer))
     return "\n\n".join("\n".join(sec) for sec in sections)
 
 
@@ -555,6 +617,8 @@ def format_comparison(plans: list[Plan]) -> str:
         ("roofline time (s)", lambda p: f"{p.projection.roofline_s:.3f}"),
         ("tokens/s/device (no overlap)", lambda p: f"{p.projection.tokens_per_s():,.0f}"),
         ("MFU (no overlap)", lambda p: f"{p.projection.mfu():.1%}"),
+        ("tokens/s/device (as scheduled)",
+         lambda p: f"{p.projection.tokens_per_s(overlap='scheduled'):,.0f}"),
         ("tokens/s/device (overlap)", lambda p: f"{p.projection.tokens_per_s(True):,.0f}"),
         ("live at the peak", lambda p: _bytes(p.counted_peak_bytes)),
         ("compiled HLO GFLOP/token", lambda p: _g(sum(p.hlo.values())

@@ -9,8 +9,11 @@ plus the collectives on the links, and the tokens/s and MFU that follow.
   links      sum over collectives of bus bytes / (link bandwidth x link efficiency)
              (hardware.link_seconds), one after another
   step       roofline + links (nothing overlapped: an upper bound on the step time);
-             `overlapped` = max(roofline, links) is the lower bound; a pipelined step
-             adds the time its stages idle in the schedule (planner/pipeline.py)
+             `overlapped` = max(roofline, links) is the lower bound; `scheduled` lies
+             between them: the program replayed in the compiler's schedule, each
+             asynchronous collective hidden by at most the compute scheduled between its
+             start and done (planner/overlap.py); a pipelined step adds to each the time
+             its stages idle in the schedule (planner/pipeline.py)
   MFU        model FLOPs per device (OLMo-core's formula) / step time / datasheet peak
 
 Which bytes the HBM term counts (`Accounting`): of an XLA:GPU program every operation's
@@ -28,6 +31,7 @@ import dataclasses
 from olmo_jax.planner.hardware import DeviceSpec, intra_node, link_seconds
 from olmo_jax.planner.hlo_cost import OpCost
 
+OVERLAPS = ("none", "scheduled", "full")  # nothing overlapped, as scheduled, fully overlapped
 ON_CHIP_SCOPES = ("attention_scores",)  # fused on a GPU: no HBM traffic of their own
 FLOAT32_SCOPES = ("router", "optimizer")  # float32 dots whatever model.dtype
 
@@ -73,6 +77,8 @@ class Projection:
     peak_flops: float  # of the compute dtype
     bubble_s: float = 0.0  # pipeline: idle time in the schedule (nothing overlapped)
     bubble_overlapped_s: float = 0.0  # the same with collectives overlapped
+    replayed_s: float | None = None  # the program replayed as scheduled (overlap.simulate)
+    bubble_scheduled_s: float = 0.0  # pipeline: idle time with each op as scheduled
 
     @property
     def links_s(self) -> float:
@@ -86,11 +92,23 @@ class Projection:
     def overlapped_s(self) -> float:
         return max(self.roofline_s, self.links_s) + self.bubble_overlapped_s
 
-    def tokens_per_s(self, overlapped: bool = False) -> float:
-        return self.tokens_per_device / (self.overlapped_s if overlapped else self.step_s)
+    @property
+    def scheduled_s(self) -> float:
+        """As the compiler scheduled it (nothing overlapped where no replay was made)."""
+        if self.replayed_s is None:
+            return self.step_s
+        return self.replayed_s + self.bubble_scheduled_s
 
-    def mfu(self, overlapped: bool = False) -> float:
-        step = self.overlapped_s if overlapped else self.step_s
+    def seconds(self, overlap: str = "none") -> float:
+        """The step: overlap "none" | "scheduled" | "full" (OVERLAPS)."""
+        return {"none": self.step_s, "scheduled": self.scheduled_s,
+                "full": self.overlapped_s}[overlap]
+
+    def tokens_per_s(self, overlapped: bool = False, overlap: str | None = None) -> float:
+        return self.tokens_per_device / self.seconds(overlap or ("full" if overlapped else "none"))
+
+    def mfu(self, overlapped: bool = False, overlap: str | None = None) -> float:
+        step = self.seconds(overlap or ("full" if overlapped else "none"))
         return self.model_flops_per_device / step / self.peak_flops
 
 
@@ -120,7 +138,8 @@ def project(ops: list[OpCost], links: list[LinkUse], spec: DeviceSpec, dtype: st
             mesh_shape: dict[str, int], tokens_per_device: float,
             model_flops_per_device: float, bubble_s: float = 0.0,
             bubble_overlapped_s: float = 0.0,
-            accounting: Accounting = XLA_CPU_AS_GPU) -> Projection:
+            accounting: Accounting = XLA_CPU_AS_GPU, replayed_s: float | None = None,
+            bubble_scheduled_s: float = 0.0) -> Projection:
     compute = roofline = hbm = 0.0
     for op in ops:
         c, r = op_seconds(op, spec, dtype, accounting)
@@ -133,4 +152,5 @@ def project(ops: list[OpCost], links: list[LinkUse], spec: DeviceSpec, dtype: st
         link_s["nvlink" if intra else "network"] += c.count * link_seconds(
             c.kind, c.bytes, c.group_size, intra, spec)
     return Projection(compute, roofline, hbm, link_s, tokens_per_device,
-                      model_flops_per_device, spec.peak(dtype), bubble_s, bubble_overlapped_s)
+                      model_flops_per_device, spec.peak(dtype), bubble_s, bubble_overlapped_s,
+                      replayed_s, bubble_scheduled_s)

@@ -9,7 +9,8 @@ it, and this module
 only regroups the plan's JSON (`Plan.to_json()`, what `python -m olmo_jax.plan --json`
 writes) into what the page draws: the argument bytes by part of the train state, the
 buffers live at the peak (XLA's buffer live ranges) by what they hold, the compiled
-memory analysis, and `comms.summary` rows of the compiled collectives. Every device runs
+memory analysis, and `comms.summary` rows of the compiled collectives with the projected
+step time, nothing overlapped / as the compiler scheduled it / fully overlapped. Every device runs
 the same SPMD program, so its memory is every device's; with a pipeline the stages take
 different branches of it, and the planner gives the collectives' runs and bytes as the
 mean over the stages.
@@ -74,6 +75,19 @@ def memory_data(pj: dict, hbm_bytes: float, kind: str) -> dict:
                         "XLA:CPU's buffers, not a GPU's. ") + "Hover a part for its bytes.")}
 
 
+def step_note(pj: dict) -> str:
+    """The projected step's three columns (planner/roofline.py, planner/overlap.py)."""
+    if "scheduled_s" not in pj:
+        return ""
+    sc = pj.get("overlap") or {}
+    hidden = (f" ({1 - sc['exposed_s'] / sc['link_s']:.0%} of the link time hidden)"
+              if sc.get("link_s") else "")
+    return (f" Projected step on the {pj.get('device_kind', 'device').upper()}: "
+            f"{pj['step_s']:,.3f} s with nothing overlapped, {pj['scheduled_s']:,.3f} s as "
+            f"{pj.get('compiler', 'XLA:CPU')} scheduled it{hidden}, {pj['overlapped_s']:,.3f} s "
+            "with the collectives fully overlapped.")
+
+
 def collectives_data(pj: dict) -> dict:
     rows = [{"label": f"{r['kind']} {r['purpose']} ({r['phase']}, {r['axes']})",
              "bytes": r["jax_bytes_per_device"],
@@ -86,7 +100,7 @@ def collectives_data(pj: dict) -> dict:
                      f"{len(rows)} kinds, {round(sum(r['executions'] for r in pj['collectives']), 1):,} runs. "
                      f"fwd / bwd: in the forward or backward pass; step: once per step."
                      + (" Pipelined: the stages run different branches, so runs and bytes are the "
-                        "mean over the stages." if pj.get("pipeline") else "")),
+                        "mean over the stages." if pj.get("pipeline") else "") + step_note(pj)),
             "table": {"head": ["collective", "purpose", "phase", "axes", "runs", "bytes / device"],
                       "rows": [[r["kind"], r["purpose"], r["phase"], r["axes"], r["executions"],
                                 r["jax_bytes_per_device"]] for r in pj["collectives"]],

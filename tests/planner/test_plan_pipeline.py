@@ -94,6 +94,21 @@ def test_projection_adds_the_schedule_bubble(plan):
     assert j["bubble_s"] == pc.bubble_s and j["table_bubble"] == pc.table_bubble
 
 
+def test_as_scheduled_replays_the_branches_as_the_schedule_weights_them(plan):
+    """XLA:CPU runs every collective synchronously: the step replayed in its schedule
+    (planner/overlap.py, each pipeline conditional's branches weighted by the table) holds
+    exactly the roofline's compute and every collective's link time, hides none of it, and
+    its bubble is the nothing-overlapped one."""
+    p, pc, sc = plan.projection, plan.pipeline, plan.scheduled
+    assert sc.compute_s == pytest.approx(p.roofline_s, rel=1e-9)
+    assert sc.link_s == pytest.approx(p.links_s, rel=1e-9)
+    assert sc.step_s == pytest.approx(p.roofline_s + p.links_s, rel=1e-9)
+    assert all(r.async_runs == 0 for r in sc.rows)
+    assert pc.bubble_scheduled_s == pytest.approx(pc.bubble_s, rel=1e-9)
+    assert p.scheduled_s == pytest.approx(p.step_s, rel=1e-9)
+    assert "XLA:CPU runs every collective synchronously" in report.format_plan(plan)
+
+
 @pytest.mark.parametrize("kind,stages,virtual,micro", [("1f1b", 4, 1, 8), ("gpipe", 2, 1, 3),
                                                        ("interleaved_1f1b", 4, 2, 8)])
 def test_lockstep_pricing_of_a_table(kind, stages, virtual, micro):

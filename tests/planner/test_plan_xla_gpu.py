@@ -80,6 +80,9 @@ def test_memory_is_xla_gpus_buffer_assignment(out):
     labels = [g["label"] for g in plan["peak"]]
     assert "argument: params" in labels and "argument: opt_state" in labels
     assert "other" not in labels  # every live value found by name in XLA:GPU's module
+    # XLA allocates its temporaries as one block: at least what is live at the peak.
+    assert plan["allocated_bytes"] >= plan["peak_bytes"]
+    assert plan["allocated_bytes"] >= plan["argument_bytes"] + plan["temp_bytes"]
 
 
 def test_all_to_all_bytes_match_the_dispatch_formula_at_bf16(out):
@@ -131,3 +134,20 @@ def test_zero1_gathers_bf16_copies_and_reduces_f32_gradients(out):
     assert gather["executions"] == gather["ops"] and scatter["executions"] == scatter["ops"]  # once a step
     assert gather["bytes_per_device"] == copy
     assert scatter["bytes_per_device"] == f32
+
+
+def test_the_step_as_scheduled_lies_between_the_bounds(out):
+    """The train step replayed in XLA:GPU's schedule (planner/overlap.py): every
+    collective's link time in it once, the compute the roofline's, and the step between
+    nothing overlapped and collectives fully overlapped."""
+    text, plan = out["text"], out["json"]["plan"]
+    sc = plan["overlap"]
+    assert plan["overlapped_s"] <= plan["scheduled_s"] <= plan["step_s"]
+    assert sc["compute_s"] == pytest.approx(plan["roofline_s"], rel=1e-9)
+    assert sc["link_s"] == pytest.approx(sum(plan["link_s"].values()), rel=1e-9)
+    assert plan["scheduled_s"] == pytest.approx(sc["step_s"], rel=1e-9)
+    assert sum(r["exposed_s"] for r in sc["rows"]) == pytest.approx(sc["exposed_s"], rel=1e-6)
+    assert {r["kind"] for r in sc["rows"]} >= {"all-to-all", "all-gather", "reduce-scatter"}
+    assert plan["tokens_per_s_per_device_scheduled"] == pytest.approx(
+        plan["tokens_per_s_per_device"] * plan["step_s"] / plan["scheduled_s"])
+    assert "as XLA:GPU scheduled it" in text and "Overlap as XLA:GPU scheduled the step" in text

@@ -232,7 +232,9 @@ def test_plan_sections_regroup_the_planners_json():
              "executions": 8, "bytes_per_device": 640, "jax_bytes_per_device": 320},
             {"kind": "collective-permute", "purpose": "pipe_send", "phase": "fwd", "axes": "group of 2",
              "ops": 1, "executions": 6, "bytes_per_device": 96, "jax_bytes_per_device": 96}],
-        "collective_jax_bytes": 416}
+        "collective_jax_bytes": 416, "device_kind": "b300", "compiler": "XLA:GPU",
+        "step_s": 2.5, "scheduled_s": 2.25, "overlapped_s": 2.0,
+        "overlap": {"link_s": 0.5, "exposed_s": 0.25}}
     mem = plan_view.memory_data(pj, 1e3, "cpu")
     bars = {b["name"]: b["parts"] for b in mem["bars"]}
     assert [(p["label"], p["bytes"]) for p in bars["arguments"]] == [
@@ -245,4 +247,6 @@ def test_plan_sections_regroup_the_planners_json():
     assert [(r["label"], r["bytes"]) for r in col["rows"]] == [
         ("all-to-all moe_rowwise (fwd, expert)", 320), ("collective-permute pipe_send (fwd, group of 2)", 96)]
     assert col["total"] == 416 and "between neighbouring stages" in col["rows"][1]["detail"]
+    assert ("2.500 s with nothing overlapped, 2.250 s as XLA:GPU scheduled it (50% of the link "
+            "time hidden), 2.000 s with the collectives fully overlapped") in col["note"]
     assert col["table"]["rows"][1] == ["collective-permute", "pipe_send", "fwd", "group of 2", 6, 96]
