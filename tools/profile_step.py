@@ -1,8 +1,9 @@
 """Where a CPU train step's time goes: the trainer's compiled step of a config (default
 configs/bench_cpu.py, the tools/bench_vs_torch.py shape) run under `jax.profiler.trace`,
 XLA:CPU's per-operation timings summed by model scope (attention, routed experts, ...,
-olmo_jax.planner.hlo_cost's scopes) and by kind of operation (GEMM: a dot or a fusion
-holding one; element-wise / reduce fusion; transpose / copy; gather / scatter / dynamic
+olmo_jax.planner.hlo_cost's scopes) and by kind of operation (GEMM: a dot, a fusion
+holding one, or a CPU FFI kernel whose work is GEMMs (the experts, the attention core);
+element-wise / reduce fusion, or the element-wise FFI kernels (norms, QK-norm + RoPE); transpose / copy; gather / scatter / dynamic
 slice; loop and other plumbing), as shares of the step's traced operation time.
 
     .venv/bin/python tools/profile_step.py [--config configs/bench_cpu.py] [--steps 3]
@@ -23,7 +24,7 @@ from pathlib import Path
 import jax
 from jax.profiler import ProfileData
 
-from olmo_jax.planner import comms, hlo_cost
+from olmo_jax.planner import comms, gpu_hlo, hlo_cost
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vs_torch import benchmark_step  # noqa: E402  (the benchmark's own step and batch)
@@ -38,7 +39,10 @@ def kind_of(module: comms.HloModule, walker: hlo_cost.Walker, ins) -> str:
     ops = {ins.opcode}
     if ins.opcode == "fusion" and (callee := ins.attr("calls")):
         ops = {i.opcode for i in walker.comp[callee.lstrip("%")]}
-    if ops & {"dot", "convolution"} or ins.opcode == "custom-call":
+    if ins.opcode == "custom-call":  # the CPU FFI kernels: GEMMs, or element-wise ones
+        gemm = gpu_hlo.call_target(ins) in (*gpu_hlo.CPU_SWIGLU, *gpu_hlo.CPU_ATTENTION)
+        return "GEMM" if gemm else "element-wise / reduce"
+    if ops & {"dot", "convolution"}:
         return "GEMM"
     if ops & INDEXING:
         return "gather / scatter / dynamic slice"

@@ -43,7 +43,7 @@ adds to the dots it counts itself; XLA:GPU's own GEMM fusions are dots it counts
   attention_impl=blas): q (operand 0) [B, T, N, H]; 2 GEMMs of 2 B N T T H forward, 5
   backward (QK^T recomputed from the saved log-sum-exp, dV, dP, dQ, dK), each over the
   share of the [T, T] scores its query blocks compute (`cpu_attention.computed_fraction`);
-  its QK-norm / RoPE calls (`CPU_FFI`) hold no matmul.
+  its QK-norm / RoPE calls and the RMSNorm ones (`CPU_FFI`) hold no matmul.
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ CPU_SWIGLU = {"olmo_cpu_swiglu_fwd": (3, 3), "olmo_cpu_swiglu_bwd": (6, 5)}  # G
 CPU_ATTENTION = {"olmo_cpu_attention_fwd": 2, "olmo_cpu_attention_bwd": 5}  # GEMMs
 # every CPU FFI kernel (olmo_jax/kernels/cpu_ffi.py): opaque to XLA's own cost analysis
 CPU_FFI = frozenset({*CPU_SWIGLU, *CPU_ATTENTION, "olmo_cpu_attention_prep_fwd",
-                     "olmo_cpu_attention_prep_bwd"})
+                     "olmo_cpu_attention_prep_bwd", "olmo_cpu_rms_norm_fwd",
+                     "olmo_cpu_rms_norm_bwd"})
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 
 

@@ -140,3 +140,13 @@ def test_computed_fraction_counts_the_query_blocks():
     assert cpu_attention.computed_fraction(64) == 1.0
     assert cpu_attention.computed_fraction(256) == 10 / 16  # blocks 1 + 2 + 3 + 4 of 16
     assert cpu_attention.computed_fraction(100) == (64 * 64 + 36 * 100) / 100 ** 2
+
+
+def test_the_planner_knows_every_cpu_ffi_target():
+    """Every FFI target the CPU library registers is one the planner's HLO walk treats as
+    opaque to XLA's cost analysis (gpu_hlo.CPU_FFI), and the GEMM ones have FLOPs."""
+    from olmo_jax.kernels import cpu_ffi
+    from olmo_jax.planner import gpu_hlo
+
+    assert set(cpu_ffi.TARGETS) == set(gpu_hlo.CPU_FFI)
+    assert set(gpu_hlo.CPU_SWIGLU) | set(gpu_hlo.CPU_ATTENTION) < set(gpu_hlo.CPU_FFI)
