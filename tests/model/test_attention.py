@@ -61,6 +61,8 @@ def test_the_attention_block_is_the_same_function_with_each_cpu_core(layout):
             return jnp.sum(jnp.sin(nnx.merge(graphdef, params)(x, cos, sin)) * probe)
 
         outs[impl] = jax.jit(jax.value_and_grad(loss, (0, 1)))(params, x)
+        ffi = "olmo_cpu_attention_fwd" in str(jax.make_jaxpr(loss)(params, x))
+        assert ffi == (impl == "blas"), impl  # the CPU kernels run, and only with blas
     (v_x, (gp_x, gx_x)), (v_b, (gp_b, gx_b)) = outs["xla"], outs["blas"]
     np.testing.assert_allclose(v_b, v_x, rtol=1e-6, atol=1e-4)
     np.testing.assert_allclose(gx_b, gx_x, atol=1e-5, rtol=1e-5)
