@@ -230,16 +230,16 @@ class Attention(nnx.Module):
             with jax.named_scope("attention_scores"):  # named for olmo_jax/planner
                 o_BTNH = cpu_attention.causal_attention(q_BTNH, k_BTKH, v_BTKH)
         else:
-            o_BTNH = self._xla_or_cudnn(impl, qkv_SJ.reshape(B, T, -1), N, K, H, cos_TH, sin_TH)
+            o_BTNH = self._xla_or_cudnn(impl, qkv_SJ, B, T, N, K, H, cos_TH, sin_TH)
         o_SJ = o_BTNH.reshape(B * T, N * H)
         y_SD = self._proj("rj,jd->rd", o_SJ, self.o_proj[...].reshape(N * H, D).astype(dt))
         return y_SD.reshape(B, T, D)
 
-    def _xla_or_cudnn(self, impl, qkv_BTJ, N, K, H, cos_TH, sin_TH):
-        B, T, _ = qkv_BTJ.shape
-        q_BTNH = qkv_BTJ[..., : N * H].reshape(B, T, N, H)
-        k_BTKH = qkv_BTJ[..., N * H : (N + K) * H].reshape(B, T, K, H)
-        v_BTKH = qkv_BTJ[..., (N + K) * H :].reshape(B, T, K, H)
+    def _xla_or_cudnn(self, impl, qkv_SJ, B, T, N, K, H, cos_TH, sin_TH):
+        # sliced as [B * T, J] rows (2-D slices, then free reshapes)
+        q_BTNH = qkv_SJ[:, : N * H].reshape(B, T, N, H)
+        k_BTKH = qkv_SJ[:, N * H : (N + K) * H].reshape(B, T, K, H)
+        v_BTKH = qkv_SJ[:, (N + K) * H :].reshape(B, T, K, H)
         if self.q_norm is not None:
             q_BTNH = self.q_norm(q_BTNH)
             k_BTKH = self.k_norm(k_BTKH)
