@@ -1,8 +1,11 @@
-"""The causal attention core as an XLA FFI call on CPUs (`model.attention_impl=blas`,
-auto's choice there for float32): flash attention's math in query blocks of 64 rows, each
-block's scores one SGEMM through numpy's OpenBLAS into a per-thread buffer (cpu_attention.cc),
-the blocks above the diagonal skipped. Forward and the custom VJP's backward are each one
-call; the forward saves only the output and the log-sum-exp per query.
+"""The attention block after its q/k/v GEMM as XLA FFI calls on CPUs
+(`model.attention_impl=blas`, auto's choice there for float32; C++ in cpu_attention.cc):
+- `qk_prep`: QK-norm, clipping and RoPE, row by row, from the GEMM's [B, T, (N + 2K) H]
+  output to q, k and v;
+- `causal_attention`: the core, flash attention's math in query blocks of 64 rows, each
+  block's scores one SGEMM through numpy's OpenBLAS into a per-thread buffer, the blocks
+  above the diagonal skipped; the forward saves only the output and the log-sum-exp.
+Forward and each custom VJP's backward are one call each.
 
 q [B, T, N, H], k and v [B, T, K, H] (grouped-query: query head n uses kv head n // (N/K)),
 in the projections' own layout, so no head-major transposes are made. float32 only.
