@@ -222,15 +222,23 @@ def score_buffers(program, seq_len: int) -> list[str]:
     >= 3: batch and heads before the [queries, keys] of each; a 2-D [T, H] or [rows, S]
     value is none), the last dimension spanning keys (seq_len, or a causal query chunk's
     end: a multiple of the chunk length Tc = seq_len / model.attention.query_chunks) and
-    the one before it spanning queries (a multiple of Tc). cuDNN's fused attention makes
-    none; the xla core makes [B, K, G * Tc, S] (XLA keeps them). "name: type" of each."""
+    the one before it spanning queries (a multiple of Tc), made inside the model's
+    `attention_scores` scope (hlo_cost.Walker.scope: its op_name, or for one without, its
+    fusion's or its neighbours'; a [B, T, heads x H] slice of the q/k/v projection, in the `attention` scope, is shaped
+    the same when heads x H = seq_len). cuDNN's fused attention makes none; the xla core
+    makes [B, K, G * Tc, S] (XLA keeps them). "name: type" of each."""
     from olmo_jax.model.attention import query_chunks
+    from olmo_jax.planner import hlo_cost  # imports this module
 
     tc = seq_len // query_chunks(seq_len)
+    module = _module(program)
+    walker = hlo_cost.Walker(module)
     out = []
-    for ins in _module(program).instructions:
+    for ins in module.instructions:
         if ins.context != "top" or ins.opcode in ("parameter", "get-tuple-element", "tuple",
                                                   "bitcast"):
+            continue
+        if walker.scope(ins) != "attention_scores":
             continue
         for dtype, dims in re.findall(r"\b([a-z]\w*)\[([\d,]*)\]", ins.type_str):
             d = [int(x) for x in dims.split(",") if x]
