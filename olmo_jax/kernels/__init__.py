@@ -33,9 +33,9 @@ def _is_16bit(dtype) -> bool:
 
 
 def _cpu_blas_available() -> bool:
-    from olmo_jax.kernels import cpu_gmm  # builds the FFI library on first use
+    from olmo_jax.kernels import cpu_ffi  # builds the FFI library on first use
 
-    return cpu_gmm.available() is None
+    return cpu_ffi.available() is None
 
 
 def _check_blas(dtype) -> None:
@@ -46,9 +46,9 @@ def _check_blas(dtype) -> None:
     if dtype is not None and jnp.dtype(dtype) != jnp.float32:
         raise ValueError(f"model.moe.gmm_impl=blas runs float32 GEMMs but model.dtype is "
                          f"{jnp.dtype(dtype).name}; set model.dtype=float32 or gmm_impl=auto")
-    from olmo_jax.kernels import cpu_gmm
+    from olmo_jax.kernels import cpu_ffi
 
-    why = cpu_gmm.available()
+    why = cpu_ffi.available()
     if why is not None:
         raise ValueError(f"model.moe.gmm_impl=blas cannot run here: {why}")
 

@@ -16,7 +16,6 @@
 // the rows of its outputs), spread over XLA's intra-op thread pool.
 
 #include <cmath>
-#include <numeric>
 
 #include "cpu_blas.h"
 #include "cpu_rms.h"
@@ -42,12 +41,6 @@ ffi::Error check(const Dims& d, ffi::Span<const int64_t> k_dims) {
   return ffi::Error::Success();
 }
 
-std::vector<int64_t> items(int64_t n) {
-  std::vector<int64_t> order(n);
-  std::iota(order.begin(), order.end(), 0);
-  return order;
-}
-
 ffi::Error AttentionFwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                         ffi::Buffer<ffi::F32> v, ffi::ResultBuffer<ffi::F32> o,
                         ffi::ResultBuffer<ffi::F32> lse, int64_t kBlock) {
@@ -58,7 +51,7 @@ ffi::Error AttentionFwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
   const float scale = 1.0f / std::sqrt(static_cast<float>(d.H));
   const float *q_p = q.typed_data(), *k_p = k.typed_data(), *v_p = v.typed_data();
   float *o_p = o->typed_data(), *lse_p = lse->typed_data();
-  parallel_items(pool, items(d.B * d.N), [&](int64_t item) {
+  parallel_range(pool, d.B * d.N, [&](int64_t item) {
     const int64_t b = item / d.N, n = item % d.N, kv = n / d.G();
     const float* q_bn = q_p + b * d.T * d.qs() + n * d.H;
     const float* k_b = k_p + b * d.T * d.ks() + kv * d.H;
@@ -116,7 +109,7 @@ ffi::Error AttentionBwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
   const float *q_p = q.typed_data(), *k_p = k.typed_data(), *v_p = v.typed_data(),
               *o_p = o.typed_data(), *lse_p = lse.typed_data(), *do_p = dout.typed_data();
   float *dq_p = dq->typed_data(), *dk_p = dk->typed_data(), *dv_p = dv->typed_data();
-  parallel_items(pool, items(d.B * d.K), [&](int64_t item) {
+  parallel_range(pool, d.B * d.K, [&](int64_t item) {
     const int64_t b = item / d.K, kv = item % d.K;
     const int64_t kv_off = b * d.T * d.ks() + kv * d.H;
     const float *k_b = k_p + kv_off, *v_b = v_p + kv_off;
@@ -251,8 +244,6 @@ ffi::Error check_prep(const Prep& p, int64_t J, int64_t T, int64_t wq, int64_t w
   return ffi::Error::Success();
 }
 
-constexpr int64_t kRows = 64;  // rows per item of the prep kernels
-
 ffi::Error PrepFwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv, ffi::Buffer<ffi::F32> qw,
                    ffi::Buffer<ffi::F32> kw, ffi::Buffer<ffi::F32> cos,
                    ffi::Buffer<ffi::F32> sin, ffi::ResultBuffer<ffi::F32> q,
@@ -268,10 +259,10 @@ ffi::Error PrepFwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv, ffi::Buffer<
   const float *x_p = qkv.typed_data(), *qw_p = qw.typed_data(), *kw_p = kw.typed_data(),
               *cos_p = cos.typed_data(), *sin_p = sin.typed_data();
   float *q_p = q->typed_data(), *k_p = k->typed_data(), *v_p = v->typed_data();
-  parallel_items(pool, items((R + kRows - 1) / kRows), [&](int64_t item) {
+  parallel_rows(pool, R, 0, nullptr, [&](int64_t r0, int64_t r1, float*) {
     thread_local std::vector<float> y;
     y.resize(LQ);
-    for (int64_t r = item * kRows; r < std::min(R, (item + 1) * kRows); ++r) {
+    for (int64_t r = r0; r < r1; ++r) {
       const float *x = x_p + r * J, *c = cos_p + (r % T) * p.H, *s = sin_p + (r % T) * p.H;
       norm_clip(p, x, LQ, qw_p, y.data(), nullptr, nullptr);
       rope(y.data(), LQ, p.H, c, s, q_p + r * LQ);
@@ -300,40 +291,31 @@ ffi::Error PrepBwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv, ffi::Buffer<
   const Prep p{n_heads, kv_heads, cos.dimensions()[1], norm, eps, clip};
   const int64_t WQ = qw.element_count(), WK = kw.element_count();
   if (auto err = check_prep(p, J, T, WQ, WK, cos.dimensions()); err.failure()) return err;
-  const int64_t LQ = p.N * p.H, LK = p.K * p.H, n_items = (R + kRows - 1) / kRows;
+  const int64_t LQ = p.N * p.H, LK = p.K * p.H;
   const float *x_p = qkv.typed_data(), *qw_p = qw.typed_data(), *kw_p = kw.typed_data(),
               *cos_p = cos.typed_data(), *sin_p = sin.typed_data(), *dq_p = dq.typed_data(),
               *dk_p = dk.typed_data(), *dv_p = dv.typed_data();
   float* dx_p = dqkv->typed_data();
-  // each item's weight-gradient partial sums, added in item order (deterministic)
-  std::vector<float> dw_parts(n_items * (WQ + WK), 0.0f);
-  parallel_items(pool, items(n_items), [&](int64_t item) {
+  std::vector<float> dw(WQ + WK);  // [d q_norm | d k_norm], zero without a norm
+  parallel_rows(pool, R, WQ + WK, dw.data(), [&](int64_t r0, int64_t r1, float* dw_sums) {
     thread_local std::vector<float> buf;
     buf.resize(4 * LQ + 1);
     float *g = buf.data(), *scratch = g + LQ;
-    float *dqw_i = dw_parts.data() + item * (WQ + WK), *dkw_i = dqw_i + WQ;
-    for (int64_t r = item * kRows; r < std::min(R, (item + 1) * kRows); ++r) {
+    for (int64_t r = r0; r < r1; ++r) {
       const float *x = x_p + r * J, *c = cos_p + (r % T) * p.H, *s = sin_p + (r % T) * p.H;
       float* dx = dx_p + r * J;
       rope_t(dq_p + r * LQ, LQ, p.H, c, s, g);
-      norm_clip_t(p, x, LQ, qw_p, g, dx, dqw_i, scratch);
+      norm_clip_t(p, x, LQ, qw_p, g, dx, dw_sums, scratch);
       rope_t(dk_p + r * LK, LK, p.H, c, s, g);
-      norm_clip_t(p, x + LQ, LK, kw_p, g, dx + LQ, dkw_i, scratch);
+      norm_clip_t(p, x + LQ, LK, kw_p, g, dx + LQ, dw_sums + WQ, scratch);
       const float *xv = x + LQ + LK, *dv_r = dv_p + r * LK;
       float* dxv = dx + LQ + LK;
       for (int64_t j = 0; j < LK; ++j)
         dxv[j] = (p.clip > 0.0f && !(xv[j] > -p.clip && xv[j] < p.clip)) ? 0.0f : dv_r[j];
     }
   });
-  float *dqw_p = dqw->typed_data(), *dkw_p = dkw->typed_data();
-  std::memset(dqw_p, 0, WQ * sizeof(float));
-  std::memset(dkw_p, 0, WK * sizeof(float));
-  if (p.norm)
-    for (int64_t i = 0; i < n_items; ++i) {
-      const float* part = dw_parts.data() + i * (WQ + WK);
-      for (int64_t j = 0; j < WQ; ++j) dqw_p[j] += part[j];
-      for (int64_t j = 0; j < WK; ++j) dkw_p[j] += part[WQ + j];
-    }
+  std::copy(dw.begin(), dw.begin() + WQ, dqw->typed_data());
+  std::copy(dw.begin() + WQ, dw.end(), dkw->typed_data());
   return ffi::Error::Success();
 }
 

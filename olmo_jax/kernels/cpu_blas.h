@@ -18,6 +18,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -107,6 +108,33 @@ void parallel_items(ffi::ThreadPool& pool, std::vector<int64_t> order, const Ite
   drain();
   std::unique_lock<std::mutex> lock(work->mu);
   work->cv.wait(lock, [&] { return work->done == n; });
+}
+
+// item(i) for i = 0 .. n - 1, spread as parallel_items spreads them.
+template <typename Item>
+void parallel_range(ffi::ThreadPool& pool, int64_t n, const Item& item) {
+  std::vector<int64_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  parallel_items(pool, std::move(order), item);
+}
+
+// rows(r0, r1, sums) for the blocks [r0, r1) of kRowBlock of R rows, spread over the pool;
+// each block adds what it sums (e.g. a weight gradient, W floats) into its own partial
+// sums, and out[0, W) is their total added in block order: deterministic whichever thread
+// ran which block. W = 0 (out unused) when the rows sum nothing.
+constexpr int64_t kRowBlock = 64;
+
+template <typename Rows>
+void parallel_rows(ffi::ThreadPool& pool, int64_t R, int64_t W, float* out, const Rows& rows) {
+  const int64_t n = (R + kRowBlock - 1) / kRowBlock;
+  std::vector<float> parts(n * W, 0.0f);
+  parallel_range(pool, n, [&](int64_t b) {
+    rows(b * kRowBlock, std::min(R, (b + 1) * kRowBlock), parts.data() + b * W);
+  });
+  if (W == 0) return;
+  std::fill(out, out + W, 0.0f);
+  for (int64_t b = 0; b < n; ++b)
+    for (int64_t j = 0; j < W; ++j) out[j] += parts[b * W + j];
 }
 
 inline ffi::Error no_blas(const char* kernel) {

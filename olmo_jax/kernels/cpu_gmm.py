@@ -5,7 +5,7 @@ backward are each one call (cpu_gmm.cc); the SwiGLU's element-wise work runs bet
 expert's GEMMs. Reference: model/moe/tiled.py's XLA loop and the naive loop in the tests.
 
 The C++ is built on first use with the other CPU kernels (olmo_jax/kernels/cpu_ffi.py);
-`available()` says whether that works here (auto falls back to the tiled loop).
+`cpu_ffi.available()` says whether that works here (auto falls back to the tiled loop).
 
 Layout: expert e's sizes_E[e] rows start at row starts_E[e], the runs ascending and
 disjoint; rows outside them come out zero (and get zero gradient).
@@ -21,15 +21,13 @@ from olmo_jax.kernels.cpu_ffi import Unavailable  # noqa: F401  (raised by ffn_r
 from olmo_jax.kernels.vma import cotangent_like
 
 FWD, BWD = "olmo_cpu_swiglu_fwd", "olmo_cpu_swiglu_bwd"
-available = cpu_ffi.available
-_call = cpu_ffi.call
 
 
 def _fwd_call(x_RD, starts_E, sizes_E, wg_EDF, wu_EDF, wd_EFD):
     R, F = x_RD.shape[0], wg_EDF.shape[2]
     outs = (jax.ShapeDtypeStruct(x_RD.shape, x_RD.dtype),
             jax.ShapeDtypeStruct((R, 2 * F), x_RD.dtype))
-    return _call(FWD, outs, x_RD, starts_E, sizes_E, wg_EDF, wu_EDF, wd_EFD)
+    return cpu_ffi.call(FWD, outs, x_RD, starts_E, sizes_E, wg_EDF, wu_EDF, wd_EFD)
 
 
 @jax.custom_vjp
@@ -45,7 +43,7 @@ def _swiglu_fwd(x_RD, starts_E, sizes_E, wg_EDF, wu_EDF, wd_EFD):
 def _swiglu_bwd(res, dy_RD):
     x_RD, gu_RJ, starts_E, sizes_E, wg_EDF, wu_EDF, wd_EFD = res
     outs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x_RD, wg_EDF, wu_EDF, wd_EFD))
-    dx_RD, dwg_EDF, dwu_EDF, dwd_EFD = _call(
+    dx_RD, dwg_EDF, dwu_EDF, dwd_EFD = cpu_ffi.call(
         BWD, outs, x_RD, gu_RJ, dy_RD.astype(x_RD.dtype), starts_E, sizes_E, wg_EDF, wu_EDF,
         wd_EFD)
     return (cotangent_like(dx_RD, x_RD), None, None, cotangent_like(dwg_EDF, wg_EDF),

@@ -1,11 +1,10 @@
 // RMSNorm over the last axis of [..., D] rows on a CPU, forward and backward, as XLA FFI
 // handlers (cpu_rms.h's math; olmo_jax/model/norm.py's rms_norm with a [D] weight): one
 // pass over the rows each way instead of XLA:CPU's broadcast, reduce and element-wise
-// fusions. Rows in items of kRows, spread over XLA's intra-op thread pool; the weight
-// gradient is summed per item and the items' sums added in order (deterministic).
+// fusions. Rows in blocks spread over XLA's intra-op thread pool, the weight gradient
+// summed per block and the blocks' sums added in order (cpu_blas.h parallel_rows).
 // float32 only. Built by olmo_jax/kernels/cpu_ffi.py on first use.
 
-#include <numeric>
 #include <vector>
 
 #include "cpu_blas.h"
@@ -15,14 +14,6 @@ namespace ffi = xla::ffi;
 using namespace olmo_cpu;
 
 namespace {
-
-constexpr int64_t kRows = 64;
-
-std::vector<int64_t> row_items(int64_t R) {
-  std::vector<int64_t> order((R + kRows - 1) / kRows);
-  std::iota(order.begin(), order.end(), 0);
-  return order;
-}
 
 ffi::Error check(int64_t D, int64_t w) {
   if (D != w)
@@ -38,9 +29,8 @@ ffi::Error RmsNormFwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   if (auto err = check(D, w.element_count()); err.failure()) return err;
   const float *x_p = x.typed_data(), *w_p = w.typed_data();
   float* y_p = y->typed_data();
-  parallel_items(pool, row_items(R), [&](int64_t item) {
-    for (int64_t r = item * kRows; r < std::min(R, (item + 1) * kRows); ++r)
-      rms_span(x_p + r * D, D, w_p, eps, y_p + r * D, nullptr);
+  parallel_rows(pool, R, 0, nullptr, [&](int64_t r0, int64_t r1, float*) {
+    for (int64_t r = r0; r < r1; ++r) rms_span(x_p + r * D, D, w_p, eps, y_p + r * D, nullptr);
   });
   return ffi::Error::Success();
 }
@@ -53,21 +43,16 @@ ffi::Error RmsNormBwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   if (auto err = check(D, w.element_count()); err.failure()) return err;
   const float *x_p = x.typed_data(), *w_p = w.typed_data(), *dy_p = dy.typed_data();
   float *dx_p = dx->typed_data(), *dw_p = dw->typed_data();
-  const auto order = row_items(R);
-  std::vector<float> parts(order.size() * D, 0.0f);
-  parallel_items(pool, order, [&](int64_t item) {
+  parallel_rows(pool, R, D, dw_p, [&](int64_t r0, int64_t r1, float* dw_sums) {
     thread_local std::vector<float> buf;
     buf.resize(3 * D);
     float *xhat = buf.data(), *y = xhat + D, *g = y + D;
-    for (int64_t r = item * kRows; r < std::min(R, (item + 1) * kRows); ++r) {
+    for (int64_t r = r0; r < r1; ++r) {
       const float rstd = rms_span(x_p + r * D, D, w_p, eps, y, xhat);
       std::copy(dy_p + r * D, dy_p + (r + 1) * D, g);
-      rms_span_t(xhat, rstd, D, w_p, g, dx_p + r * D, parts.data() + item * D);
+      rms_span_t(xhat, rstd, D, w_p, g, dx_p + r * D, dw_sums);
     }
   });
-  std::fill(dw_p, dw_p + D, 0.0f);
-  for (size_t i = 0; i < order.size(); ++i)
-    for (int64_t j = 0; j < D; ++j) dw_p[j] += parts[i * D + j];
   return ffi::Error::Success();
 }
 
