@@ -168,11 +168,11 @@ def reference_run(grad_accum=1, batch=BATCH, layers=(2, 0), moe=(), width=32,
 def plan_run(data, expert, dispatch="rowwise", strategy="ddp", zero1=True, grad_accum=1,
              batch=BATCH, capacity_factor=NO_DROP_CF, layers=(2, 0), pipe: Pipe = NO_PIPE,
              remat="none", abstract=False, moe=(), width=32, optim="adamw",
-             dtype="float32") -> Run:
+             dtype="float32", steps=STEPS) -> Run:
     """The same on a pipe x data x expert mesh through the trainer's ParallelPlan and
     its jitted step (state shardings, donation). `remat`: model.remat (same weights);
     `abstract`: compile from ShapeDtypeStructs; `moe`, `dtype`: as host_state; `optim`:
-    optim.name."""
+    optim.name; `steps`: the first `steps` of the reference's batches (fewer for slow paths)."""
     model_cfg, tx, schedule, _, state = host_state(layers=layers, moe=moe, width=width,
                                                    optim=optim, dtype=dtype)
     cfg = make_cfg(data, expert, dispatch, strategy, zero1, grad_accum, capacity_factor,
@@ -183,7 +183,7 @@ def plan_run(data, expert, dispatch="rowwise", strategy="ddp", zero1=True, grad_
     shardings = plan.state_shardings(state, tx)
     step = plan.jit_train_step(
         make_train_step(graphdef, model_cfg, tx, schedule, grad_accum, parallel=plan), shardings)
-    placed = [plan.place_batch(b) for b in batches(batch=batch)]
+    placed = [plan.place_batch(b) for b in batches(batch=batch)[:steps]]
     return _execute(step, jax.device_put(state, shardings), placed, abstract)
 
 

@@ -5,7 +5,9 @@ relative, five AdamW steps within 1e-4):
 
 - model.moe.gmm_impl=pallas (the Hopper grouped-matmul kernels, in Pallas' GPU
   interpret mode) under rowwise and ragged dispatch on data 2 x expert 4. The reference is
-  the single-device default (the blocked einsum), not the kernel itself.
+  the single-device default (the blocked einsum), not the kernel itself. Two steps, not
+  five (an interpreted step takes ~20 s on 2 cores): the first step's loss and gradients,
+  and the loss after one AdamW update.
 - parallel.dispatch=ragged with model.moe.precision=mxfp8: the MXFP8 payload through
   the ragged exchange and the MXFP8 expert unit, forward and backward, against one
   device's MXFP8 step (same quantization of the same rows; the layouts differ).
@@ -18,12 +20,15 @@ from tests.parallel.harness import plan_run, reference_run
 from tests.parallel.test_parallel_invariance import assert_matches_reference
 
 PALLAS_WIDTH = 64  # the kernels tile d_model and the expert hidden size by 64
+PALLAS_STEPS = 2
 
 
 @pytest.mark.parametrize("dispatch", ["rowwise", "ragged"])
 def test_pallas_kernels_through_the_plan_match_one_device(dispatch):
     with platform.interpret():
-        run = plan_run(2, 4, dispatch, width=PALLAS_WIDTH, moe=(("gmm_impl", "pallas"),))
+        run = plan_run(2, 4, dispatch, width=PALLAS_WIDTH, moe=(("gmm_impl", "pallas"),),
+                       steps=PALLAS_STEPS)
+    assert len(run.curve) == PALLAS_STEPS
     assert "callback" in run.hlo  # the interpreted kernels (the einsum path has none)
     assert_matches_reference(run, reference_run(width=PALLAS_WIDTH))
 

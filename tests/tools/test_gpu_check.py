@@ -6,9 +6,11 @@ the trainer's plan and their losses agree, the torch sections run in .venv-oracl
 cannot train there), the JSON is written and the table printed last. Carried wheels
 (.whl/, here a tiny pure-Python one in a temporary folder) are installed without an index
 into the site folder the check then runs with. On a GPU the same script runs full sizes.
-The suite runs this file in the jax 0.11.2 venv too (the GPU image's jax)."""
+`make test` runs this file in both venvs: the dry run only in the jax 0.11.2 one (the GPU
+image's jax, which the script meets there), the torch-only checks only in the other."""
 
 
+import importlib.metadata
 import json
 import os
 import re
@@ -24,6 +26,10 @@ ORACLE = ROOT / ".venv-oracle" / "bin" / "python"
 if not ORACLE.exists():  # a worktree without its own venvs: the main checkout's
     ORACLE = Path("/work/main/.venv-oracle/bin/python")
 needs_oracle = pytest.mark.skipif(not ORACLE.exists(), reason="no .venv-oracle (make oracle)")
+IMAGE_JAX = importlib.metadata.version("jax").startswith("0.11.")  # the lent GPU image's jax
+on_image_jax = pytest.mark.skipif(not IMAGE_JAX, reason="the dry run runs in make test's jax 0.11.2 "
+                                  "stage (the GPU image's jax): .venv-jax011/bin/python -m pytest")
+not_on_image_jax = pytest.mark.skipif(IMAGE_JAX, reason="checks .venv-oracle only: run in the main venv")
 
 # Distributions on the lent H200 image that OLMo-core's import reaches (the device docs'
 # package list), and setuptools' vendored ones (jaraco, backports, more-itertools).
@@ -60,6 +66,7 @@ def _pure_python_wheel(folder: Path) -> Path:
 
 
 @needs_oracle
+@on_image_jax
 def test_gpu_check_dry_run(tmp_path):
     out, site = tmp_path / "out", tmp_path / "site"
     wheels = _pure_python_wheel(tmp_path / "whl").parent
@@ -99,6 +106,7 @@ def test_gpu_check_dry_run(tmp_path):
 
 
 @needs_oracle
+@not_on_image_jax
 def test_olmo_core_imports_need_only_the_image_and_the_carried_wheels():
     carried = {_norm(line.split("==")[0]) for line in (ROOT / "tools" / "gpu_wheels_torch.txt").read_text().splitlines()
                if line.strip() and not line.startswith("#")}
