@@ -7,14 +7,18 @@ At every tick a device reads its stage's two cells of the schedule table (schedu
 the F slot's op, then the B slot's (1F1B's steady state runs one of each per tick):
   FWD (m, v)  runs chunk k = v * P + s on microbatch m through `jax.vjp`: for k = 0 the
               embedding and dense blocks first (their VJP kept in the `prologue`
-              buffer); the chunk's MoE layers' residuals go into the `stash` slot the
-              table names (parameters are not stashed: the backward takes them from the
+              buffer); the chunk's MoE blocks run one `jax.vjp` each, in a scan, each
+              reading its row of the stage's weights where it runs (no copy of the
+              chunk's rows), their residuals stacked into the `stash` slot the table
+              names (parameters are not stashed: the backward takes them from the
               stage's weights again; `model.remat` decides what else is kept); for
               k = K - 1 the final norm, LM head and loss run forward and backward at
               once, their cotangent left in this stage's `bwd_in` inbox.
-  BWD (m, v)  rebuilds the chunk's VJP from the stash, applies it to the cotangent in its
-              inbox slot, adds the weight gradients to the stage's chunk rows and, for
-              k = 0, runs the prologue's VJP (embedding and dense-block gradients).
+  BWD (m, v)  runs the blocks backwards in a reverse scan: each block's VJP rebuilt from
+              the stash, applied to the cotangent (the inbox slot's for the last block),
+              its weight gradients added to its row of the stage's float32 sums as it
+              goes (no [c, ...] stack of them) and, for k = 0, runs the prologue's VJP
+              (embedding and dense-block gradients).
 and then sends its latest forward output to stage s + 1 and its latest input cotangent
 to stage s - 1 (once per tick, after both slots); arrivals go into the inbox slots the
 table names. FWD and BWD each sit in a `lax.cond`: a device runs only its own ops, and
