@@ -107,15 +107,21 @@ def run_blocks(blocks: Block, x_BTD, cos_TH, sin_TH, remat: str = "none", rng=No
     n_layers = jax.tree.leaves(state)[0].shape[0]
     if keys is None and rng is not None:
         keys = jax.random.split(rng, n_layers)
+    return jax.lax.scan(block_step(graphdef, cos_TH, sin_TH, remat), x_BTD, (state, keys, keep_L),
+                        unroll=unroll)
+
+
+def block_step(graphdef, cos_TH, sin_TH, remat: str = "none"):
+    """run_blocks' scan body: (x, (one block's state, key, keep)) -> (x, stats), checkpointed
+    with model.remat = block; `graphdef` the stacked blocks' (a pipeline stage runs the
+    body one block at a time, parallel/pipeline/run.py)."""
 
     def body(x, xs):
         layer_state, key, keep = xs
         y, stats = nnx.merge(graphdef, layer_state)(x, cos_TH, sin_TH, key)
         return (y if keep is None else jnp.where(keep, y, x)), stats
 
-    if remat == "block":
-        body = jax.checkpoint(body)
-    return jax.lax.scan(body, x_BTD, (state, keys, keep_L), unroll=unroll)
+    return jax.checkpoint(body) if remat == "block" else body
 
 
 class Output(NamedTuple):

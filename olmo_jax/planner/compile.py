@@ -71,6 +71,7 @@ class CompiledStep:
     compile_s: float
     live_range: str  # XLA's live-range report ("" when it wrote none)
     lowered: jax.stages.Lowered | None = None
+    buffer_assignment: str = ""  # XLA's buffer assignment report ("" when it wrote none)
 
     @property
     def n_devices(self) -> int:
@@ -134,7 +135,7 @@ def compile_train_step(cfg: ml_collections.ConfigDict, devices, *, trainer_step:
     lowered = step.lower(state, batch)
     t1 = time.perf_counter()
     if trainer_step:
-        compiled, live_range = lowered.compile(options), ""
+        compiled, live_range, assignment = lowered.compile(options), "", ""
         program = compiled
     else:
         assert options is None, "options are for trainer_step compiles"
@@ -142,6 +143,8 @@ def compile_train_step(cfg: ml_collections.ConfigDict, devices, *, trainer_step:
             compiled = lowered.compile(planner_options(devices, dump))
             path = memory.live_range_file(Path(dump))
             live_range = path.read_text() if path else ""
+            path = memory.buffer_assignment_file(Path(dump))
+            assignment = path.read_text() if path else ""
             gpu_text = memory.gpu_module_file(Path(dump))
             program = gpu_text.read_text() if gpu_text else compiled
     t2 = time.perf_counter()
@@ -149,4 +152,4 @@ def compile_train_step(cfg: ml_collections.ConfigDict, devices, *, trainer_step:
     if plan.pipeline is not None:
         module = module.counted(pipeline.branch_weights(module, plan.pipeline.schedule))
     return CompiledStep(cfg, model_cfg, plan, compiled, module, state, shardings, batch,
-                        t1 - t0, t2 - t1, live_range, lowered)
+                        t1 - t0, t2 - t1, live_range, lowered, assignment)

@@ -29,6 +29,9 @@ from olmo_jax.planner.hlo_cost import OTHER, Walker, dims, scope_of, type_bytes
 
 _PEAK_HEADER = re.compile(r"^\s*Live ranges at \d+ \(peak\):")
 _PEAK_LINE = re.compile(r"^\s+([\w.\-]+)\{([\d,]*)\}: (\d+) bytes")
+_ALLOCATION_LINE = re.compile(r"^allocation (\d+): ")
+_VALUE_LINE = re.compile(
+    r"^\s*value: <\d+ ([\w.\-]+)(?:\{([\d,]*)\})?(?: \(phi\))? @\d+> \(size=(\d+),offset=(\d+)\)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +95,41 @@ def read_peak(live_range_text: str) -> list[tuple[str, str, int]]:
                 break
             out.append((m.group(1), m.group(2), int(m.group(3))))
     return out
+
+
+def buffer_slices(buffer_assignment_text: str) -> dict[tuple[str, str], tuple[int, int, int]]:
+    """(instruction, tuple index) of every value in XLA's buffer assignment -> (allocation,
+    offset, bytes): where it lies. Values that share a slice (a loop's carry and what its
+    body writes in place, a conditional's output and its branches') are one buffer."""
+    out, allocation = {}, -1
+    for line in buffer_assignment_text.splitlines():
+        if m := _ALLOCATION_LINE.match(line):
+            allocation = int(m.group(1))
+        elif m := _VALUE_LINE.match(line):
+            out.setdefault((m.group(1), m.group(2) or ""),
+                           (allocation, int(m.group(4)), int(m.group(3))))
+    return out
+
+
+def _new_bytes(covered: dict[int, list], where: tuple[int, int, int]) -> int:
+    """Bytes of the slice `where` not yet in `covered` (allocation -> [(start, end)]),
+    which it joins."""
+    allocation, start, size = where
+    spans = covered.setdefault(allocation, [])
+    end = start + size
+    seen = 0
+    for a, b in sorted(spans):  # disjoint spans: the overlap with each counts once
+        lo, hi = max(a, start), min(b, end)
+        seen += max(0, hi - lo)
+    spans.append((start, end))
+    merged = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    covered[allocation] = merged
+    return size - seen
 
 
 def _ref(operand: str) -> tuple[str, str]:
@@ -196,13 +234,22 @@ class _Namer:
         return update.name, ins
 
 
-def peak_groups(live_range_text: str, module: HloModule,
-                shapes: dict[tuple[int, ...], str]) -> tuple[int, list[PeakGroup]]:
-    """(bytes live at the peak, the live values grouped by label, largest first)."""
+def peak_groups(live_range_text: str, module: HloModule, shapes: dict[tuple[int, ...], str],
+                buffer_assignment_text: str = "") -> tuple[int, list[PeakGroup]]:
+    """(bytes live at the peak, the live values grouped by label, largest first). The
+    live-range report lists values; with the buffer assignment, values live at the peak
+    that lie in the same bytes (a loop carry and the value updated in place, ...) count
+    once, under the first one listed."""
     namer = _Namer(module, shapes)
+    slices = buffer_slices(buffer_assignment_text)
+    covered: dict[int, list] = {}
     groups: dict[str, list] = collections.defaultdict(lambda: [0, 0, ""])
     total = 0
     for name, index, size in read_peak(live_range_text):
+        if (where := slices.get((name, index))) is not None:
+            size = _new_bytes(covered, where)
+            if size <= 0:
+                continue
         g = groups[namer.label(name, index)]
         g[0] += size
         g[1] += 1
@@ -218,6 +265,13 @@ def gpu_module_file(dump_dir: Path) -> Path | None:
     """XLA:GPU's optimized train-step module as the buffer assignment saw it (the names the
     live-range report uses; `Compiled.as_text()` renames some)."""
     files = sorted(Path(dump_dir).glob("*train_step*gpu_after_optimizations.txt"),
+                   key=lambda p: p.stat().st_mtime)
+    return files[-1] if files else None
+
+
+def buffer_assignment_file(dump_dir: Path) -> Path | None:
+    """The buffer assignment XLA wrote for the train step (newest when several)."""
+    files = sorted(Path(dump_dir).glob("*train_step*buffer-assignment.txt"),
                    key=lambda p: p.stat().st_mtime)
     return files[-1] if files else None
 

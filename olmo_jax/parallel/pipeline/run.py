@@ -7,14 +7,18 @@ At every tick a device reads its stage's two cells of the schedule table (schedu
 the F slot's op, then the B slot's (1F1B's steady state runs one of each per tick):
   FWD (m, v)  runs chunk k = v * P + s on microbatch m through `jax.vjp`: for k = 0 the
               embedding and dense blocks first (their VJP kept in the `prologue`
-              buffer); the chunk's MoE layers' residuals go into the `stash` slot the
-              table names (parameters are not stashed: the backward takes them from the
+              buffer); the chunk's MoE blocks run one `jax.vjp` each, in a scan, each
+              reading its row of the stage's weights where it runs (no copy of the
+              chunk's rows), their residuals stacked into the `stash` slot the table
+              names (parameters are not stashed: the backward takes them from the
               stage's weights again; `model.remat` decides what else is kept); for
               k = K - 1 the final norm, LM head and loss run forward and backward at
               once, their cotangent left in this stage's `bwd_in` inbox.
-  BWD (m, v)  rebuilds the chunk's VJP from the stash, applies it to the cotangent in its
-              inbox slot, adds the weight gradients to the stage's chunk rows and, for
-              k = 0, runs the prologue's VJP (embedding and dense-block gradients).
+  BWD (m, v)  runs the blocks backwards in a reverse scan: each block's VJP rebuilt from
+              the stash, applied to the cotangent (the inbox slot's for the last block),
+              its weight gradients added to its row of the stage's float32 sums as it
+              goes (no [c, ...] stack of them) and, for k = 0, runs the prologue's VJP
+              (embedding and dense-block gradients).
 and then sends its latest forward output to stage s + 1 and its latest input cotangent
 to stage s - 1 (once per tick, after both slots); arrivals go into the inbox slots the
 table names. FWD and BWD each sit in a `lax.cond`: a device runs only its own ops, and
@@ -57,7 +61,7 @@ from olmo_jax.kernels.vma import varying_axes
 from olmo_jax.model.config import TransformerConfig
 from olmo_jax.model.moe.losses import RouterStats
 from olmo_jax.model.rope import rope_tables
-from olmo_jax.model.transformer import run_blocks
+from olmo_jax.model.transformer import block_step, run_blocks
 from olmo_jax.objective import LossParts, Plan, loss_parts, total_loss
 from olmo_jax.parallel.mesh import AXES
 from olmo_jax.parallel.pipeline import schedule as sched_lib
@@ -228,6 +232,17 @@ class StageProgram:
                          keys=keys, keep_L=keep)
         return _vary(out)
 
+    def layer_rows(self, tree, row):
+        """One MoE block's weights (or state): row `row` of the stage's [V * c] rows."""
+        return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, row, 0, keepdims=False), tree)
+
+    def layer(self, layer_params, x_BTD, layer_state, key_data, keep, cos_TH, sin_TH):
+        """One MoE block of a chunk (what `body` scans): -> (x, RouterStats of the block)."""
+        graphdef, state = nnx.split(nnx.merge(self.blocks_def, layer_params, layer_state))
+        key = None if key_data is None else jax.random.wrap_key_data(key_data, impl=self.key_impl)
+        step = block_step(graphdef, cos_TH, sin_TH, self.cfg.remat)
+        return _vary(step(x_BTD, (state, key, keep)))
+
     def head_loss(self, head_params, x_BTD, stats: RouterStats, targets_BT, microbatches: int):
         """Final norm, LM head and this microbatch's share of the step's loss."""
         logits_BTV = self._model(head_params).head(x_BTD)
@@ -387,12 +402,26 @@ class _TrainTicks(_Ticks):
         return x, self.pro_saver.save(vjp, prog.prologue_params)
 
     def body_vjp(self, x_BTD, m, v):
-        prog = self.prog
-        chunk_p = prog.chunk_rows(prog.stage_params, v)
+        """The chunk's MoE blocks forward, one `jax.vjp` per block in a scan: -> (x,
+        RouterStats [c, ...], the blocks' residuals stacked [c, ...]). A block's weights
+        are read from the stage's [V * c] rows where it runs (no copy of the chunk's
+        rows), and BWD adds each block's weight gradients to its row of the float32 sums
+        as it goes (no [c, ...] stack of them)."""
+        prog, c = self.prog, self.prog.c
         keys = prog.layer_keys(self.key_of(m), v)
-        fn = _stashable(lambda p, x: prog.body(p, x, v, self.cos_TH, self.sin_TH, keys), self.cfg.remat)
-        (y, stats_c), vjp = jax.vjp(fn, chunk_p, x_BTD)
-        return y, stats_c, self.body_saver.save(vjp, chunk_p)
+        keep = jax.lax.dynamic_slice_in_dim(prog.keep, v * c, c)
+
+        def step(x, xs):
+            i, state_i, key_i, keep_i = xs
+            p_i = prog.layer_rows(prog.stage_params, v * c + i)
+            fn = _stashable(lambda p, x: prog.layer(p, x, state_i, key_i, keep_i, self.cos_TH,
+                                                    self.sin_TH), self.cfg.remat)
+            (y, stats_i), vjp = jax.vjp(fn, p_i, x)
+            return y, (stats_i, self.body_saver.save(vjp, p_i))
+
+        xs = (jnp.arange(c), prog.chunk_rows(prog.stage_state, v), keys, keep)
+        y, (stats_c, res) = jax.lax.scan(step, x_BTD, xs, unroll=self.cfg.scan_unroll)
+        return y, stats_c, res
 
     def init_carry(self) -> _Carry:
         """Zeros of everything a tick keeps. Their shapes are traced once (nothing
@@ -453,13 +482,26 @@ class _TrainTicks(_Ticks):
         v = cell[COL["virtual"]]
         k = v * prog.P + prog.s
         dy, dstats_out = _read(carry.bwd_in, cell[COL["bwd_in"]])
-        chunk_p = prog.chunk_rows(prog.stage_params, v)
-        vjp = self.body_saver.restore(_read(carry.stash, cell[COL["stash"]]), chunk_p)
-        d_chunk, dx = vjp((dy, prog.stats_rows(dstats_out, k, v)))
-        g_stage = jax.tree.map(
-            lambda g, d: jax.lax.dynamic_update_slice_in_dim(
-                g, _add(jax.lax.dynamic_slice_in_dim(g, v * c, c, 0), d), v * c, 0),
-            carry.g_stage, d_chunk)
+
+        def step(acc, xs):  # the blocks in reverse order, each VJP rebuilt from the stash
+            dy, g_stage = acc
+            i, res_i, dstats_i = xs
+            row = v * c + i
+            vjp = self.body_saver.restore(res_i, prog.layer_rows(prog.stage_params, row))
+            d_layer, dx = vjp((dy, dstats_i))
+            # The row index through a barrier with the gradients: the float32 row is read
+            # where it is added to (in place), not sliced beside the block's weights
+            # before its backward (XLA fuses slices that share an index: 9.7 GB held).
+            row, d_layer = jax.lax.optimization_barrier((row, d_layer))
+            g_stage = jax.tree.map(
+                lambda g, d: jax.lax.dynamic_update_index_in_dim(
+                    g, _add(jax.lax.dynamic_index_in_dim(g, row, 0, keepdims=False), d), row, 0),
+                g_stage, d_layer)
+            return (dx, g_stage), None
+
+        xs = (jnp.arange(c), _read(carry.stash, cell[COL["stash"]]), prog.stats_rows(dstats_out, k, v))
+        (dx, g_stage), _ = jax.lax.scan(step, (dy, carry.g_stage), xs, reverse=True,
+                                        unroll=self.cfg.scan_unroll)
         with jax.named_scope("pipe_first"):
             g_pro = jax.lax.cond(k == 0, functools.partial(self.bwd_first, dx=dx, carry=carry, cell=cell),
                                  _kept, carry.g_prologue)
