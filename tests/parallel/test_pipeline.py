@@ -100,14 +100,12 @@ def test_pipeline_eval_matches_single_device():
     assert rel_err(ce, ref_ce) <= 1e-6
 
 
-def _temp_bytes(kind: str, microbatches: int, stages: int = 2) -> int:
-    """Temporary bytes of the compiled pipelined gradient step (pipe = `stages` devices,
-    one 64-token sequence per microbatch), from ShapeDtypeStructs."""
-    cfg = make_cfg(1, 1, batch=microbatches, seq=64, layers=(2, 0),
-                   pipe=Pipe(stages, kind, microbatches))
-    cfg.parallel.data = 1
-    model_cfg = host_state()[0]
-    plan = build_plan(cfg, with_capacity(model_cfg, cfg), devices=jax.devices()[:stages])
+def _compiled_pipeline_grads(cfg, model_cfg, microbatches: int, seq: int, stages: int,
+                             plan_model_cfg=None):
+    """(the pipelined gradient step compiled from ShapeDtypeStructs on `stages` devices,
+    the abstract train state): one `seq`-token sequence per microbatch; the plan built from
+    `plan_model_cfg` (default `model_cfg`)."""
+    plan = build_plan(cfg, plan_model_cfg or model_cfg, devices=jax.devices()[:stages])
     tx, _ = build_optimizer(cfg.optim, 10)
     graphdef, abstract = abstract_train_state(model_cfg, tx, plan.dispatcher)
     shardings = plan.state_shardings(abstract, tx)
@@ -115,11 +113,23 @@ def _temp_bytes(kind: str, microbatches: int, stages: int = 2) -> int:
     def placed(tree, sh):
         return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh)
 
-    batch = jax.ShapeDtypeStruct((microbatches, 1, 65), np.int32, sharding=plan.batch_sharding())
+    batch = jax.ShapeDtypeStruct((microbatches, 1, seq + 1), np.int32, sharding=plan.batch_sharding())
     grads = jax.jit(make_grads_fn(graphdef, model_cfg, 1, plan))
     compiled = grads.lower(placed(abstract.params, shardings.params),
                            placed(abstract.model_state, shardings.model_state), batch,
                            jax.random.key(0)).compile(FAST_COMPILE)
+    return compiled, abstract
+
+
+def _temp_bytes(kind: str, microbatches: int, stages: int = 2) -> int:
+    """Temporary bytes of the compiled pipelined gradient step (pipe = `stages` devices,
+    one 64-token sequence per microbatch), from ShapeDtypeStructs."""
+    cfg = make_cfg(1, 1, batch=microbatches, seq=64, layers=(2, 0),
+                   pipe=Pipe(stages, kind, microbatches))
+    cfg.parallel.data = 1
+    model_cfg = host_state()[0]
+    compiled, _ = _compiled_pipeline_grads(cfg, model_cfg, microbatches, 64, stages,
+                                           plan_model_cfg=with_capacity(model_cfg, cfg))
     return compiled.memory_analysis().temp_size_in_bytes
 
 
@@ -144,20 +154,7 @@ def _weight_heavy_temp_bytes(n_moe: int, stages: int = 2) -> tuple[int, int]:
     M = 2
     cfg = make_cfg(1, 1, batch=M, seq=8, layers=(n_moe, 0), pipe=Pipe(stages, "1f1b", M), width=128)
     cfg.parallel.data = 1
-    model_cfg = model_config(cfg)
-    plan = build_plan(cfg, model_cfg, devices=jax.devices()[:stages])
-    tx, _ = build_optimizer(cfg.optim, 10)
-    graphdef, abstract = abstract_train_state(model_cfg, tx, plan.dispatcher)
-    shardings = plan.state_shardings(abstract, tx)
-
-    def placed(tree, sh):
-        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sh)
-
-    batch = jax.ShapeDtypeStruct((M, 1, 9), np.int32, sharding=plan.batch_sharding())
-    grads = jax.jit(make_grads_fn(graphdef, model_cfg, 1, plan))
-    compiled = grads.lower(placed(abstract.params, shardings.params),
-                           placed(abstract.model_state, shardings.model_state), batch,
-                           jax.random.key(0)).compile(FAST_COMPILE)
+    compiled, abstract = _compiled_pipeline_grads(cfg, model_config(cfg), M, 8, stages)
     block = sum(x.size // x.shape[0] * x.dtype.itemsize
                 for x in jax.tree.leaves(abstract.params["moe_blocks"]))
     return compiled.memory_analysis().temp_size_in_bytes, block
