@@ -261,23 +261,23 @@ def peak_groups(live_range_text: str, module: HloModule, shapes: dict[tuple[int,
     return total, sorted(out, key=lambda g: -g.bytes)
 
 
+def _newest_dump(dump_dir: Path, suffix: str) -> Path | None:
+    """The newest train-step file XLA dumped into `dump_dir` ending in `suffix`."""
+    files = sorted(Path(dump_dir).glob(f"*train_step*{suffix}"), key=lambda p: p.stat().st_mtime)
+    return files[-1] if files else None
+
+
 def gpu_module_file(dump_dir: Path) -> Path | None:
     """XLA:GPU's optimized train-step module as the buffer assignment saw it (the names the
     live-range report uses; `Compiled.as_text()` renames some)."""
-    files = sorted(Path(dump_dir).glob("*train_step*gpu_after_optimizations.txt"),
-                   key=lambda p: p.stat().st_mtime)
-    return files[-1] if files else None
+    return _newest_dump(dump_dir, "gpu_after_optimizations.txt")
 
 
 def buffer_assignment_file(dump_dir: Path) -> Path | None:
     """The buffer assignment XLA wrote for the train step (newest when several)."""
-    files = sorted(Path(dump_dir).glob("*train_step*buffer-assignment.txt"),
-                   key=lambda p: p.stat().st_mtime)
-    return files[-1] if files else None
+    return _newest_dump(dump_dir, "buffer-assignment.txt")
 
 
 def live_range_file(dump_dir: Path) -> Path | None:
     """The live-range report XLA wrote for the train step (newest when several)."""
-    files = sorted(Path(dump_dir).glob("*train_step*live-range.txt"),
-                   key=lambda p: p.stat().st_mtime)
-    return files[-1] if files else None
+    return _newest_dump(dump_dir, "live-range.txt")

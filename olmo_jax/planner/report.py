@@ -260,7 +260,7 @@ def build(step: CompiledStep, spec: hardware.DeviceSpec, label: str = "",
                             scheduled.step_s, pipe.bubble_scheduled_s if pipe else 0.0)
     shapes = memory.param_shapes(step.state.params, step.plan)
     peak_bytes, peak = memory.peak_groups(step.live_range, step.module, shapes,
-                                              step.buffer_assignment)
+                                          step.buffer_assignment)
     notes = list(notes or [])
     if (step.gpu_kind is not None and _gmm_impl(step) == "ragged_dot" and formula["routed_experts"]
             and (x := hlo["routed_experts"] / formula["routed_experts"] / (factor or 1.0)) > 1.5):
