@@ -3,8 +3,9 @@ configs/bench_cpu.py, the tools/bench_vs_torch.py shape) run under `jax.profiler
 XLA:CPU's per-operation timings summed by model scope (attention, routed experts, ...,
 olmo_jax.planner.hlo_cost's scopes) and by kind of operation (GEMM: a dot, a fusion
 holding one, or a CPU FFI kernel whose work is GEMMs (the experts, the attention core);
-element-wise / reduce fusion, or the element-wise FFI kernels (norms, QK-norm + RoPE); transpose / copy; gather / scatter / dynamic
-slice; loop and other plumbing), as shares of the step's traced operation time.
+element-wise / reduce fusion, or the element-wise FFI kernels (norms, QK-norm + RoPE);
+transpose / copy; gather / scatter / dynamic slice; loop and other plumbing), as shares of
+the step's traced operation time.
 
     .venv/bin/python tools/profile_step.py [--config configs/bench_cpu.py] [--steps 3]
 

@@ -90,7 +90,7 @@ def _build() -> Path:
         # compiled with -ffast-math (vectorized exp) but linked without it, so that no
         # crtfastmath sets flush-to-zero for the whole process
         cmds = [[cxx, *CXXFLAGS, "-I", jax.ffi.include_dir(), "-c", str(src), "-o", str(obj)]
-                for src, obj in zip(SOURCES, objs)]
+                for src, obj in zip(SOURCES, objs, strict=True)]
         cmds.append([cxx, "-shared", *map(str, objs), "-o", str(lib)])
         for cmd in cmds:
             try:

@@ -57,8 +57,8 @@ def test_the_attention_block_is_the_same_function_with_each_cpu_core(layout):
         probe = jax.random.normal(jax.random.key(2), (B, T, 32))
         cos, sin = rope_tables(jnp.arange(T), cfg.head_size, cfg.rope_theta)
 
-        def loss(params, x):
-            return jnp.sum(jnp.sin(nnx.merge(graphdef, params)(x, cos, sin)) * probe)
+        def loss(params, x):  # used within this iteration only
+            return jnp.sum(jnp.sin(nnx.merge(graphdef, params)(x, cos, sin)) * probe)  # noqa: B023
 
         outs[impl] = jax.jit(jax.value_and_grad(loss, (0, 1)))(params, x)
         ffi = "olmo_cpu_attention_fwd" in str(jax.make_jaxpr(loss)(params, x))
