@@ -20,7 +20,7 @@ import traceback
 import jax
 from absl import app, flags, logging
 
-from olmo_jax import cli, distributed
+from olmo_jax import cli, distributed, host_memory
 from olmo_jax.data.errors import DataError
 from olmo_jax.model.config import ConfigError
 
@@ -65,6 +65,7 @@ def main(argv: list[str]) -> None:
     cfg = cli.required_config(argv)
     logging.set_verbosity(logging.WARNING)  # jax's backend-probing INFO lines
     try:
+        host_memory.configure(cfg.trainer.host_malloc)  # before JAX starts its backend
         launch = distributed.detect({"coordinator": _COORDINATOR.value,
                                      "num_processes": _NUM_PROCESSES.value,
                                      "process_id": _PROCESS_ID.value})

@@ -53,7 +53,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from olmo_jax import metrics  # noqa: E402
+from olmo_jax import host_memory, metrics  # noqa: E402
 from olmo_jax.config import default_config, model_config  # noqa: E402
 from olmo_jax.model import MoEConfig  # noqa: E402
 from olmo_jax.model.config import TransformerConfig  # noqa: E402
@@ -371,6 +371,7 @@ def main() -> None:
     args = ap.parse_args()
 
     t0 = time.perf_counter()
+    host_memory.configure("auto")  # the trainer's default, before JAX starts
     results = {"cpu_matmul_peak_gflops": metrics.measured_cpu_peak() / 1e9}
     results["moe_block"] = moe_block(args) if "block" in args.only else []
     results["expert_scaling"] = expert_scaling(args) if "scaling" in args.only else []

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import runpy
 import statistics
 import subprocess
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from olmo_jax import config as config_lib
-from olmo_jax import metrics
+from olmo_jax import host_memory, metrics
 from olmo_jax.optim import build_optimizer
 from olmo_jax.trainer.state import init_state
 from olmo_jax.trainer.step import make_train_step
@@ -68,9 +69,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=4, help="steps per side per round")
     ap.add_argument("--oracle-python", default=str(ROOT / ".venv-oracle/bin/python"))
+    ap.add_argument("--torch-malloc", choices=("system", "retain"), default="system",
+                    help="the torch process's glibc malloc: system (as it is run) | retain "
+                         "(olmo_jax/host_memory.py's policy, via GLIBC_TUNABLES)")
     args = ap.parse_args()
 
     cfg = runpy.run_path(args.config)["get_config"]()
+    jax_malloc = host_memory.configure(cfg.trainer.host_malloc)  # as the trainer does
     model_cfg, run_jax = jax_runner(cfg)
     t = cfg.trainer
     shape = dict(vocab_size=model_cfg.vocab_size, d_model=model_cfg.d_model,
@@ -80,6 +85,8 @@ def main() -> None:
     torch_proc = subprocess.Popen(
         [args.oracle_python, str(ROOT / "tools/oracle/torch_olmoe_worker.py")],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env=dict(os.environ, GLIBC_TUNABLES=host_memory.retain_tunables())
+        if args.torch_malloc == "retain" else None,
     )
     torch_proc.stdin.write(json.dumps(shape) + "\n")
     torch_proc.stdin.flush()
@@ -113,7 +120,8 @@ def main() -> None:
     ]
     print(f"\nshape: {shape}; {flops / tokens / 1e6:.1f} MFLOP/token; "
           f"{args.rounds} rounds x {args.steps} steps each, interleaved; medians")
-    print(f"machine: dense f32 matmul ceiling {peak / 1e9:.0f} GFLOP/s (measured now, 1024^3)")
+    print(f"machine: dense f32 matmul ceiling {peak / 1e9:.0f} GFLOP/s (measured now, 1024^3); "
+          f"host malloc (olmo_jax/host_memory.py): olmo_jax {jax_malloc}, torch {args.torch_malloc}")
     print("| implementation | tokens/s | GFLOP/s | of ceiling |")
     print("|---|---|---|---|")
     for name, tps, gf in rows:

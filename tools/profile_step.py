@@ -25,6 +25,7 @@ from pathlib import Path
 import jax
 from jax.profiler import ProfileData
 
+from olmo_jax import host_memory
 from olmo_jax.planner import comms, gpu_hlo, hlo_cost
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -120,6 +121,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=12)
     args = ap.parse_args()
     cfg = runpy.run_path(args.config)["get_config"]()
+    host_memory.configure(cfg.trainer.host_malloc)  # as the trainer does, before JAX starts
     table, per_op, unknown, module, walker = profile(cfg, args.steps)
     print(markdown(table, unknown))
     print("\ntop operations (ms per step, summed over threads):", file=sys.stderr)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from olmo_jax.errors import ConfigError, check_choice
+from olmo_jax.host_memory import MODES as HOST_MALLOC_MODES
 from olmo_jax.trainer.guard import POLICIES
 from olmo_jax.trainer.profiler import profile_window
 from olmo_jax.trainer.sinks import WANDB_MODES, loggers
@@ -59,10 +60,14 @@ class TrainerConfig:
     spike_window: int = 128  # ... of the last N steps
     memory_limit_gb: float = 0.0  # per device; 0 = the device's memory (CPU: RAM / local devices); < 0 = no check
     peer_timeout_s: float = 60.0  # multi-process: a process silent this long is lost; the others exit
+    # olmo_jax/host_memory.py: auto (retain where JAX computes on one CPU device) | retain
+    # (glibc keeps freed blocks for reuse: no page faults refilling each step's buffers) | system
+    host_malloc: str = "auto"
 
     def validate(self, prefix: str = "trainer") -> TrainerConfig:
         check_choice(f"{prefix}.nan_policy", self.nan_policy, POLICIES)
         check_choice(f"{prefix}.wandb.mode", self.wandb.mode, WANDB_MODES)
+        check_choice(f"{prefix}.host_malloc", self.host_malloc, HOST_MALLOC_MODES)
         for name in ("max_steps", "global_batch_size", "seq_len", "grad_accum", "log_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{prefix}.{name} must be >= 1, got {getattr(self, name)}")
