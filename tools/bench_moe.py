@@ -22,7 +22,9 @@ issue 17 printed next to them:
    jax.lax.ragged_dot (a dense masked product over every expert on CPU: only at <= 8
    experts). Pallas (interpret mode) is excluded.
 4. Dispatch backends under expert parallelism on 8 fake CPU devices: tools/bench_parallel
-   (tokens/s and collective bytes per step, from the compiled HLO); --no-dispatch skips it.
+   (tokens/s and collective bytes per step, from the compiled HLO), in a child process;
+   --no-dispatch skips it. Sections 1-3 run on one CPU device in this process, with the
+   trainer's host malloc policy for one (trainer.host_malloc=auto: retain).
 
     .venv/bin/python tools/bench_moe.py [--rounds 3] [--out bench_results.json]
 
@@ -35,18 +37,16 @@ from __future__ import annotations
 import os
 import sys
 
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + " --xla_force_host_platform_device_count=8").strip()
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 
-import bench_parallel  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -275,6 +275,23 @@ def efficiency_at(args, E: int) -> list[dict]:
 # ---- 4. dispatch backends under EP (tools/bench_parallel) ------------------------------
 
 def dispatch_backends(args) -> tuple[list[dict], dict]:
+    """The EP backends on 8 fake CPU devices, in a child process: this one runs sections 1-3
+    on one CPU device, with the host malloc policy the trainer's one-device CPU run takes
+    (olmo_jax/host_memory.py), which a mesh of fake devices must not take."""
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "dispatch.json")
+        subprocess.run([sys.executable, os.path.abspath(__file__), "--dispatch-child", out,
+                        "--rounds", str(args.rounds), "--ep-steps", str(args.ep_steps)],
+                       env=dict(os.environ, XLA_FLAGS=flags.strip()), check=True)
+        with open(out) as f:
+            res = json.load(f)
+    return res["rows"], res["args"]
+
+
+def dispatch_here(args) -> tuple[list[dict], dict]:
+    import bench_parallel  # sets 8 fake devices where XLA_FLAGS has no count
+
     pargs = bench_parallel.parser().parse_args(
         ["--rounds", str(args.rounds), "--steps", str(args.ep_steps)])
     runs = bench_parallel.measure(pargs)
@@ -368,10 +385,16 @@ def main() -> None:
     ap.add_argument("--only", nargs="+", choices=["block", "scaling", "efficiency"],
                     default=["block", "scaling", "efficiency"])
     ap.add_argument("--out", default="bench_results.json")
+    ap.add_argument("--dispatch-child", default="", help=argparse.SUPPRESS)  # JSON out path
     args = ap.parse_args()
+    if args.dispatch_child:
+        rows, pargs = dispatch_here(args)
+        with open(args.dispatch_child, "w") as f:
+            json.dump({"rows": rows, "args": pargs}, f, default=str)
+        return
 
     t0 = time.perf_counter()
-    host_memory.configure("auto")  # the trainer's default, before JAX starts
+    host_memory.configure("auto")  # the trainer's default (one CPU device: retain), before JAX starts
     results = {"cpu_matmul_peak_gflops": metrics.measured_cpu_peak() / 1e9}
     results["moe_block"] = moe_block(args) if "block" in args.only else []
     results["expert_scaling"] = expert_scaling(args) if "scaling" in args.only else []
