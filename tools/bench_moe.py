@@ -70,20 +70,24 @@ from olmo_jax.trainer.step import make_train_step  # noqa: E402
 def interleaved(fns: dict, rounds: int, calls: int | None = None,
                 round_s: float = 1.0) -> dict[str, float]:
     """Median seconds per call of each fn() (compiled and warm), timed round by round;
-    `calls` per fn per round, or (None) as many as fill about `round_s` seconds."""
+    `calls` per fn per round, or (None) as many as fill about `round_s` seconds. One
+    untimed round goes first: a round's calls are in flight together, and until each fn
+    has run a whole round the allocator is still growing its heap for their buffers
+    (host_malloc=retain; glibc's defaults map fresh pages on every call anyway)."""
     n = {}
     for name, fn in fns.items():
         t0 = time.perf_counter()
         jax.block_until_ready(fn())
         n[name] = calls or max(1, round(round_s / (time.perf_counter() - t0)))
     times = {k: [] for k in fns}
-    for _ in range(rounds):
+    for r in range(rounds + 1):
         for name, fn in fns.items():
             t0 = time.perf_counter()
             for _ in range(n[name]):
                 out = fn()
             jax.block_until_ready(out)
-            times[name].append((time.perf_counter() - t0) / n[name])
+            if r:
+                times[name].append((time.perf_counter() - t0) / n[name])
     return {k: statistics.median(v) for k, v in times.items()}
 
 
