@@ -14,9 +14,10 @@ process's resident memory then stays at its high-water mark instead of returning
 kernel (the benchmark shape: 1.7 -> 2.5 GB). One arena is one lock: where several
 devices' threads allocate at once (a host-platform mesh of fake CPU devices, as the
 tests run) the contention costs more than the faults (+20% and more on the parallel
-tests, sys time doubled), so `auto` keeps glibc's arenas there. The arena count is fixed when a thread
-first allocates, so this must run before JAX starts its backend (its thread pools);
-later it would change nothing and `configure` says so and leaves malloc alone.
+tests, sys time doubled), so `auto` keeps glibc's arenas there. The arena count is fixed
+when a thread first allocates, so this must run before JAX starts its backend (its
+thread pools); later it would change nothing and `configure` says so and leaves malloc
+alone.
 
 - `MODES`: auto (retain where the process computes on one CPU device, i.e. JAX will
   pick no accelerator plugin and no more host devices are forced; system elsewhere) |
@@ -96,9 +97,9 @@ def _glibc():
 
 
 def configure(mode: str) -> str:
-    """Apply the allocator policy `mode` (one of MODES) to this process; returns the one
-    applied; ConfigError for another. `retain` needs glibc and a JAX backend not started yet; without either it
-    logs why and leaves malloc as it is ("system")."""
+    """Apply the allocator policy `mode` (one of MODES) to this process and return the one
+    applied; ConfigError for another mode. `retain` needs glibc and a JAX backend not
+    started yet; without either it logs why and leaves malloc as it is ("system")."""
     check_choice("trainer.host_malloc", mode, MODES)
     if mode == "auto":
         mode = "retain" if runs_on_cpu() and cpu_device_count() == 1 else "system"
