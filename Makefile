@@ -30,7 +30,7 @@ export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 EDITABLE := $(if $(shell command -v flock),flock .editable-install.lock)
 VENV_JOBS := $(if $(EDITABLE),-j4,-j1)
 
-.PHONY: train test venv oracle jax011 gpu-venv gpu-wheels chromium lint clean
+.PHONY: train test docs venv oracle jax011 gpu-venv gpu-wheels chromium lint clean
 
 venv: $(VENV)/.installed
 
@@ -39,7 +39,7 @@ $(VENV)/.installed: pyproject.toml
 	  py=$$(tools/find_python.sh); echo "creating $(VENV) with $$py"; \
 	  $$py -m venv $(VENV); fi
 	$(PY) -m pip install -q --upgrade pip
-	$(EDITABLE) $(PY) -m pip install -q -e '.[dev,hf,tensorboard,wandb]'
+	$(EDITABLE) $(PY) -m pip install -q -e '.[dev,hf,tensorboard,wandb,docs]'
 	@$(PY) -c "from olmo_jax.kernels import cpu_ffi; w = cpu_ffi.available(); \
 	  print('CPU FFI kernels (gmm_impl=blas, attention_impl=blas):', w or 'built')"
 	@touch $@
@@ -116,6 +116,7 @@ test:
 	@$(MAKE) --no-print-directory $(VENV_JOBS) --output-sync=target venv oracle jax011 gpu-venv chromium || { \
 	  echo "error: a venv could not be installed (see pip's message above): the tests cannot run" >&2; \
 	  exit 1; }
+	@$(MAKE) --no-print-directory docs
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --ignore=tests/gpu $(PYTEST_ARGS)
 	@if [ -n "$(strip $(J11_TESTS))" ]; then echo "jax 0.11.2 ($(J11)): $(J11_TESTS)"; \
 	  $(J11_PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(J11_TESTS); fi
@@ -125,8 +126,12 @@ test:
 	$(GPU_PY) -m pytest -q -n $(TEST_WORKERS) $(GPU_PYTEST_ARGS) -k "not b200 and not b300"
 	$(GPU_PY) -m pytest -q -n $(TEST_WORKERS) $(GPU_PYTEST_ARGS) -k "b200 or b300"
 
+# The docs site (mkdocs.yml) into the git-ignored site/; --strict fails on a broken link or anchor.
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
 lint: venv
 	$(PY) -m ruff check olmo_jax tests tools configs
 
 clean:
-	rm -rf $(VENV) $(ORACLE) $(J11) $(GPU_VENV) runs .pytest_cache .artifacts
+	rm -rf $(VENV) $(ORACLE) $(J11) $(GPU_VENV) runs .pytest_cache .artifacts site

@@ -1,4 +1,4 @@
-"""OLMo-core 3's 1.2T MoE (DESIGN §6): 63 blocks (blocks 0-1 dense), d_model 6144,
+"""OLMo-core 3's 1.2T MoE (docs/reference.md): 63 blocks (blocks 0-1 dense), d_model 6144,
 64 heads / 32 kv heads of 128 (attention width 8192), 128 experts top-4 plus one shared
 expert, expert and shared hidden 8192, dense hidden 40960, vocab 100,352, sequences of
 8192. 1.2005T total / 58.36B active. The reference trains it with EP8 x PP8

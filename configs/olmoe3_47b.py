@@ -1,4 +1,4 @@
-"""OLMo-core 3's 47B MoE benchmark model (DESIGN §6): 8 blocks (the first dense),
+"""OLMo-core 3's 47B MoE benchmark model (docs/reference.md): 8 blocks (the first dense),
 d_model 4096, 32 heads / 8 kv heads of 128, 128 experts top-4 plus one shared expert,
 expert and shared hidden 4096, dense hidden 20480, dolma2 vocab padded to 100,352,
 sequences of 8192. 46.863B total / 3.175B active parameters; 18.19 GFLOP/token.

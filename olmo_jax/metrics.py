@@ -1,7 +1,7 @@
 """Throughput accounting: FLOPs per token (OLMo-core's formula), peak FLOP/s per device,
 MFU, and parameter counts.
 
-FLOPs per token, training (forward + backward), DESIGN §6:
+FLOPs per token, training (forward + backward), docs/reference.md:
   attention  6 * attn_params + 12 * heads * head_dim * (s + 1) / 2   (causal)
   router     6 * d * E
   routed     18 * d * h * k
@@ -23,7 +23,7 @@ from olmo_jax.model.config import TransformerConfig
 
 # Dense peak FLOP/s per device by kind and dtype (vendor datasheets, dense, no sparsity).
 PEAK_FLOPS = {
-    "b300": {"bfloat16": 2.25e15, "float32": 75e12},  # DESIGN §6
+    "b300": {"bfloat16": 2.25e15, "float32": 75e12},  # docs/reference.md
     "b200": {"bfloat16": 2.25e15, "float32": 75e12},
     "h200": {"bfloat16": 0.989e15, "float32": 67e12},  # same SXM die as H100
     "h100": {"bfloat16": 0.989e15, "float32": 67e12},

@@ -1,4 +1,4 @@
-"""FLOPs per token (DESIGN §6) against a hand count, and parameter counts against the
+"""FLOPs per token (docs/reference.md) against a hand count, and parameter counts against the
 actual model."""
 
 import jax

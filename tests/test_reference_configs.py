@@ -17,7 +17,7 @@ from olmo_jax.model.config import HF_OLMOE_LAYOUT
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# name -> (total, active) from the reference (DESIGN §6), checked within 0.1%.
+# name -> (total, active) from the reference (docs/reference.md), checked within 0.1%.
 EXPECTED = {
     "olmoe3_47b": (46.863e9, 3.175e9),
     "olmoe3_1p2t": (1.2005e12, 58.36e9),

@@ -9,7 +9,7 @@ the step's traced operation time.
 
     .venv/bin/python tools/profile_step.py [--config configs/bench_cpu.py] [--steps 3]
 
-Prints a Markdown table (the one kept in the README) and the top operations.
+Prints a Markdown table (the one kept in docs/performance.md) and the top operations.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ class MoEConfig:
     num_experts: int = 8
     top_k: int = 2
     expert_hidden: int = 512
-    # Router (model/moe/router.py; every option is documented in the README's routing table).
+    # Router (model/moe/router.py; every option is documented in docs/training.md's routing table).
     gating: str = "softmax"  # router.GATINGS: softmax | sigmoid | topk_softmax
     norm_topk_prob: bool = False  # softmax gating: renormalize the k weights to sum to 1
     # sigmoid gating: renormalize the k weights to sum to 1 (OLMo-core renormalizes only

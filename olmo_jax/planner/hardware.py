@@ -2,7 +2,7 @@
 bandwidth of the links between devices, with where each number comes from.
 
 Peak FLOP/s are `olmo_jax.metrics.PEAK_FLOPS` (dense, no sparsity; the B300 figure is
-the one OLMo-core's MFU uses, DESIGN §6). Link bandwidths are per GPU and per direction:
+the one OLMo-core's MFU uses, docs/reference.md). Link bandwidths are per GPU and per direction:
 NVLink inside a node of `gpus_per_node` GPUs, the GPU's own network adapter (one NIC per
 GPU, rail-optimized) between nodes.
 

@@ -48,7 +48,7 @@ TERMS = {  # formula term -> label
 # The terms that are matmuls against parameters (everything but the attention scores).
 PARAM_TERMS = tuple(t for t in TERMS if t != "attention_scores")
 
-# What the reference measured (OLMo-core 3, DESIGN §6), keyed by the model's shape
+# What the reference measured (OLMo-core 3, docs/reference.md), keyed by the model's shape
 # (d_model, n_layers, num_experts, top_k, seq_len).
 REFERENCE = {
     (4096, 8, 128, 4, 8192): ("47B on 8 B300 with EP8", "b300", 52e3, None),

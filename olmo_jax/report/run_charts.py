@@ -2,7 +2,7 @@
 per-block expert-load heatmap over steps, the imbalance metrics and the dropped fraction).
 
 Inputs are the run folder's records as the trainer writes them (`metrics.jsonl`, and
-`expert_counts.jsonl` with `trainer.expert_counts_every` > 0; see README "Training").
+`expert_counts.jsonl` with `trainer.expert_counts_every` > 0; see docs/training.md).
 Non-finite values (written as strings) become None: a gap in the curve.
 """
 

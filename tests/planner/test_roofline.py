@@ -58,7 +58,7 @@ def test_hand_computed_projection():
 
 
 def test_reference_mfu_arithmetic():
-    """DESIGN §6: 52k tokens/s/GPU at 18.19 GFLOP/token on a B300 is 42% MFU; 858
+    """docs/reference.md: 52k tokens/s/GPU at 18.19 GFLOP/token on a B300 is 42% MFU; 858
     TFLOP/s/GPU is 38%."""
     b300 = hardware.device_spec("b300")
     assert 52e3 * 18.19e9 / b300.peak("bfloat16") == pytest.approx(0.42, abs=0.005)
