@@ -13,11 +13,11 @@ from typing import Any
 import numpy as np
 
 from olmo_jax.data.corpus import CORPUS_DTYPE, stdlib_corpus
-from olmo_jax.data.errors import DataError
 from olmo_jax.data.loader import SPLIT_SEED, BatchLoader, TokenWindows, split_windows
 from olmo_jax.data.repetition import RepetitionFilter
 from olmo_jax.data.token_file import TokenFile, dtype_for_vocab, token_dtype
 from olmo_jax.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from olmo_jax.errors import DataError
 
 
 @dataclass(frozen=True)

@@ -29,10 +29,10 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
-from olmo_jax.data.errors import DataError
 from olmo_jax.data.pipeline import BatchStream, window_order
 from olmo_jax.data.repetition import RepetitionFilter
 from olmo_jax.data.token_file import TokenFile
+from olmo_jax.errors import DataError
 from olmo_jax.labels import FILTERED, INSTANCES, NO_LABEL
 
 # The hold-out depends only on the data, never on the training seed, so runs with

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from olmo_jax.data.errors import DataError
+from olmo_jax.errors import DataError
 
 TOKEN_DTYPES = (np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.uint32))
 FULL_CHECK_BYTES = 64 * 2**20  # files smaller than this are range-checked in full on open

@@ -56,7 +56,7 @@ TileSchedule. A caller binds them to its own letters per call
 `process_I` in file-name templates is not a shape.
 """
 
-from olmo_jax.model.config import ConfigError, MoEConfig, TransformerConfig
+from olmo_jax.model.config import MoEConfig, TransformerConfig
 from olmo_jax.model.transformer import Output, Transformer
 
-__all__ = ["ConfigError", "MoEConfig", "Output", "Transformer", "TransformerConfig"]
+__all__ = ["MoEConfig", "Output", "Transformer", "TransformerConfig"]

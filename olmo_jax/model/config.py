@@ -43,8 +43,8 @@ HF_OLMOE_LAYOUT = {"block_norm": "pre", "qk_norm": True, "head_qk_norm": False,
 ABSENT_FIELD_MEANING = {"block_norm": "pre", "head_qk_norm": False, "embed_scale": 0.0,
                         "embedding_norm": False, "lm_z_loss_coef": 0.0}
 
-__all__ = ["ABSENT_FIELD_MEANING", "COMPUTE_DTYPES", "DTYPES", "HF_OLMOE_LAYOUT", "ConfigError",
-           "MoEConfig", "TransformerConfig"]
+__all__ = ["ABSENT_FIELD_MEANING", "COMPUTE_DTYPES", "DTYPES", "HF_OLMOE_LAYOUT", "MoEConfig",
+           "TransformerConfig"]
 
 
 @dataclass(frozen=True)

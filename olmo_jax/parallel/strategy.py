@@ -35,10 +35,11 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from olmo_jax.errors import ConfigError
 from olmo_jax.kernels import platform, resolve_gmm_impl
 from olmo_jax.model.abstract import abstract_model
 from olmo_jax.model.attention import resolve_attention_impl
-from olmo_jax.model.config import ConfigError, TransformerConfig
+from olmo_jax.model.config import TransformerConfig
 from olmo_jax.model.params import compute_copy_dtype, path_name
 from olmo_jax.parallel import expert as expert_lib
 from olmo_jax.parallel import mesh as mesh_lib

@@ -30,7 +30,7 @@ import ml_collections
 from rich.console import Console
 
 from olmo_jax.checkpoint import manager as m
-from olmo_jax.checkpoint.errors import CheckpointError
+from olmo_jax.errors import CheckpointError
 from olmo_jax.model.config import TransformerConfig
 from olmo_jax.trainer.state import TrainState, initial_rng
 

@@ -29,11 +29,11 @@ from rich.table import Table
 from olmo_jax import config as config_lib
 from olmo_jax import distributed
 from olmo_jax import metrics as metrics_lib
-from olmo_jax.checkpoint.errors import CheckpointError
 from olmo_jax.data import build_data
 from olmo_jax.data.build import Data
+from olmo_jax.errors import CheckpointError, ConfigError
 from olmo_jax.model.abstract import abstract_model
-from olmo_jax.model.config import ConfigError, TransformerConfig
+from olmo_jax.model.config import TransformerConfig
 from olmo_jax.optim import build_optimizer
 from olmo_jax.parallel.strategy import build_plan
 from olmo_jax.trainer import guard as guard_lib

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from olmo_jax.model.config import ConfigError
+from olmo_jax.errors import ConfigError
 from olmo_jax.model.params import path_name
 from olmo_jax.parallel.strategy import build_plan
 from olmo_jax.planner import comms
