@@ -18,7 +18,7 @@ from olmo_jax.model.attention import ATTENTION_IMPLS
 from olmo_jax.model.config import COMPUTE_DTYPES, DTYPES, RUN_DEFAULT, TransformerConfig
 from olmo_jax.model.moe.losses import LB_GRANULARITIES, LB_LOSS_TYPES
 from olmo_jax.model.moe.router import GATINGS, ROUTING_MODES
-from olmo_jax.model.mxfp8 import PRECISIONS
+from olmo_jax.model.mxfp8_gemm import PRECISIONS
 from olmo_jax.model.transformer import REMATS
 from olmo_jax.optim.optimizer import OPTIMIZERS
 from olmo_jax.optim.schedules import SCHEDULES as LR_SCHEDULES

@@ -1,5 +1,5 @@
 """The data pipeline's cost on a config's data (default configs/tiny.py: the embedded stdlib
-corpus, 32 x 257-token windows a step): grain (olmo_jax/data/pipeline.py) against the
+corpus, 32 x 257-token windows a step): grain (olmo_jax/data/stream.py) against the
 hand-written numpy loader it replaced (olmo_jax/data/loader.py at --baseline, read with
 `git show`).
 

@@ -1,6 +1,6 @@
 """Data: token files (OLMo-core format), tokenizers, the embedded stdlib corpus, and the
 loader that turns them into deterministic, step-addressed global batches (grain:
-pipeline.py), and the named eval sets (build.py).
+stream.py), and the named eval sets (build.py).
 
     data = build_data(cfg.data, seq_len, global_batch_size, seed)
     for step, batch_BX in data.train.iterate():  # int32 [B, seq_len + 1]

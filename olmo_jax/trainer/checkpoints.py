@@ -121,7 +121,7 @@ class RunCheckpoints:
         self.resumed_from: int | None = None
         self.previous_records: list[dict] = []
         self.last_saved: int | None = self.latest
-        # The grain iterator state (data/pipeline.py) of the checkpoint resumed from, if any.
+        # The grain iterator state (data/stream.py) of the checkpoint resumed from, if any.
         self.iterator_state: dict | None = None
 
     def _check_architecture(self, ckpts: m.Checkpoints, step: int, what: str) -> None:

@@ -1,6 +1,6 @@
 """Muon on a mesh: the same step as on one device (float32, the AdamW tolerances of
 test_parallel_invariance.py), whatever owns which matrix, and the compiled step's
-Muon collectives are exactly those of the ownership plan (olmo_jax/parallel/muon.py)."""
+Muon collectives are exactly those of the ownership plan (olmo_jax/parallel/muon_owners.py)."""
 
 import jax
 import numpy as np
