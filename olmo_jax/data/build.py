@@ -185,7 +185,7 @@ def _token_files(paths: list, where: str, dtype: np.dtype, vocab_size: int,
         if not Path(path).expanduser().is_file():
             raise DataError(
                 f"{where}[{i}]: token file {path} does not exist; make one from text "
-                f"files with `python tools/tokenize_files.py INPUTS -o OUTPUT`{hint}"
+                f"files with `python -m olmo_jax.tokenize INPUTS -o OUTPUT`{hint}"
             )
     return [TokenFile(Path(path).expanduser(), dtype, vocab_size) for path in paths]
 

@@ -56,7 +56,7 @@ class TokenFile:
         if not self.path.is_file():
             raise DataError(
                 f"token file {self.path} does not exist; make one from text files with "
-                "`python tools/tokenize_files.py INPUTS -o OUTPUT`"
+                "`python -m olmo_jax.tokenize INPUTS -o OUTPUT`"
             )
         n_bytes = self.path.stat().st_size
         if n_bytes == 0:
