@@ -1,5 +1,5 @@
 # Two entry points for a fresh machine: `make train` and `make test`.
-# Both create .venv (Python >= 3.12, found by tools/find_python.sh) when missing.
+# Both create .venv (Python >= 3.12, found by tools/setup/find_python.sh) when missing.
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -36,7 +36,7 @@ venv: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	@set -e; if [ ! -x $(PY) ]; then \
-	  py=$$(tools/find_python.sh); echo "creating $(VENV) with $$py"; \
+	  py=$$(tools/setup/find_python.sh); echo "creating $(VENV) with $$py"; \
 	  $$py -m venv $(VENV); fi
 	$(PY) -m pip install -q --upgrade pip
 	$(EDITABLE) $(PY) -m pip install -q -e '.[dev,hf,tensorboard,wandb,docs]'
@@ -47,49 +47,49 @@ $(VENV)/.installed: pyproject.toml
 # The transformers/torch oracle used only by parity tests (Python 3.11: the CPU torch wheel).
 oracle: $(ORACLE)/.installed
 
-$(ORACLE)/.installed: tools/oracle-requirements.txt
+$(ORACLE)/.installed: tools/requirements/oracle.txt
 	@set -e; if [ ! -x $(ORACLE_PY) ]; then \
-	  py=$$(tools/find_python.sh --oracle); echo "creating $(ORACLE) with $$py"; \
+	  py=$$(tools/setup/find_python.sh --oracle); echo "creating $(ORACLE) with $$py"; \
 	  $$py -m venv $(ORACLE); fi
 	$(ORACLE_PY) -m pip install -q --upgrade pip
-	$(ORACLE_PY) -m pip install -q -r tools/oracle-requirements.txt
+	$(ORACLE_PY) -m pip install -q -r tools/requirements/oracle.txt
 	@touch $@
 
 # XLA:GPU without a GPU (tests/gpu: the training step compiled for abstract H200/B300s):
-# the project plus the few CUDA wheels a compile needs (tools/gpu-requirements.txt).
+# the project plus the few CUDA wheels a compile needs (tools/requirements/gpu.txt).
 gpu-venv: $(GPU_VENV)/.installed
 
-$(GPU_VENV)/.installed: pyproject.toml tools/gpu-requirements.txt
+$(GPU_VENV)/.installed: pyproject.toml tools/requirements/gpu.txt
 	@set -e; if [ ! -x $(GPU_PY) ]; then \
-	  py=$$(tools/find_python.sh); echo "creating $(GPU_VENV) with $$py"; \
+	  py=$$(tools/setup/find_python.sh); echo "creating $(GPU_VENV) with $$py"; \
 	  $$py -m venv $(GPU_VENV); fi
 	$(GPU_PY) -m pip install -q --upgrade pip
-	$(EDITABLE) $(GPU_PY) -m pip install -q -e '.[dev]' -c tools/gpu-requirements.txt
-	$(GPU_PY) -m pip install -q --no-deps -r tools/gpu-requirements.txt
+	$(EDITABLE) $(GPU_PY) -m pip install -q -e '.[dev]' -c tools/requirements/gpu.txt
+	$(GPU_PY) -m pip install -q --no-deps -r tools/requirements/gpu.txt
 	@# cuDNN's execution engines only run kernels: a compile loads libcudnn.so.9 and libcudnn_graph.so.9.
 	@d=$$($(GPU_PY) -c 'import nvidia.cudnn; print(list(nvidia.cudnn.__path__)[0])') && \
 	  find $$d/lib -name 'libcudnn_*.so*' ! -name 'libcudnn_graph.so*' -delete && rm -rf $$d/include
 	@touch $@
 
-# olmo_jax on jax 0.11.2 with the flax/optax/orbax/chex of its day (tools/jax011-requirements.txt).
+# olmo_jax on jax 0.11.2 with the flax/optax/orbax/chex of its day (tools/requirements/jax011.txt).
 jax011: $(J11)/.installed
 
-$(J11)/.installed: tools/jax011-requirements.txt pyproject.toml
+$(J11)/.installed: tools/requirements/jax011.txt pyproject.toml
 	@set -e; if [ ! -x $(J11_PY) ]; then \
-	  py=$$(tools/find_python.sh --jax011); echo "creating $(J11) with $$py"; \
+	  py=$$(tools/setup/find_python.sh --jax011); echo "creating $(J11) with $$py"; \
 	  $$py -m venv $(J11); fi
 	$(J11_PY) -m pip install -q --upgrade pip
-	$(J11_PY) -m pip install -q -r tools/jax011-requirements.txt
+	$(J11_PY) -m pip install -q -r tools/requirements/jax011.txt
 	$(EDITABLE) $(J11_PY) -m pip install -q --no-deps -e .
 	@touch $@
 
 # The wheels tools/gpu_check.sh carries to the lent H200 image (Python 3.12, x86-64) in the
-# git-ignored .whl/: pinned in tools/gpu_wheels.txt and tools/gpu_wheels_torch.txt, no deps.
+# git-ignored .whl/: pinned in tools/requirements/gpu_wheels.txt and tools/requirements/gpu_wheels_torch.txt, no deps.
 gpu-wheels: venv
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 	  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
 	  --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
-	  -d .whl -r tools/gpu_wheels.txt -r tools/gpu_wheels_torch.txt
+	  -d .whl -r tools/requirements/gpu_wheels.txt -r tools/requirements/gpu_wheels_torch.txt
 	@du -cb .whl/*.whl | tail -1 | awk '{printf "carried wheels in .whl/: %.1f MB\n", $$1 / 1e6}'
 
 train: venv

@@ -1,4 +1,4 @@
-"""The CPU speed benchmark shape (tools/bench_vs_torch.py): 4 MoE blocks, d_model 256,
+"""The CPU speed benchmark shape (tools/bench/bench_vs_torch.py): 4 MoE blocks, d_model 256,
 expert hidden 512, 8 experts top-2, 4 heads, vocab 384, 32 sequences x 256 tokens,
 float32, dropless. Also trainable: `make train CONFIG=configs/bench_cpu.py`."""
 

@@ -1,4 +1,4 @@
-"""What the command lines share (python -m olmo_jax.train, .plan, .report, .convert).
+"""What the command lines share (python -m olmo_jax.train, .plan, .report, .convert, .tokenize).
 
 - `CONFIG`: the --config flag (a configs/*.py file, `--config.a.b=c` overrides type-checked
   against its fields: `lock_config=True`), defined once in absl's global flags for train

@@ -29,7 +29,7 @@ import sys
 import time
 
 from olmo_jax import cli
-from olmo_jax.checkpoint.errors import CheckpointError
+from olmo_jax.errors import CheckpointError
 
 
 def build_parser() -> argparse.ArgumentParser:

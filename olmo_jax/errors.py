@@ -1,9 +1,25 @@
-"""ConfigError: the one exception for a wrong configuration value, at the bottom of the
-layers so every config section (model, parallel, optim, data, trainer) can raise it."""
+"""The package's exception types, at the bottom of the layers so every part can raise
+them: ConfigError for a wrong configuration value (every config section: model,
+parallel, optim, data, trainer), CheckpointError for checkpoint and conversion failures,
+DataError for token files, tokenizers and the data config."""
 
 
 class ConfigError(ValueError):
     """A configuration value is wrong; the message names the field and the fix."""
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint or Hugging Face folder is missing, incomplete, corrupt, does not fit
+    the model, or holds something olmo_jax cannot represent.
+
+    Every message names the file, item or parameter at fault and, where there is one,
+    the fix."""
+
+
+class DataError(ValueError):
+    """A problem with token files, tokenizers or the data config that the user can fix.
+
+    Every message names the offending file or config field and says how to fix it."""
 
 
 def check_choice(field: str, value, choices, one_of: bool = True) -> None:

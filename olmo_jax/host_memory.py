@@ -5,7 +5,7 @@ call. glibc hands out each block over 32 MB (its largest mmap threshold) as a fr
 `mmap` and `munmap`s it on free, and a thread outside the main arena gets a fresh mmap
 for any block over 64 MB whatever the threshold. So every step first-touches its large
 buffers again, one page fault per 4 KiB page: ~235k faults per step of the CPU benchmark
-shape (tools/bench_vs_torch.py), a tenth of its time on this project's VM.
+shape (tools/bench/bench_vs_torch.py), a tenth of its time on this project's VM.
 
 `retain` makes glibc keep freed blocks for reuse, as a caching allocator does: one
 arena for all threads (`M_ARENA_MAX=1`), no mmap'd chunks (`M_MMAP_MAX=0`, so every
@@ -24,7 +24,7 @@ alone.
   retain | system (glibc's defaults).
 - `configure(mode)`: applies `mode` and returns what was applied: "retain" | "system".
 - `retain_tunables()`: the same policy as a `GLIBC_TUNABLES` value, for a process that is
-  not olmo_jax's (tools/bench_vs_torch.py offers it to the torch side).
+  not olmo_jax's (tools/bench/bench_vs_torch.py offers it to the torch side).
 """
 
 from __future__ import annotations

@@ -24,8 +24,7 @@ import sys
 from absl import app, flags, logging
 
 from olmo_jax import cli
-from olmo_jax.data.errors import DataError
-from olmo_jax.model.config import ConfigError
+from olmo_jax.errors import ConfigError, DataError
 
 _DEVICES = flags.DEFINE_integer(
     "devices", None, "devices of the mesh: abstract GPUs of --device-kind, or fake CPU devices "

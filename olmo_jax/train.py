@@ -21,8 +21,7 @@ import jax
 from absl import app, flags, logging
 
 from olmo_jax import cli, distributed, host_memory
-from olmo_jax.data.errors import DataError
-from olmo_jax.model.config import ConfigError
+from olmo_jax.errors import ConfigError, DataError
 
 # A multi-process launch (olmo_jax/distributed/launch.py): flags, else OLMO_JAX_* / SLURM.
 _COORDINATOR = flags.DEFINE_string(

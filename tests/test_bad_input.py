@@ -44,7 +44,7 @@ def _setup(case, cfg, tmp):
     model, moe, data, t, par = cfg.model, cfg.model.moe, cfg.data, cfg.trainer, cfg.parallel
     if case == "missing data file":
         data.paths = str(tmp / "nope.npy")
-        return [f"data.paths[0]: token file {tmp / 'nope.npy'} does not exist", "tokenize_files.py"]
+        return [f"data.paths[0]: token file {tmp / 'nope.npy'} does not exist", "python -m olmo_jax.tokenize"]
     if case == "file size not a multiple of the dtype":
         (tmp / "odd.npy").write_bytes(b"\x01\x00\x02\x00\x03")
         data.paths = str(tmp / "odd.npy")

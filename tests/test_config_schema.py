@@ -11,13 +11,14 @@ import pytest
 from olmo_jax import config as config_lib
 from olmo_jax.checkpoint import hf
 from olmo_jax.config import SECTIONS, default_config, get_path, has_path, parse, set_path, validate
+from olmo_jax.errors import ConfigError
 from olmo_jax.kernels import GMM_IMPLS
 from olmo_jax.labels import INSTANCES
 from olmo_jax.model.attention import ATTENTION_IMPLS
-from olmo_jax.model.config import COMPUTE_DTYPES, DTYPES, RUN_DEFAULT, ConfigError, TransformerConfig
+from olmo_jax.model.config import COMPUTE_DTYPES, DTYPES, RUN_DEFAULT, TransformerConfig
 from olmo_jax.model.moe.losses import LB_GRANULARITIES, LB_LOSS_TYPES
 from olmo_jax.model.moe.router import GATINGS, ROUTING_MODES
-from olmo_jax.model.mxfp8 import PRECISIONS
+from olmo_jax.model.mxfp8_gemm import PRECISIONS
 from olmo_jax.model.transformer import REMATS
 from olmo_jax.optim.optimizer import OPTIMIZERS
 from olmo_jax.optim.schedules import SCHEDULES as LR_SCHEDULES

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from olmo_jax import config as config_lib
-from olmo_jax.model.config import ConfigError
+from olmo_jax.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.py") if p.stem != "__init__")

@@ -1,5 +1,5 @@
 """Imports run one way, down the layer table (docs/ARCHITECTURE.md; the table and the
-import walk are tools/import_graph.py's): every olmo_jax module has a row, no import
+import walk are tools/testing/import_graph.py's): every olmo_jax module has a row, no import
 statement anywhere in a module (function-level ones included) names a unit of its own
 row or above, and the document's table is the code's."""
 
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("import_graph", REPO / "tools" / "import_graph.py")
+_spec = importlib.util.spec_from_file_location("import_graph", REPO / "tools" / "testing" / "import_graph.py")
 ig = sys.modules["import_graph"] = importlib.util.module_from_spec(_spec)  # (for dataclasses)
 _spec.loader.exec_module(ig)
 
@@ -24,7 +24,7 @@ def _graph():
 
 def test_every_module_has_a_row():
     _, unplaced = _graph()
-    assert not unplaced, f"add these modules to a row of tools/import_graph.py LAYERS: {unplaced}"
+    assert not unplaced, f"add these modules to a row of tools/testing/import_graph.py LAYERS: {unplaced}"
 
 
 def test_imports_run_down_the_layers():

@@ -11,8 +11,8 @@ from optax import contrib
 from optax.contrib import _muon as optax_muon  # scale_by_shape: the consistent-RMS rule
 
 from olmo_jax.config import default_config, model_config, validate
+from olmo_jax.errors import ConfigError
 from olmo_jax.model.abstract import abstract_model
-from olmo_jax.model.config import ConfigError
 from olmo_jax.model.params import path_name
 from olmo_jax.optim import build_optimizer
 from olmo_jax.optim.muon import matrix_dims, muon_labels, newton_schulz, scale_by_muon

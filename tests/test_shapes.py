@@ -16,7 +16,7 @@ import olmo_jax.kernels
 import olmo_jax.model
 from olmo_jax import shapes
 from olmo_jax.kernels import grouped_matmul as gm
-from olmo_jax.kernels import mxfp8 as mx
+from olmo_jax.kernels import mxfp8_quant as mx
 from olmo_jax.model import MoEConfig, Transformer, TransformerConfig
 from olmo_jax.model.attention import Attention, resolve_attention_impl
 from olmo_jax.model.rope import rope_tables

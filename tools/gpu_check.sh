@@ -15,7 +15,7 @@
 #
 # Wheels: the image lacks ml_collections (and grain for `python -m olmo_jax.train`) and
 # OLMo-core with the pure-Python part of its import closure. `make gpu-wheels` downloads
-# the pinned tools/gpu_wheels*.txt into the git-ignored .whl/ here; this script installs
+# the pinned tools/requirements/gpu_wheels*.txt into the git-ignored .whl/ here; this script installs
 # them there with `pip install --no-index --no-deps --target` ahead of the image's
 # packages, and puts the repository on PYTHONPATH. It prints the bytes that travelled.
 set -uo pipefail

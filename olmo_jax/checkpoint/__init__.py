@@ -6,7 +6,7 @@ two-way Hugging Face OLMoE conversion (`hf`, `hf_config`, `safetensors_io`).
     model = load_model("path/to/hf_olmoe")      # model(ids[B, T]) -> logits [B, T, V]
 """
 
-from olmo_jax.checkpoint.errors import CheckpointError
 from olmo_jax.checkpoint.manager import Checkpoints, resolve
+from olmo_jax.errors import CheckpointError
 
 __all__ = ["CheckpointError", "Checkpoints", "resolve"]

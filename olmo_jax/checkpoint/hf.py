@@ -37,9 +37,9 @@ from flax import nnx
 
 from olmo_jax.checkpoint import manager as m
 from olmo_jax.checkpoint import safetensors_io
-from olmo_jax.checkpoint.errors import CheckpointError
 from olmo_jax.checkpoint.hf_config import from_hf_config, to_hf_config
 from olmo_jax.checkpoint.tree import check_fits, flatten_named, nest, unflatten_named
+from olmo_jax.errors import CheckpointError
 from olmo_jax.model import Transformer, TransformerConfig
 from olmo_jax.model.abstract import abstract_model
 from olmo_jax.model.config import DTYPES

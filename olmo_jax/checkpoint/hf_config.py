@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from olmo_jax.checkpoint.errors import CheckpointError
+from olmo_jax.errors import CheckpointError
 from olmo_jax.model.config import HF_OLMOE_LAYOUT, MoEConfig, TransformerConfig
 
 ARCHITECTURE = "OlmoeForCausalLM"

@@ -28,7 +28,6 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 
-from olmo_jax.checkpoint.errors import CheckpointError
 from olmo_jax.checkpoint.tree import (
     check_fits,
     flatten_named,
@@ -36,6 +35,7 @@ from olmo_jax.checkpoint.tree import (
     nest,
     unflatten_named,
 )
+from olmo_jax.errors import CheckpointError
 from olmo_jax.model.config import ABSENT_FIELD_MEANING, MoEConfig, TransformerConfig
 
 MODEL, TRAIN, DATA, CONFIG, HF_CONFIG = "model", "train", "data", "config", "hf_config"

@@ -49,7 +49,6 @@ import jax
 import numpy as np
 
 from olmo_jax.checkpoint import safetensors_io
-from olmo_jax.checkpoint.errors import CheckpointError
 from olmo_jax.checkpoint.hf import (
     DTYPES,
     HFModel,
@@ -62,6 +61,7 @@ from olmo_jax.checkpoint.hf import (
 )
 from olmo_jax.checkpoint.hf_config import rope_theta_of
 from olmo_jax.checkpoint.tree import flatten_named, nest
+from olmo_jax.errors import CheckpointError
 from olmo_jax.model import TransformerConfig
 from olmo_jax.model.config import MoEConfig
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from olmo_jax.checkpoint.errors import CheckpointError
+from olmo_jax.errors import CheckpointError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

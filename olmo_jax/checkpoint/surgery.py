@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from olmo_jax.checkpoint.errors import CheckpointError
+from olmo_jax.errors import CheckpointError
 from olmo_jax.model.config import TransformerConfig
 
 EXPERTS = "moe_blocks/ffn/experts/"

@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-from olmo_jax.checkpoint.errors import CheckpointError
+from olmo_jax.errors import CheckpointError
 
 
 def _key_name(key) -> str:

@@ -24,7 +24,7 @@ import dataclasses
 
 import numpy as np
 
-from olmo_jax.checkpoint.errors import CheckpointError
+from olmo_jax.errors import CheckpointError
 from olmo_jax.model.config import MoEConfig, TransformerConfig
 
 FFN = ("w_gate", "w_up", "w_down")

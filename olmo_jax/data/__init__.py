@@ -1,6 +1,6 @@
 """Data: token files (OLMo-core format), tokenizers, the embedded stdlib corpus, and the
 loader that turns them into deterministic, step-addressed global batches (grain:
-pipeline.py), and the named eval sets (build.py).
+stream.py), and the named eval sets (build.py).
 
     data = build_data(cfg.data, seq_len, global_batch_size, seed)
     for step, batch_BX in data.train.iterate():  # int32 [B, seq_len + 1]
@@ -9,7 +9,6 @@ pipeline.py), and the named eval sets (build.py).
 
 from olmo_jax.data.build import Data, build_data, default_cache_dir
 from olmo_jax.data.corpus import stdlib_corpus
-from olmo_jax.data.errors import DataError
 from olmo_jax.data.loader import BatchLoader, TokenWindows, split_windows
 from olmo_jax.data.token_file import TokenFile, dtype_for_vocab, write_token_file
 from olmo_jax.data.tokenizer import (
@@ -19,6 +18,7 @@ from olmo_jax.data.tokenizer import (
     load_tokenizer,
     pad_vocab,
 )
+from olmo_jax.errors import DataError
 
 __all__ = [
     "BatchLoader",

@@ -13,11 +13,11 @@ from typing import Any
 import numpy as np
 
 from olmo_jax.data.corpus import CORPUS_DTYPE, stdlib_corpus
-from olmo_jax.data.errors import DataError
 from olmo_jax.data.loader import SPLIT_SEED, BatchLoader, TokenWindows, split_windows
 from olmo_jax.data.repetition import RepetitionFilter
 from olmo_jax.data.token_file import TokenFile, dtype_for_vocab, token_dtype
 from olmo_jax.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from olmo_jax.errors import DataError
 
 
 @dataclass(frozen=True)
@@ -185,7 +185,7 @@ def _token_files(paths: list, where: str, dtype: np.dtype, vocab_size: int,
         if not Path(path).expanduser().is_file():
             raise DataError(
                 f"{where}[{i}]: token file {path} does not exist; make one from text "
-                f"files with `python tools/tokenize_files.py INPUTS -o OUTPUT`{hint}"
+                f"files with `python -m olmo_jax.tokenize INPUTS -o OUTPUT`{hint}"
             )
     return [TokenFile(Path(path).expanduser(), dtype, vocab_size) for path in paths]
 

@@ -15,7 +15,7 @@
 - `split_windows`: the deterministic train / held-out split of window ids.
 - `BatchLoader`: batches addressed by global step. The windows of one split form an
   endless stream, epoch after epoch, each epoch a permutation (grain's shuffle, seeded by
-  seed and epoch: pipeline.py); the batch of step s is stream positions
+  seed and epoch: stream.py); the batch of step s is stream positions
   `[s * B, (s + 1) * B)`. Epochs wrap: a batch may end one epoch and start the next, no
   window is dropped, and each is seen once per epoch. So `batch(step)` depends only on
   (data, seed, B, step): not on call order, process count or mesh, and each process can
@@ -29,10 +29,10 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
-from olmo_jax.data.errors import DataError
-from olmo_jax.data.pipeline import BatchStream, window_order
 from olmo_jax.data.repetition import RepetitionFilter
+from olmo_jax.data.stream import BatchStream, window_order
 from olmo_jax.data.token_file import TokenFile
+from olmo_jax.errors import DataError
 from olmo_jax.labels import FILTERED, INSTANCES, NO_LABEL
 
 # The hold-out depends only on the data, never on the training seed, so runs with
@@ -175,7 +175,7 @@ class BatchLoader:
 
     def stream(self, rows: np.ndarray | None = None, prefetch: int = 0) -> BatchStream:
         """Rows `rows` (default all) of the batches from `self.step` on, read ahead
-        `prefetch` batches by grain on its own thread (pipeline.py)."""
+        `prefetch` batches by grain on its own thread (stream.py)."""
         rows = np.arange(self.global_batch_size) if rows is None else rows
         return BatchStream(self, rows, prefetch)
 

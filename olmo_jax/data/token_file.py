@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from olmo_jax.data.errors import DataError
+from olmo_jax.errors import DataError
 
 TOKEN_DTYPES = (np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.uint32))
 FULL_CHECK_BYTES = 64 * 2**20  # files smaller than this are range-checked in full on open
@@ -56,7 +56,7 @@ class TokenFile:
         if not self.path.is_file():
             raise DataError(
                 f"token file {self.path} does not exist; make one from text files with "
-                "`python tools/tokenize_files.py INPUTS -o OUTPUT`"
+                "`python -m olmo_jax.tokenize INPUTS -o OUTPUT`"
             )
         n_bytes = self.path.stat().st_size
         if n_bytes == 0:

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
-from olmo_jax.data.errors import DataError
+from olmo_jax.errors import DataError
 
 VOCAB_MULTIPLE = 128
 # Names under which tokenizers commonly store the end-of-document token, most common first.

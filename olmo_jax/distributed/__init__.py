@@ -24,7 +24,7 @@ import numpy as np
 
 from olmo_jax.distributed.launch import Launch, detect
 from olmo_jax.distributed.watchdog import EXIT_PEER_LOST, Watchdog
-from olmo_jax.model.config import ConfigError
+from olmo_jax.errors import ConfigError
 
 __all__ = [
     "EXIT_PEER_LOST", "Launch", "await_lost_peer", "detect", "finish", "initialize", "is_main",

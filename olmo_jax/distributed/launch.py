@@ -17,7 +17,7 @@ import math
 import os
 from collections.abc import Mapping
 
-from olmo_jax.model.config import ConfigError
+from olmo_jax.errors import ConfigError
 
 ENV = {
     "coordinator": "OLMO_JAX_COORDINATOR",

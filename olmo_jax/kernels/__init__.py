@@ -3,7 +3,7 @@ the choice of grouped-matmul implementation by platform and config.
 
     grouped_matmul.py  expert-grouped matmul (Hopper wgmma): forward, input gradient,
                        weight gradient, one custom VJP; reference: masked loop / ragged_dot
-    mxfp8.py           MXFP8 quantize / dequantize / packed payload; fused row+column
+    mxfp8_quant.py     MXFP8 quantize / dequantize / packed payload; fused row+column
                        quantize kernel; reference: the jnp functions
     platform.py        device capability, interpret mode (running the kernels on a CPU)
     cpu_ffi.py         the CPU FFI kernels' one library (C++ built on first use, numpy's

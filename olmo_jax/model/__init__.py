@@ -47,8 +47,8 @@ Dimension legend (the one table for the whole package). A name's suffix after it
   h      half the head dim (RoPE frequencies, H / 2)
   digits a literal size: m_BKM1 keeps an axis of 1, best_SZ2 the top 2
 
-GEMM scope, the one exception: inside olmo_jax/kernels/ (grouped_matmul.py, mxfp8.py),
-olmo_jax/model/mxfp8.py (the MXFP8 GEMM layouts) and olmo_jax/optim/muon.py, matrix
+GEMM scope, the one exception: inside olmo_jax/kernels/ (grouped_matmul.py, mxfp8_quant.py),
+olmo_jax/model/mxfp8_gemm.py (the MXFP8 GEMM layouts) and olmo_jax/optim/muon.py, matrix
 letters are used instead: M rows, K contracting dim, N columns of one GEMM, G groups (a
 stack of matrices: the experts of a grouped matmul), T row tiles of grouped_matmul's
 TileSchedule. A caller binds them to its own letters per call
@@ -56,7 +56,7 @@ TileSchedule. A caller binds them to its own letters per call
 `process_I` in file-name templates is not a shape.
 """
 
-from olmo_jax.model.config import ConfigError, MoEConfig, TransformerConfig
+from olmo_jax.model.config import MoEConfig, TransformerConfig
 from olmo_jax.model.transformer import Output, Transformer
 
-__all__ = ["ConfigError", "MoEConfig", "Output", "Transformer", "TransformerConfig"]
+__all__ = ["MoEConfig", "Output", "Transformer", "TransformerConfig"]

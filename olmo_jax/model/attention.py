@@ -23,7 +23,7 @@ is applied after the norm), so converted checkpoints give the same logits. With
 `head_qk_norm` the QK-norm is OLMo-core's `use_head_qk_norm`: each head normalized over
 head_dim, one [head_dim] weight shared by the heads (of q, and of k). With
 `attention_precision="mxfp8"` the four projection GEMMs run in MXFP8
-(olmo_jax/model/mxfp8.py); the softmax(q k^T) v core stays in the compute dtype.
+(olmo_jax/model/mxfp8_gemm.py); the softmax(q k^T) v core stays in the compute dtype.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from flax import nnx
 from olmo_jax import shapes
 from olmo_jax.kernels import cpu_ffi, platform
 from olmo_jax.kernels.vma import cotangent_like
-from olmo_jax.model import mxfp8
+from olmo_jax.model import mxfp8_gemm
 from olmo_jax.model.config import TransformerConfig
 from olmo_jax.model.norm import RMSNorm
 from olmo_jax.model.params import normal_param
@@ -202,7 +202,7 @@ class Attention(nnx.Module):
         self.impl = cfg.attention_impl  # resolved when traced (the target is known then)
 
     def _proj(self, spec: str, x, w):
-        return mxfp8.einsum(spec, x, w) if self.mxfp8_proj else jnp.einsum(spec, x, w)
+        return mxfp8_gemm.einsum(spec, x, w) if self.mxfp8_proj else jnp.einsum(spec, x, w)
 
     @shapes.check("-> B T D")
     def __call__(self, x_BTD: jax.Array, cos_TH: jax.Array, sin_TH: jax.Array) -> jax.Array:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from olmo_jax.errors import ConfigError, check_choice
 from olmo_jax.kernels import GMM_IMPLS
 from olmo_jax.model.moe.losses import LB_GRANULARITIES, LB_LOSS_TYPES
-from olmo_jax.model.mxfp8 import PRECISIONS
+from olmo_jax.model.mxfp8_gemm import PRECISIONS
 
 # Dtype names -> dtypes, the one table: model.dtype (the compute dtype) and the tensor dtype
 # of a Hugging Face export (olmo_jax/checkpoint/hf.py, `convert orbax-to-hf --dtype`).
@@ -43,8 +43,8 @@ HF_OLMOE_LAYOUT = {"block_norm": "pre", "qk_norm": True, "head_qk_norm": False,
 ABSENT_FIELD_MEANING = {"block_norm": "pre", "head_qk_norm": False, "embed_scale": 0.0,
                         "embedding_norm": False, "lm_z_loss_coef": 0.0}
 
-__all__ = ["ABSENT_FIELD_MEANING", "COMPUTE_DTYPES", "DTYPES", "HF_OLMOE_LAYOUT", "ConfigError",
-           "MoEConfig", "TransformerConfig"]
+__all__ = ["ABSENT_FIELD_MEANING", "COMPUTE_DTYPES", "DTYPES", "HF_OLMOE_LAYOUT", "MoEConfig",
+           "TransformerConfig"]
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class MoEConfig:
     # receive slots and then uses OLMo-core's 1.25 (parallel/expert ROWWISE_CAPACITY_FACTOR).
     capacity_factor: float = 0.0
     gmm_impl: str = "auto"  # kernels.GMM_IMPLS: auto | tiled | pallas | ragged_dot | einsum
-    # Expert GEMM precision (model/mxfp8.PRECISIONS): bf16 (= model.dtype) | mxfp8
+    # Expert GEMM precision (model/mxfp8_gemm.PRECISIONS): bf16 (= model.dtype) | mxfp8
     # (model/moe/mxfp8_experts.py).
     precision: str = "bf16"
     mxfp8_wgrad: bool = False  # mxfp8: also round the weight-gradient GEMM operands
@@ -211,7 +211,7 @@ class TransformerConfig:
     dtype: str = "float32"  # compute dtype, COMPUTE_DTYPES: float32 | bfloat16 (params: float32)
     remat: str = "none"  # transformer.REMATS: none | block | attention
     scan_unroll: int = 1  # blocks per layer-scan iteration (= n_layers unrolls; compile time grows)
-    attention_precision: str = "bf16"  # model/mxfp8.PRECISIONS: bf16 (= dtype) | mxfp8 (q/k/v/o GEMMs)
+    attention_precision: str = "bf16"  # model/mxfp8_gemm.PRECISIONS: bf16 (= dtype) | mxfp8 (q/k/v/o GEMMs)
     # attention.ATTENTION_IMPLS, the softmax(q k^T) v core (model/attention.py): auto (cuDNN
     # fused attention on a GPU in bf16/fp16) | cudnn | xla
     attention_impl: str = "auto"

@@ -22,7 +22,7 @@ AdamW's learning rate and weight decay. It is optax.contrib's `consistent_rms`.
 Newton-Schulz is not elementwise: `scale_by_muon`'s update takes an `orthogonalize`
 extra argument (`orthogonalize(mats, dims, ns)` -> orthogonalized mats, by leaf path);
 the default runs every matrix here; a ParallelPlan passes its own, where each
-data-parallel rank orthogonalizes whole matrices it owns (olmo_jax/parallel/muon.py).
+data-parallel rank orthogonalizes whole matrices it owns (olmo_jax/parallel/muon_owners.py).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from olmo_jax.model.config import ConfigError
+from olmo_jax.errors import ConfigError
 
 AXES = ("pipe", "data", "expert")
 BATCH_AXES = ("data", "expert")  # the axes a global batch's rows are split over

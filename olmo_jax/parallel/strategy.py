@@ -9,7 +9,7 @@ router-statistics and loss sums (`allsum`), and parameter gather / gradient redu
 gathered, `with_compute_dtypes`, and gradients reduced in fp32). The optimizer update
 runs outside, elementwise on the stored shards; Muon's Newton-Schulz, which is not
 elementwise, runs in its own shard_map on whole matrices, each owned by one data-parallel
-rank (muon.py, `optimizer_args`).
+rank (muon_owners.py, `optimizer_args`).
 
     plan = build_plan(cfg, model_cfg)          # validates the config against the devices
     graphdef, state = init_state(model_cfg, tx, seed, dispatcher=plan.dispatcher)
@@ -35,14 +35,15 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from olmo_jax.errors import ConfigError
 from olmo_jax.kernels import platform, resolve_gmm_impl
 from olmo_jax.model.abstract import abstract_model
 from olmo_jax.model.attention import resolve_attention_impl
-from olmo_jax.model.config import ConfigError, TransformerConfig
+from olmo_jax.model.config import TransformerConfig
 from olmo_jax.model.params import compute_copy_dtype, path_name
 from olmo_jax.parallel import expert as expert_lib
 from olmo_jax.parallel import mesh as mesh_lib
-from olmo_jax.parallel import muon as muon_lib
+from olmo_jax.parallel import muon_owners as muon_lib
 from olmo_jax.parallel import rules, zero
 from olmo_jax.parallel.mesh import BATCH_AXES
 from olmo_jax.parallel.pipeline import Pipeline, build_pipeline, check_unpipelined

@@ -17,7 +17,7 @@ import ml_collections
 
 from olmo_jax import targets
 from olmo_jax.config import get_path, set_path
-from olmo_jax.model.config import ConfigError
+from olmo_jax.errors import ConfigError
 from olmo_jax.parallel.expert import rowwise_capacity_factor
 from olmo_jax.planner import hardware, report, xla_gpu
 from olmo_jax.planner.compile import compile_train_step

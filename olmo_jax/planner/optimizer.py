@@ -1,7 +1,7 @@
 """The optimizer's share of a compiled step, per device: its stored state, the update's
 FLOPs, HBM bytes and roofline time (every operation under the train step's "optimizer"
 scope: AdamW's elementwise update, Muon's Newton-Schulz), and the collectives it adds
-(Muon under ZeRO-1: matrices to their owners and the results back, parallel/muon.py),
+(Muon under ZeRO-1: matrices to their owners and the results back, parallel/muon_owners.py),
 next to what the ownership plan predicts (Newton-Schulz FLOPs, matrices per rank)."""
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def format_section(oc: OptimizerCost) -> list[str]:
              f"{oc.link_s * 1e3:,.3f} ms on the links; total {oc.step_s * 1e3:,.3f} ms"]
     if oc.name == "muon":
         lines.append(f"  Newton-Schulz  {oc.ns_flops_planned / 1e9:,.3f} GFLOP per device by the "
-                     "ownership plan (parallel/muon.py)")
+                     "ownership plan (parallel/muon_owners.py)")
         for axes, counts in oc.matrices_per_rank.items():
             lines.append(f"  owners over {' x '.join(axes)}: matrices per rank {counts}")
     return lines

@@ -90,8 +90,7 @@ def where(kind: str, compiler: str = "auto") -> Where:
 def run_in_gpu_venv(python: str, cfg, n_devices: int, kind: str, compare: bool,
                     config_path: str = "") -> dict:
     """cli.run's {"text", "json"} for `cfg`, planned on XLA:GPU by the GPU venv's `python`."""
-    from olmo_jax.data.errors import DataError
-    from olmo_jax.model.config import ConfigError
+    from olmo_jax.errors import ConfigError, DataError
 
     with tempfile.TemporaryDirectory(prefix="olmo_jax_xla_gpu_") as tmp:
         src, dst = Path(tmp) / "in.pkl", Path(tmp) / "out.json"
@@ -115,8 +114,7 @@ def run_in_gpu_venv(python: str, cfg, n_devices: int, kind: str, compare: bool,
 
 def _worker(src: str, dst: str) -> int:
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-    from olmo_jax.data.errors import DataError
-    from olmo_jax.model.config import ConfigError
+    from olmo_jax.errors import ConfigError, DataError
     from olmo_jax.planner import cli
 
     args = pickle.loads(Path(src).read_bytes())

@@ -22,8 +22,7 @@ from pathlib import Path
 from absl import flags
 
 from olmo_jax import cli
-from olmo_jax.data.errors import DataError
-from olmo_jax.model.config import ConfigError
+from olmo_jax.errors import ConfigError, DataError
 from olmo_jax.planner import hardware
 from olmo_jax.report import page, sources
 

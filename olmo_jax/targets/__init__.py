@@ -30,7 +30,7 @@ Sources.
   DGX B300 64 TB/s for 8 GPUs: 8 TB/s each). XLA's specs hold the driver's lower
   estimate (memory clock x bus width); XLA uses it only in its cost model.
 - cuDNN version (`gpu_device_info.dnn_version`): the pinned nvidia-cudnn-cu12 of
-  tools/gpu-requirements.txt. It matters: the compiler takes the cuDNN version from that
+  tools/requirements/gpu.txt. It matters: the compiler takes the cuDNN version from that
   field (not from `dnn_version_info`, which the compile-only client drops) and below 9.7
   rewrites `jax.nn.scaled_matmul` into a dequantize + dot instead of cuDNN's block-scaled
   GEMM (`__cudnn$blockScaledDot`).
@@ -110,7 +110,7 @@ def spec(kind: str) -> GpuSpec:
 def _plugin_missing() -> RuntimeError:
     return RuntimeError(
         "abstract GPUs need the jax CUDA plugin (jax-cuda12-plugin and jax-cuda12-pjrt): "
-        "run in .venv-gpu (`make gpu-venv`; tools/gpu-requirements.txt)"
+        "run in .venv-gpu (`make gpu-venv`; tools/requirements/gpu.txt)"
     )
 
 

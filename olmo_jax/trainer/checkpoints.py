@@ -30,7 +30,7 @@ import ml_collections
 from rich.console import Console
 
 from olmo_jax.checkpoint import manager as m
-from olmo_jax.checkpoint.errors import CheckpointError
+from olmo_jax.errors import CheckpointError
 from olmo_jax.model.config import TransformerConfig
 from olmo_jax.trainer.state import TrainState, initial_rng
 
@@ -121,7 +121,7 @@ class RunCheckpoints:
         self.resumed_from: int | None = None
         self.previous_records: list[dict] = []
         self.last_saved: int | None = self.latest
-        # The grain iterator state (data/pipeline.py) of the checkpoint resumed from, if any.
+        # The grain iterator state (data/stream.py) of the checkpoint resumed from, if any.
         self.iterator_state: dict | None = None
 
     def _check_architecture(self, ckpts: m.Checkpoints, step: int, what: str) -> None:

@@ -4,7 +4,7 @@ end with a one-screen summary and a text sample.
 
 In a multi-process run (olmo_jax/distributed) every process runs this same loop on its
 part of the mesh and reads only its rows of each batch (a grain stream read ahead off this
-thread: data/pipeline.py); process 0 alone prints and writes metrics (to the sinks of
+thread: data/stream.py); process 0 alone prints and writes metrics (to the sinks of
 trainer.loggers: sinks.py) and config.json; checkpoints, the data iterator state included,
 are saved and restored by all together. SIGTERM / SIGINT save and stop (preemption.py); bad
 steps are skipped or halt the run (guard.py); trainer.profile_steps traces steps
@@ -29,11 +29,11 @@ from rich.table import Table
 from olmo_jax import config as config_lib
 from olmo_jax import distributed
 from olmo_jax import metrics as metrics_lib
-from olmo_jax.checkpoint.errors import CheckpointError
 from olmo_jax.data import build_data
 from olmo_jax.data.build import Data
+from olmo_jax.errors import CheckpointError, ConfigError
 from olmo_jax.model.abstract import abstract_model
-from olmo_jax.model.config import ConfigError, TransformerConfig
+from olmo_jax.model.config import TransformerConfig
 from olmo_jax.optim import build_optimizer
 from olmo_jax.parallel.strategy import build_plan
 from olmo_jax.trainer import guard as guard_lib
@@ -80,7 +80,7 @@ def _placer(plan, seq_len: int):
 
 def _train_stream(plan, loader, seq_len: int, prefetch: int):
     """(stream, place_rows): this process's rows of each training batch, read ahead by
-    grain (data/pipeline.py), and place_rows(rows_BX) -> the global batch on the plan's
+    grain (data/stream.py), and place_rows(rows_BX) -> the global batch on the plan's
     sharding."""
     shape, sharding = plan.batch_shape(loader.global_batch_size, seq_len), plan.batch_sharding()
     row_ids = distributed.local_rows(shape, sharding)

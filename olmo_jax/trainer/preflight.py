@@ -17,7 +17,7 @@ import os
 
 import jax
 
-from olmo_jax.model.config import ConfigError
+from olmo_jax.errors import ConfigError
 
 GB = 2**30
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import ml_collections
 
-from olmo_jax.model.config import ConfigError
+from olmo_jax.errors import ConfigError
 from olmo_jax.trainer.checkpoints import FREE_MODEL_FIELDS, FREE_MOE_FIELDS
 
 CONFIG_FILE = "config.json"

@@ -4,7 +4,7 @@ resume, init_from, hard_stop): defaults and validation errors that name the fiel
 import pytest
 
 from olmo_jax.config import default_config, validate
-from olmo_jax.model.config import ConfigError
+from olmo_jax.errors import ConfigError
 
 
 def test_defaults():

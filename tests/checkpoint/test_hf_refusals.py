@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from olmo_jax.checkpoint import hf, safetensors_io
-from olmo_jax.checkpoint.errors import CheckpointError
 from olmo_jax.checkpoint.hf_config import from_hf_config, to_hf_config
 from olmo_jax.checkpoint.tree import flatten_named, nest
+from olmo_jax.errors import CheckpointError
 from olmo_jax.model import MoEConfig, TransformerConfig
 from olmo_jax.model.config import HF_OLMOE_LAYOUT
 from tests.checkpoint.oracle import BASE, jax_born_model

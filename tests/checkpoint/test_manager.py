@@ -12,8 +12,8 @@ import pytest
 from jax.sharding import Mesh
 
 from olmo_jax.checkpoint import manager as m
-from olmo_jax.checkpoint.errors import CheckpointError
 from olmo_jax.checkpoint.tree import flatten_named, unflatten_named
+from olmo_jax.errors import CheckpointError
 from olmo_jax.model import MoEConfig, TransformerConfig
 from olmo_jax.model.abstract import abstract_model
 from olmo_jax.parallel import mesh as mesh_lib

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from olmo_jax.checkpoint import olmo3moe
-from olmo_jax.checkpoint.errors import CheckpointError
 from olmo_jax.checkpoint.tree import flatten_named, nest
+from olmo_jax.errors import CheckpointError
 from olmo_jax.model import TransformerConfig
 from olmo_jax.model.abstract import abstract_model
 from olmo_jax.model.config import MoEConfig

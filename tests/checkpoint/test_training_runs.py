@@ -29,8 +29,8 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from olmo_jax.checkpoint import hf
-from olmo_jax.checkpoint.errors import CheckpointError
 from olmo_jax.data import build_data
+from olmo_jax.errors import CheckpointError
 from olmo_jax.objective import forward_losses
 from olmo_jax.optim import build_optimizer
 from olmo_jax.trainer.loop import train

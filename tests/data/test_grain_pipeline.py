@@ -1,4 +1,4 @@
-"""The grain side of the data pipeline (olmo_jax/data/pipeline.py) and named eval sets:
+"""The grain side of the data pipeline (olmo_jax/data/stream.py) and named eval sets:
 the window order is grain's per-epoch shuffle, deterministic by seed and epoch; a batch
 stream yields exactly `batch(step)[rows]` step after step, reads on grain's prefetch thread,
 and resumes from its saved iterator state to the same batches; a process's rows are the
@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from olmo_jax import distributed
 from olmo_jax.data import BatchLoader, DataError, TokenWindows, build_data
-from olmo_jax.data.pipeline import shuffle_seed, window_order
+from olmo_jax.data.stream import shuffle_seed, window_order
 from tests.data.test_loader import identity_files, token_files, window_ids_of
 
 

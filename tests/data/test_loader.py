@@ -272,7 +272,7 @@ def test_build_data_errors(tmp_path: Path, hf_tokenizer_json: Path):
         build_data({"paths": [*paths, missing]}, 64, 8)
     message = str(error.value)
     assert "data.paths[3]" in message and missing in message
-    assert "python tools/tokenize_files.py" in message
+    assert "python -m olmo_jax.tokenize" in message
     with pytest.raises(DataError, match="3 windows of seq_len 4096.*lower seq_len"):
         build_data({"paths": paths}, 4096, 8)
     with pytest.raises(DataError, match="data.vocab_size=100 is smaller"):

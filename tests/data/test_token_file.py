@@ -77,7 +77,7 @@ def test_missing_file_names_path_and_tool(tmp_path: Path):
     path = tmp_path / "missing.npy"
     with pytest.raises(DataError) as error:
         TokenFile(path, "uint16", vocab_size=384)
-    assert str(path) in str(error.value) and "tools/tokenize_files.py" in str(error.value)
+    assert str(path) in str(error.value) and "python -m olmo_jax.tokenize" in str(error.value)
 
 
 def test_empty_file(tmp_path: Path):

@@ -1,4 +1,4 @@
-"""tools/tokenize_files.py end to end, run as a user would: a subprocess."""
+"""`python -m olmo_jax.tokenize` end to end, run as a user would: a subprocess."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from olmo_jax.cli import EXIT_BAD_INPUT
 from olmo_jax.data import ByteTokenizer, HFTokenizer, TokenFile, build_data
 
 REPO = Path(__file__).resolve().parents[2]
@@ -18,7 +19,7 @@ def tokenize_files(*args: str) -> subprocess.CompletedProcess[str]:
     python_path = [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(python_path)}
     return subprocess.run(
-        [sys.executable, str(REPO / "tools" / "tokenize_files.py"), *args],
+        [sys.executable, "-m", "olmo_jax.tokenize", *args],
         capture_output=True,
         text=True,
         env=env,
@@ -79,6 +80,15 @@ def test_hf_tokenizer_and_globs(tmp_path: Path, hf_tokenizer_json: Path):
 def test_missing_input_is_reported(tmp_path: Path):
     missing = tmp_path / "nothing-here"
     result = tokenize_files(str(missing), "-o", str(tmp_path / "out.npy"))
-    assert result.returncode == 1
+    assert result.returncode == EXIT_BAD_INPUT
+    assert result.stderr.startswith("error: ") and len(result.stderr.splitlines()) == 1  # no traceback
     assert str(missing) in result.stderr and "does not exist" in result.stderr
+    assert not (tmp_path / "out.npy").exists()
+
+
+def test_no_matching_file_is_reported(tmp_path: Path):
+    write_texts(tmp_path / "texts")
+    result = tokenize_files(str(tmp_path / "texts"), "--glob", "*.rst", "-o", str(tmp_path / "out.npy"))
+    assert result.returncode == EXIT_BAD_INPUT
+    assert "no input files match ['*.rst']" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "out.npy").exists()

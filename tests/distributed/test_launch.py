@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from olmo_jax.distributed import Launch, detect, place_batch
-from olmo_jax.model.config import ConfigError
+from olmo_jax.errors import ConfigError
 
 NONE = {"coordinator": None, "num_processes": None, "process_id": None}
 SLURM = {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "node[007-009],gpu1", "SLURM_NTASKS": "3",

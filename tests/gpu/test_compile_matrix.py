@@ -171,7 +171,7 @@ def path_problems(cell: Cell, step) -> list[str]:
         out.append(f"{scaled} block-scaled GEMMs on {cell.kind} in {cell.precision}")
     if cell.precision == "mxfp8" and not [k for k in kernels if not k.wgmma]:
         out.append("MXFP8 weights quantized without the fused Pallas quantizer kernel "
-                   "(kernels.mxfp8.quantize_rowcol on sm_90+)")
+                   "(kernels.mxfp8_quant.quantize_rowcol on sm_90+)")
     out += attention_problems(cell, module)
     if cell.schedule and colls["collective-permute"] == 0:
         out.append(f"pipe=2 ({cell.schedule}) has no collective-permute between stages")

@@ -1,4 +1,4 @@
-"""The trimmed CUDA wheel set of .venv-gpu (tools/gpu-requirements.txt) compiles each kind
+"""The trimmed CUDA wheel set of .venv-gpu (tools/requirements/gpu.txt) compiles each kind
 of program the GPU paths use, for abstract GPUs: a shard_map all_to_all and
 ragged_all_to_all over 8 GPUs, cuDNN fused attention forward + backward, Pallas Mosaic GPU
 kernels (a plain one and the Hopper grouped matmul), and jax.nn.scaled_matmul as cuDNN's

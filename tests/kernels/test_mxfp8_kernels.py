@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from olmo_jax.kernels import mxfp8 as mx
+from olmo_jax.kernels import mxfp8_quant as mx
 from olmo_jax.kernels import platform
 
 quantize = jax.jit(mx.quantize, static_argnums=(1, 2))

@@ -5,8 +5,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from olmo_jax.errors import ConfigError
 from olmo_jax.kernels import platform, resolve_gmm_impl
-from olmo_jax.model.config import ConfigError, MoEConfig, TransformerConfig
+from olmo_jax.model.config import MoEConfig, TransformerConfig
 
 
 def _gpu(cc):

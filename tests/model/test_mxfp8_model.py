@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from olmo_jax.kernels import mxfp8 as mx
+from olmo_jax.kernels import mxfp8_quant as mx
 from olmo_jax.kernels import platform
-from olmo_jax.model import mxfp8
+from olmo_jax.model import mxfp8_gemm
 from olmo_jax.model.config import MoEConfig, TransformerConfig
 from olmo_jax.model.moe import experts, mxfp8_experts
 from olmo_jax.model.moe.layer import MoELayer
@@ -26,7 +26,7 @@ f32 = jnp.float32
 
 
 def rt(a, axis, rounding="rceil"):
-    return mxfp8.round_trip(a.astype(f32), axis, rounding)
+    return mxfp8_gemm.round_trip(a.astype(f32), axis, rounding)
 
 
 def _tight(got, want, tol=1e-5):
@@ -75,13 +75,13 @@ def _layout_case(layout):
     if layout == "ragged":
         gs = np.array([20, 0, 15, 13])  # 48 rows, one empty expert
         x = jax.random.normal(key, (48, D))
-        return x, mxfp8.Ragged(jnp.asarray(gs, jnp.int32)), np.repeat(np.arange(E), gs)
+        return x, mxfp8_gemm.Ragged(jnp.asarray(gs, jnp.int32)), np.repeat(np.arange(E), gs)
     if layout == "batched":
         x = jax.random.normal(key, (E, 12, D))
-        return x, mxfp8.Batched(), np.repeat(np.arange(E), 12)
+        return x, mxfp8_gemm.Batched(), np.repeat(np.arange(E), 12)
     block_expert = np.array([0, 0, 2, 3, 3, 3])  # blocked: 6 blocks of 8 rows
     x = jax.random.normal(key, (6, 8, D))
-    return x, mxfp8.Blocked(jnp.asarray(block_expert, jnp.int32)), np.repeat(block_expert, 8)
+    return x, mxfp8_gemm.Blocked(jnp.asarray(block_expert, jnp.int32)), np.repeat(block_expert, 8)
 
 
 @pytest.mark.parametrize("layout", ["ragged", "batched", "blocked"])
@@ -116,7 +116,7 @@ def test_dense_einsum_matches_reference():
     dy = jax.random.normal(k[2], (2, 16, 2, 32))
     @jax.jit
     def run(x, w, dy):
-        y, vjp = jax.vjp(lambda x, w: mxfp8.einsum("btd,dnh->btnh", x, w), x, w)
+        y, vjp = jax.vjp(lambda x, w: mxfp8_gemm.einsum("btd,dnh->btnh", x, w), x, w)
         return y, *vjp(dy)
 
     @jax.jit
@@ -129,7 +129,7 @@ def test_dense_einsum_matches_reference():
     _tight(dx.reshape(32, 64), dx_ref)
     _tight(dw.reshape(64, 64), dw_ref)
     with pytest.raises(ValueError, match="batch"):
-        mxfp8.einsum("btd,ndh->btnh", x, jnp.swapaxes(w, 0, 1))
+        mxfp8_gemm.einsum("btd,ndh->btnh", x, jnp.swapaxes(w, 0, 1))
 
 
 def test_scaled_matmul_call_matches_emulation(monkeypatch):
@@ -140,24 +140,24 @@ def test_scaled_matmul_call_matches_emulation(monkeypatch):
     k = jax.random.split(jax.random.key(4), 6)
     cases = {
         "dense": (jax.random.normal(k[0], (24, 64)), jax.random.normal(k[1], (64, 32)),
-                  mxfp8.Dense()),
+                  mxfp8_gemm.Dense()),
         "batched": (jax.random.normal(k[2], (4, 8, 64)), jax.random.normal(k[3], (4, 64, 32)),
-                    mxfp8.Batched()),
+                    mxfp8_gemm.Batched()),
         "blocked": (jax.random.normal(k[4], (3, 8, 64)), jax.random.normal(k[5], (4, 64, 32)),
-                    mxfp8.Blocked(jnp.array([1, 3, 1]))),
+                    mxfp8_gemm.Blocked(jnp.array([1, 3, 1]))),
     }
 
     def all_layouts(cases):
         out = {}
         for name, (a, w, layout) in cases.items():
             a_q, a_s = mx.quantize(a, -1)
-            wq = mxfp8.quantize_weight(w, "rceil")
-            out[name] = mxfp8.mx_nt(layout, a_q, a_s, wq.fwd_q, wq.fwd_s, f32)
+            wq = mxfp8_gemm.quantize_weight(w, "rceil")
+            out[name] = mxfp8_gemm.mx_nt(layout, a_q, a_s, wq.fwd_q, wq.fwd_s, f32)
         return out
 
     emulated = jax.jit(all_layouts)(cases)
     monkeypatch.setattr(platform, "block_scaled_mma_supported", lambda: True)
-    assert all(mxfp8.use_scaled_matmul(layout) for _, _, layout in cases.values())
+    assert all(mxfp8_gemm.use_scaled_matmul(layout) for _, _, layout in cases.values())
     scaled = jax.jit(all_layouts)(cases)
     for layout in cases:
         _tight(scaled[layout], emulated[layout])
@@ -177,7 +177,7 @@ def test_mxfp8_close_to_bf16(weights):
     def both(args, dy):
         ref, vjp_ref = jax.vjp(lambda *a: experts.ffn_batched(*a), *args)
         got, vjp = jax.vjp(
-            lambda *a: mxfp8_experts.swiglu(*a, mxfp8.Batched(), "rceil", False), *args
+            lambda *a: mxfp8_experts.swiglu(*a, mxfp8_gemm.Batched(), "rceil", False), *args
         )
         return (got, *vjp(dy)), (ref, *vjp_ref(dy))
 
@@ -235,7 +235,7 @@ def test_swiglu_unit_inside_shard_map(weights):
 
     def grads(x, wg, wu, wd, dy):
         def f(*a):
-            return mxfp8_experts.swiglu(*a, mxfp8.Batched(), "rceil", False)
+            return mxfp8_experts.swiglu(*a, mxfp8_gemm.Batched(), "rceil", False)
 
         y, vjp = jax.vjp(f, x, wg, wu, wd)
         return y, *vjp(dy)

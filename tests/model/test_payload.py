@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from olmo_jax.kernels import mxfp8 as mx
+from olmo_jax.kernels import mxfp8_quant as mx
 from olmo_jax.model.moe import payload
 
 

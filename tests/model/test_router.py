@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from olmo_jax.model import ConfigError, MoEConfig
+from olmo_jax.errors import ConfigError
+from olmo_jax.model import MoEConfig
 from olmo_jax.model.moe.losses import expert_imbalance, router_stats
 from olmo_jax.model.moe.router import Router, route
 from tests.reference import naive_gate_scores, naive_select, naive_weights

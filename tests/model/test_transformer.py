@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from olmo_jax.model import ConfigError, MoEConfig, Transformer, TransformerConfig
+from olmo_jax.errors import ConfigError
+from olmo_jax.model import MoEConfig, Transformer, TransformerConfig
 from olmo_jax.model.mlp import swiglu
 
 KNOWN_AXES = {"layers", "embed", "mlp", "expert", "router_expert", "vocab", "q_heads",

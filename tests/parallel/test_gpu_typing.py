@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from olmo_jax.kernels import mxfp8 as mx
+from olmo_jax.kernels import mxfp8_quant as mx
 from olmo_jax.kernels import platform, vma
 from olmo_jax.kernels.grouped_matmul import gmm, tgmm
 from olmo_jax.model.abstract import abstract_model

@@ -3,7 +3,8 @@
 import pytest
 
 from olmo_jax.config import default_config, model_config, unknown_key_error, upgrade, validate
-from olmo_jax.model.config import ConfigError, MoEConfig
+from olmo_jax.errors import ConfigError
+from olmo_jax.model.config import MoEConfig
 from olmo_jax.parallel.expert import ROWWISE_CAPACITY_FACTOR
 from olmo_jax.parallel.mesh import mesh_shape
 from olmo_jax.parallel.strategy import build_plan

@@ -1,12 +1,12 @@
 """Muon on a mesh: the same step as on one device (float32, the AdamW tolerances of
 test_parallel_invariance.py), whatever owns which matrix, and the compiled step's
-Muon collectives are exactly those of the ownership plan (olmo_jax/parallel/muon.py)."""
+Muon collectives are exactly those of the ownership plan (olmo_jax/parallel/muon_owners.py)."""
 
 import jax
 import numpy as np
 import pytest
 
-from olmo_jax.model.config import ConfigError
+from olmo_jax.errors import ConfigError
 from olmo_jax.model.params import path_name
 from olmo_jax.parallel.strategy import build_plan
 from olmo_jax.planner import comms

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from olmo_jax.config import model_config
-from olmo_jax.model.config import ConfigError
+from olmo_jax.errors import ConfigError
 from olmo_jax.parallel import rules
 from olmo_jax.parallel.pipeline import chunking, schedule
 from olmo_jax.parallel.pipeline.schedule import BWD, FWD, IDLE, NO_SLOT

@@ -1,6 +1,6 @@
 """The planner on a Muon step (the small config of test_plan_compiled.py, data=2 x
 expert=4, ZeRO-1): the optimizer section's collectives are exactly those of the
-ownership plan (olmo_jax/parallel/muon.py), its matmul FLOPs are exactly the plan's
+ownership plan (olmo_jax/parallel/muon_owners.py), its matmul FLOPs are exactly the plan's
 Newton-Schulz FLOPs per device, and the plan prints the optimizer's time and bytes."""
 
 import jax

@@ -18,8 +18,8 @@ import pytest
 from jax.sharding import NamedSharding
 
 from olmo_jax.config import default_config, model_config
+from olmo_jax.errors import ConfigError
 from olmo_jax.model.abstract import abstract_model
-from olmo_jax.model.config import ConfigError
 from olmo_jax.model.moe import sizing
 from olmo_jax.parallel import zero
 from olmo_jax.parallel.strategy import build_plan

@@ -108,8 +108,8 @@ def test_gpu_check_dry_run(tmp_path):
 @needs_oracle
 @not_on_image_jax
 def test_olmo_core_imports_need_only_the_image_and_the_carried_wheels():
-    carried = {_norm(line.split("==")[0]) for line in (ROOT / "tools" / "gpu_wheels_torch.txt").read_text().splitlines()
-               if line.strip() and not line.startswith("#")}
+    pins = (ROOT / "tools" / "requirements" / "gpu_wheels_torch.txt").read_text().splitlines()
+    carried = {_norm(line.split("==")[0]) for line in pins if line.strip() and not line.startswith("#")}
     probe = ("import sys, json, importlib.metadata as md\n"
              "import olmo_core.nn.transformer, olmo_core.nn.ddp.model, olmo_core.nn.moe.v2.router\n"
              "owners = md.packages_distributions()\n"
@@ -120,7 +120,7 @@ def test_olmo_core_imports_need_only_the_image_and_the_carried_wheels():
     used = {_norm(d) for d in json.loads(proc.stdout.strip().splitlines()[-1])}
     assert "ai2-olmo-core" in used
     missing = used - IMAGE_TORCH - carried
-    assert not missing, f"add to tools/gpu_wheels_torch.txt (OLMo-core imports them): {sorted(missing)}"
+    assert not missing, f"add to tools/requirements/gpu_wheels_torch.txt (OLMo-core imports them): {sorted(missing)}"
 
 
 

@@ -24,7 +24,7 @@ import time
 import numpy as np
 import pytest
 
-from olmo_jax.model.config import ConfigError
+from olmo_jax.errors import ConfigError
 from olmo_jax.train import run_training
 from olmo_jax.trainer import loop
 from olmo_jax.trainer.guard import TrainingHalted

@@ -1,5 +1,5 @@
 """Training needs only the lent GPU image's packages plus the wheels tools/gpu_check.sh
-carries (tools/gpu_wheels.txt): a short `python -m olmo_jax.train --config=configs/tiny.py`
+carries (tools/requirements/gpu_wheels.txt): a short `python -m olmo_jax.train --config=configs/tiny.py`
 run in a child process finishes, and every module it imported belongs to the standard
 library, olmo_jax, the repository's configs, or a distribution that the image's packages
 (jax, jaxlib, flax, optax, orbax-checkpoint, chex, absl-py, numpy, tokenizers, tensorboard,
@@ -19,7 +19,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 IMAGE = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "chex", "absl-py", "numpy",
          "tokenizers", "safetensors", "PyYAML", "tensorboard")
-CARRIED = tuple(line.split("==")[0] for line in (REPO / "tools" / "gpu_wheels.txt").read_text().splitlines()
+PINS = REPO / "tools" / "requirements" / "gpu_wheels.txt"
+CARRIED = tuple(line.split("==")[0] for line in PINS.read_text().splitlines()
                 if line.strip() and not line.startswith("#"))
 
 # Runs olmo_jax.train as `python -m` would and writes the top-level modules it imported
@@ -61,7 +62,7 @@ def _closure(roots) -> set[str]:
 def test_the_carried_wheels_need_nothing_else():
     on_image = _closure(IMAGE)
     missing = _closure(CARRIED) - on_image - {_norm(c) for c in CARRIED}
-    assert not missing, f"add to tools/gpu_wheels.txt (the carried wheels need them): {sorted(missing)}"
+    assert not missing, f"add to tools/requirements/gpu_wheels.txt (the carried wheels need them): {sorted(missing)}"
     assert not {_norm(c) for c in CARRIED} & on_image, "a carried wheel the image already has"
 
 

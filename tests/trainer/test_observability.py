@@ -119,7 +119,7 @@ def test_a_run_with_every_sink_the_profiler_and_named_eval_sets(tmp_path):
 ])
 def test_bad_observability_fields_name_the_field(field, value, message):
     from olmo_jax.config import default_config, validate
-    from olmo_jax.model.config import ConfigError
+    from olmo_jax.errors import ConfigError
 
     cfg = default_config()
     section, *rest = field.split(".")

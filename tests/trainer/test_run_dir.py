@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from olmo_jax.model.config import ConfigError
+from olmo_jax.errors import ConfigError
 from olmo_jax.trainer import run_dir
 from tests.run_config import run_config
 

@@ -12,7 +12,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from olmo_jax.config import default_config, validate
-from olmo_jax.model.config import ConfigError
+from olmo_jax.errors import ConfigError
 from olmo_jax.trainer.sinks import build_sinks
 from tests.trainer import wandb_file
 

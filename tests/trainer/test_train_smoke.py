@@ -71,7 +71,7 @@ def _check_expert_counts(run_dir, records):
         assert sum(c["counts"][0]) == 8 * 64 * 2
         rec = records[c["step"] - 1]
         assert abs(max(c["counts"][0]) / (8 * 64 * 2 / 4) - rec["expert_imbalance"]) < 1e-5
-    plot = [sys.executable, str(REPO / "tools" / "plot_routing.py"), str(run_dir)]
+    plot = [sys.executable, str(REPO / "tools" / "experiments" / "plot_routing.py"), str(run_dir)]
     r = subprocess.run(plot, capture_output=True, text=True, check=False)
     assert r.returncode == 0, r.stderr
     assert (run_dir / "routing.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

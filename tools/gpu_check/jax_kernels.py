@@ -13,7 +13,7 @@
              against a float32 run of the xla path, and forward+backward time
   mxfp8      the MXFP8 path: the fused row+column quantize kernel bit for bit against
              its jnp reference, the quantize-dequantize error within e4m3's bound, and
-             the model's MXFP8 GEMM (olmo_jax/model/mxfp8.py: cuDNN block-scaled MMA on
+             the model's MXFP8 GEMM (olmo_jax/model/mxfp8_gemm.py: cuDNN block-scaled MMA on
              Blackwell, dequantized bf16 elsewhere) against a float32 GEMM
 
 Relative error = ||out - ref|| / ||ref|| with ref in float32 on the same (bf16) inputs;
@@ -202,7 +202,7 @@ def section_attention(model_cfg, t_cfg, sz: Sizes, dry: bool) -> dict:
 
 
 def section_mxfp8(model_cfg, t_cfg, sz: Sizes, dry: bool) -> dict:
-    from olmo_jax.kernels import mxfp8 as mx
+    from olmo_jax.kernels import mxfp8_quant as mx
 
     M, K = sz.quant_shape
     x = jax.random.normal(jax.random.key(5), (M, K), jnp.float32).astype(jnp.bfloat16)
@@ -220,7 +220,7 @@ def section_mxfp8(model_cfg, t_cfg, sz: Sizes, dry: bool) -> dict:
     # per element of its block's scale; over a block of normal values ~3% in the norm.
     qd = jax.jit(lambda x: mx.quantize_dequantize(x.astype(jnp.float32), axis=-1))(x)
     checks.append(check("mxfp8 quantize-dequantize vs input", qd, x.astype(jnp.float32), tol=0.05))
-    from olmo_jax.model.mxfp8 import DENSE, mx_nt
+    from olmo_jax.model.mxfp8_gemm import DENSE, mx_nt
 
     w = jax.random.normal(jax.random.key(6), (K // 4, K), jnp.float32).astype(jnp.bfloat16)
     gemm = jax.jit(lambda x, w: mx_nt(DENSE, *mx.quantize(x, -1), *mx.quantize(w, -1), jnp.bfloat16))

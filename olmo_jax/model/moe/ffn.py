@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from olmo_jax import shapes
-from olmo_jax.model import mxfp8
+from olmo_jax.model import mxfp8_gemm
 from olmo_jax.model.config import MoEConfig
 from olmo_jax.model.moe import dispatch, experts, mxfp8_experts, tiled
 from olmo_jax.model.moe.buffer import GroupLayout, Runs, Slots
@@ -49,20 +49,20 @@ def expert_ffns(cfg: MoEConfig, impl: str) -> ExpertFFNs:
             ragged = experts.ffn_ragged
         return ExpertFFNs(ragged, experts.ffn_batched, experts.ffn_blocked, tiled.ffn_tiled)
     rounding, qw = "rceil", cfg.mxfp8_wgrad
-    grouped = mxfp8.Pallas if impl == "pallas" else mxfp8.Ragged
+    grouped = mxfp8_gemm.Pallas if impl == "pallas" else mxfp8_gemm.Ragged
 
     def ragged_mx(x_RD, group_sizes_E, w_gate, w_up, w_down):
         layout = grouped(group_sizes_E.astype(jnp.int32))
         return mxfp8_experts.swiglu(x_RD, w_gate, w_up, w_down, layout, rounding, qw)
 
     def batched_mx(x_ECD, w_gate, w_up, w_down):
-        return mxfp8_experts.swiglu(x_ECD, w_gate, w_up, w_down, mxfp8.Batched(), rounding, qw)
+        return mxfp8_experts.swiglu(x_ECD, w_gate, w_up, w_down, mxfp8_gemm.Batched(), rounding, qw)
 
     def blocked_mx(x_RD, block_expert_U, w_gate, w_up, w_down):
         R, D = x_RD.shape
         nb = block_expert_U.shape[0]
         x_UbD = x_RD.reshape(nb, R // nb, D)
-        y = mxfp8_experts.swiglu(x_UbD, w_gate, w_up, w_down, mxfp8.Blocked(block_expert_U),
+        y = mxfp8_experts.swiglu(x_UbD, w_gate, w_up, w_down, mxfp8_gemm.Blocked(block_expert_U),
                                  rounding, qw)
         return y.reshape(R, D)
 

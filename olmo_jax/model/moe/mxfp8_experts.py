@@ -4,7 +4,7 @@ buffer, bf16 or MXFP8: olmo_jax/model/moe/ffn.py).
     h = silu(x @ w_gate) * (x @ w_up);  y = h @ w_down
 
 Forward: x quantized along D, w_gate/w_up along D, h along F, w_down along F; three MXFP8
-GEMMs (`olmo_jax.model.mxfp8.mx_nt`); each weight is quantized both ways in one pass
+GEMMs (`olmo_jax.model.mxfp8_gemm.mx_nt`); each weight is quantized both ways in one pass
 (the fused kernel on a GPU). Saved for the backward pass: x and h as their MXFP8 form
 (e4m3 values + e8m0 scales, about half of bf16; exactly what the forward GEMMs read, so
 the weight gradients stay consistent with the forward), each weight's copy quantized for
@@ -25,26 +25,26 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from olmo_jax.kernels import mxfp8 as mx
-from olmo_jax.model import mxfp8
+from olmo_jax.kernels import mxfp8_quant as mx
+from olmo_jax.model import mxfp8_gemm
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def swiglu(x, w_gate, w_up, w_down, layout: mxfp8.Layout, rounding: str, quantize_wgrad: bool):
-    """MXFP8 SwiGLU over one expert layout (a typed value of olmo_jax.model.mxfp8:
+def swiglu(x, w_gate, w_up, w_down, layout: mxfp8_gemm.Layout, rounding: str, quantize_wgrad: bool):
+    """MXFP8 SwiGLU over one expert layout (a typed value of olmo_jax.model.mxfp8_gemm:
     Batched(), Blocked(block_expert_U), Ragged(group_sizes_G), Pallas(group_sizes_G))."""
     return _fwd(x, w_gate, w_up, w_down, layout, rounding, quantize_wgrad)[0]
 
 
 def _fwd(x, w_gate, w_up, w_down, layout, rounding, quantize_wgrad):
     dt = x.dtype
-    wg, wu, wd = (mxfp8.quantize_weight(w, rounding) for w in (w_gate, w_up, w_down))
+    wg, wu, wd = (mxfp8_gemm.quantize_weight(w, rounding) for w in (w_gate, w_up, w_down))
     x_q, x_s = mx.quantize(x, -1, rounding)
-    g = mxfp8.mx_nt(layout, x_q, x_s, wg.fwd_q, wg.fwd_s, dt)
-    u = mxfp8.mx_nt(layout, x_q, x_s, wu.fwd_q, wu.fwd_s, dt)
+    g = mxfp8_gemm.mx_nt(layout, x_q, x_s, wg.fwd_q, wg.fwd_s, dt)
+    u = mxfp8_gemm.mx_nt(layout, x_q, x_s, wu.fwd_q, wu.fwd_s, dt)
     h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(dt)
     h_q, h_s = mx.quantize(h, -1, rounding)
-    y = mxfp8.mx_nt(layout, h_q, h_s, wd.fwd_q, wd.fwd_s, dt)
+    y = mxfp8_gemm.mx_nt(layout, h_q, h_s, wd.fwd_q, wd.fwd_s, dt)
     # The backward needs each weight only quantized along N (its dgrad copy).
     saved_w = tuple(w._replace(fwd_q=None, fwd_s=None) for w in (wg, wu, wd))
     dtypes = (w_gate.dtype, w_up.dtype, w_down.dtype)
@@ -55,21 +55,21 @@ def _bwd(rounding, quantize_wgrad, res, dy):
     x_q, x_s, g, u, h_q, h_s, (wg, wu, wd), layout, w_dtypes = res
     dt = g.dtype
     dy = dy.astype(dt)
-    dh = mxfp8.dgrad(layout, dy, wd, rounding)
+    dh = mxfp8_gemm.dgrad(layout, dy, wd, rounding)
     h = mx.dequantize(h_q, h_s, -1, dt)
-    dw_down = mxfp8.wgrad(layout, h, dy, wd, rounding, quantize_wgrad)
+    dw_down = mxfp8_gemm.wgrad(layout, h, dy, wd, rounding, quantize_wgrad)
     g32, u32, dh32 = g.astype(jnp.float32), u.astype(jnp.float32), dh.astype(jnp.float32)
     sig = jax.nn.sigmoid(g32)
     du = (dh32 * g32 * sig).astype(dt)
     dg = (dh32 * u32 * sig * (1.0 + g32 * (1.0 - sig))).astype(dt)
-    dx = mxfp8.dgrad(layout, dg, wg, rounding)
-    dx = dx + mxfp8.dgrad(layout, du, wu, rounding)
+    dx = mxfp8_gemm.dgrad(layout, dg, wg, rounding)
+    dx = dx + mxfp8_gemm.dgrad(layout, du, wu, rounding)
     x = mx.dequantize(x_q, x_s, -1, dt)
-    dw_gate = mxfp8.wgrad(layout, x, dg, wg, rounding, quantize_wgrad)
-    dw_up = mxfp8.wgrad(layout, x, du, wu, rounding, quantize_wgrad)
+    dw_gate = mxfp8_gemm.wgrad(layout, x, dg, wg, rounding, quantize_wgrad)
+    dw_up = mxfp8_gemm.wgrad(layout, x, du, wu, rounding, quantize_wgrad)
     dws = (dw_gate, dw_up, dw_down)
     dws = tuple(d.astype(t) for d, t in zip(dws, w_dtypes.dtypes, strict=True))
-    return dx, *dws, mxfp8.no_cotangent(layout)
+    return dx, *dws, mxfp8_gemm.no_cotangent(layout)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=[], meta_fields=["dtypes"])
@@ -83,7 +83,7 @@ class _Dtypes:
 swiglu.defvjp(_fwd, _bwd)
 
 
-def swiglu_reference(x, w_gate, w_up, w_down, layout: mxfp8.Layout, rounding: str = "rceil"):
+def swiglu_reference(x, w_gate, w_up, w_down, layout: mxfp8_gemm.Layout, rounding: str = "rceil"):
     """The straightforward MXFP8 forward: round each GEMM operand through MXFP8 along the
     contracting dim (float32), then the layout's product in float32."""
     f = layout.product

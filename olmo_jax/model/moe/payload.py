@@ -10,7 +10,7 @@ carries gradients back). Traced values it needs (ragged offsets) are passed as
 `move_args`, never closed over: `move` is static data of a custom VJP. With
 precision "bf16" this is just move(x). With "mxfp8" each row is quantized along D
 (blocks of 32, e4m3 values + e8m0 scales) and packed into one uint8 array [R, D + D/32]
-(`olmo_jax.kernels.mxfp8.pack_rows`) before `move`, and dequantized to x's dtype on
+(`olmo_jax.kernels.mxfp8_quant.pack_rows`) before `move`, and dequantized to x's dtype on
 arrival: 33/64 = 0.516x the bytes of bf16 on the wire. The backward pass (a straight-
 through estimator: d dequant(quant(x)) / dx = 1) moves the cotangent back through
 move's transpose in x's dtype, like the bf16 path.
@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from olmo_jax.kernels import mxfp8 as mx
-from olmo_jax.model.mxfp8 import PRECISIONS
+from olmo_jax.kernels import mxfp8_quant as mx
+from olmo_jax.model.mxfp8_gemm import PRECISIONS
 
 
 def encode(x_RD, precision: str):

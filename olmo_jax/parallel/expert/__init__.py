@@ -24,7 +24,7 @@ import functools
 
 import jax
 
-from olmo_jax.model.config import ConfigError
+from olmo_jax.errors import ConfigError
 from olmo_jax.model.moe import sizing
 from olmo_jax.model.moe.buffer import Dispatched
 from olmo_jax.parallel.expert import allgather, ragged, rowwise

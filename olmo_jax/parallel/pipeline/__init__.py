@@ -22,7 +22,8 @@ import dataclasses
 
 from jax.sharding import Mesh
 
-from olmo_jax.model.config import ConfigError, TransformerConfig
+from olmo_jax.errors import ConfigError
+from olmo_jax.model.config import TransformerConfig
 from olmo_jax.objective import Plan
 from olmo_jax.parallel.pipeline import layout, run, schedule
 from olmo_jax.parallel.pipeline.layout import Chunking, StageLayout, chunking

@@ -45,8 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
+from olmo_jax.errors import ConfigError
 from olmo_jax.kernels.vma import varying_axes
-from olmo_jax.model.config import ConfigError
 from olmo_jax.model.params import path_name
 from olmo_jax.parallel import zero
 from olmo_jax.parallel.mesh import BATCH_AXES

@@ -1,5 +1,5 @@
 """MXFP8 GEMMs for the model: every GEMM operand quantized in blocks of 32 along that
-GEMM's contracting dimension (`olmo_jax.kernels.mxfp8`), forward and input-gradient
+GEMM's contracting dimension (`olmo_jax.kernels.mxfp8_quant`), forward and input-gradient
 GEMMs in MXFP8, weight-gradient GEMMs in the compute dtype (optionally on MXFP8-rounded
 operands too).
 
@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from olmo_jax.kernels import mxfp8 as mx
+from olmo_jax.kernels import mxfp8_quant as mx
 from olmo_jax.kernels import platform, vma
 from olmo_jax.kernels.vma import cotangent_like
 
@@ -169,7 +169,7 @@ def mx_nt(layout: Layout, a_q, a_s, bt_q, bt_s, dtype):
 
 class WeightQ(NamedTuple):
     """A weight w [.., K, N] quantized both ways, from one pass over it
-    (`olmo_jax.kernels.mxfp8.quantize_rowcol`: the fused kernel on a GPU):
+    (`olmo_jax.kernels.mxfp8_quant.quantize_rowcol`: the fused kernel on a GPU):
     fwd_q, fwd_s    along K, transposed to [.., N, K] and [.., N, K/32] (forward GEMM)
     dgrad_q, dgrad_s along N: [.., K, N] and [.., K, N/32] (input-gradient GEMM; this
                     copy, not the bf16 weight, is what the backward pass keeps)"""

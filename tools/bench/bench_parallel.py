@@ -3,7 +3,7 @@ collective bytes for ddp + rowwise, ddp + allgather, ddp + ragged (on CPU throug
 dense emulation of ragged_all_to_all, labelled so) and fsdp, as ratios measured in ONE
 run (timings are interleaved round by round, so machine noise hits all alike).
 
-    .venv/bin/python tools/bench_parallel.py [--steps 5 --rounds 3 --d-model 128 ...]
+    .venv/bin/python tools/bench/bench_parallel.py [--steps 5 --rounds 3 --d-model 128 ...]
 
 Bytes come from each compiled step's HLO (olmo_jax.planner.comms: loop bodies x trip
 counts), per device per step, and do not depend on timing. CPU tokens/s say little

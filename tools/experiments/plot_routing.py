@@ -1,6 +1,6 @@
 """Heatmap of expert load over training steps, one panel per MoE block.
 
-    python tools/plot_routing.py RUN_DIR [-o out.png]
+    python tools/experiments/plot_routing.py RUN_DIR [-o out.png]
 
 Reads {RUN_DIR}/expert_counts.jsonl (written when trainer.expert_counts_every > 0) and
 writes {RUN_DIR}/routing.png: for each block, experts on the y axis, logged steps on the x

@@ -1,9 +1,9 @@
 """The data pipeline's cost on a config's data (default configs/tiny.py: the embedded stdlib
-corpus, 32 x 257-token windows a step): grain (olmo_jax/data/pipeline.py) against the
+corpus, 32 x 257-token windows a step): grain (olmo_jax/data/stream.py) against the
 hand-written numpy loader it replaced (olmo_jax/data/loader.py at --baseline, read with
 `git show`).
 
-    python tools/bench_loader.py [--config configs/tiny.py] [--steps 400] [--step_ms 20]
+    python tools/bench/bench_loader.py [--config configs/tiny.py] [--steps 400] [--step_ms 20]
 
 Prints, for each: random-access batches/s (`batch(step)`, what evaluation and multi-process
 placement call), the first batch (the numpy loader draws a whole epoch's permutation), and
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from olmo_jax.data import build_data  # noqa: E402

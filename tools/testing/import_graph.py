@@ -1,9 +1,9 @@
 """The drawing of olmo_jax's imports, layer to layer, checked against the layer table
 (docs/ARCHITECTURE.md; tests/test_layers.py fails on any arrow running back up).
 
-    python tools/import_graph.py            # layer-to-layer edges; exit 1 on an upward arrow
-    python tools/import_graph.py --dot      # the same as a Graphviz digraph (rows as ranks)
-    python tools/import_graph.py --root DIR # another checkout's olmo_jax/ (e.g. an old commit)
+    python tools/testing/import_graph.py            # layer-to-layer edges; exit 1 on an upward arrow
+    python tools/testing/import_graph.py --dot      # the same as a Graphviz digraph (rows as ranks)
+    python tools/testing/import_graph.py --root DIR # another checkout's olmo_jax/ (e.g. an old commit)
 
 Every import statement of every module counts, at any depth (function-level imports
 too), read with `ast` without importing anything. A module belongs to the unit with the
@@ -40,7 +40,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("planner",),
     ("report",),
     ("cli",),
-    ("train", "plan", "convert", "report.__main__"),
+    ("train", "plan", "convert", "tokenize", "report.__main__"),
 )
 # A unit made of several modules or packages (names relative to olmo_jax); any other
 # unit is the module or package of its name. Imports inside one unit are free.
@@ -163,7 +163,7 @@ def dot(edges: list[Edge]) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1],
+    ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[2],
                     help="the checkout whose olmo_jax/ to read (default: this one)")
     ap.add_argument("--dot", action="store_true", help="print a Graphviz digraph")
     args = ap.parse_args(argv)

@@ -21,12 +21,12 @@ issue 17 printed next to them:
    the blocked dropless einsum, capacity buffers (capacity_factor 1.25), and
    jax.lax.ragged_dot (a dense masked product over every expert on CPU: only at <= 8
    experts). Pallas (interpret mode) is excluded.
-4. Dispatch backends under expert parallelism on 8 fake CPU devices: tools/bench_parallel
+4. Dispatch backends under expert parallelism on 8 fake CPU devices: tools/bench/bench_parallel
    (tokens/s and collective bytes per step, from the compiled HLO), in a child process;
    --no-dispatch skips it. Sections 1-3 run on one CPU device in this process, with the
    trainer's host malloc policy for one (trainer.host_malloc=auto: retain).
 
-    .venv/bin/python tools/bench_moe.py [--rounds 3] [--out bench_results.json]
+    .venv/bin/python tools/bench/bench_moe.py [--rounds 3] [--out bench_results.json]
 
 Prints Markdown tables, the matmul ceiling measured in the same run, and writes every
 number to the JSON file. On a busy machine the ratios are the numbers to read.
@@ -276,7 +276,7 @@ def efficiency_at(args, E: int) -> list[dict]:
     return rows
 
 
-# ---- 4. dispatch backends under EP (tools/bench_parallel) ------------------------------
+# ---- 4. dispatch backends under EP (tools/bench/bench_parallel) ------------------------------
 
 def dispatch_backends(args) -> tuple[list[dict], dict]:
     """The EP backends on 8 fake CPU devices, in a child process: this one runs sections 1-3
@@ -356,7 +356,7 @@ def markdown(results: dict, args) -> str:
     if results.get("dispatch"):
         p = results["dispatch_args"]
         out += ["", f"## Dispatch backends under EP: 8 fake CPU devices (data={p['data']} x "
-                f"expert={p['expert']}), tools/bench_parallel.py defaults", "",
+                f"expert={p['expert']}), tools/bench/bench_parallel.py defaults", "",
                 "| variant | tokens/s | vs rowwise | collective MB/device/step | all-to-all MB | "
                 "dropped |", "|---|---:|---:|---:|---:|---:|"]
         for r in results["dispatch"]:

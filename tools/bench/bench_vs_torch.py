@@ -2,7 +2,7 @@
 OLMoE (torch, run in .venv-oracle), the same shape (configs/bench_cpu.py), float32,
 dropless, AdamW with clipping, interleaved in rounds so both see the same machine.
 
-    .venv/bin/python tools/bench_vs_torch.py [--rounds 4] [--steps 4] [--config configs/bench_cpu.py]
+    .venv/bin/python tools/bench/bench_vs_torch.py [--rounds 4] [--steps 4] [--config configs/bench_cpu.py]
 
 Prints tokens/s for both, the ratio, achieved GFLOP/s (OLMo-core's FLOPs/token formula),
 and the machine's matmul ceiling measured in the same run.
@@ -29,7 +29,7 @@ from olmo_jax.optim import build_optimizer
 from olmo_jax.trainer.state import init_state
 from olmo_jax.trainer.step import make_train_step
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def benchmark_step(cfg):
@@ -83,7 +83,7 @@ def main() -> None:
                  n_heads=model_cfg.n_heads, num_experts=model_cfg.moe.num_experts,
                  top_k=model_cfg.moe.top_k, seq_len=t.seq_len, batch=t.global_batch_size)
     torch_proc = subprocess.Popen(
-        [args.oracle_python, str(ROOT / "tools/oracle/torch_olmoe_worker.py")],
+        [args.oracle_python, str(ROOT / "tools/testing/oracle/torch_olmoe_worker.py")],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         env=dict(os.environ, GLIBC_TUNABLES=host_memory.retain_tunables())
         if args.torch_malloc == "retain" else None,

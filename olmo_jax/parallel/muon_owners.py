@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from olmo_jax.model.config import ConfigError
+from olmo_jax.errors import ConfigError
 from olmo_jax.optim.muon import MatrixDims, leaf_name, matrix_dims, ns_flops
 from olmo_jax.parallel.zero import ParamLayout
 

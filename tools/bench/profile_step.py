@@ -1,5 +1,5 @@
 """Where a CPU train step's time goes: the trainer's compiled step of a config (default
-configs/bench_cpu.py, the tools/bench_vs_torch.py shape) run under `jax.profiler.trace`,
+configs/bench_cpu.py, the tools/bench/bench_vs_torch.py shape) run under `jax.profiler.trace`,
 XLA:CPU's per-operation timings summed by model scope (attention, routed experts, ...,
 olmo_jax.planner.hlo_cost's scopes) and by kind of operation (GEMM: a dot, a fusion
 holding one, or a CPU FFI kernel whose work is GEMMs (the experts, the attention core);
@@ -7,7 +7,7 @@ element-wise / reduce fusion, or the element-wise FFI kernels (norms, QK-norm + 
 transpose / copy; gather / scatter / dynamic slice; loop and other plumbing), as shares of
 the step's traced operation time.
 
-    .venv/bin/python tools/profile_step.py [--config configs/bench_cpu.py] [--steps 3]
+    .venv/bin/python tools/bench/profile_step.py [--config configs/bench_cpu.py] [--steps 3]
 
 Prints a Markdown table (the one kept in docs/performance.md) and the top operations.
 """
@@ -31,7 +31,7 @@ from olmo_jax.planner import comms, gpu_hlo, hlo_cost
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vs_torch import benchmark_step  # noqa: E402  (the benchmark's own step and batch)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONTAINERS = {"while", "conditional", "call"}  # their bodies' operations are traced too
 MOVES = {"transpose", "copy", "concatenate", "pad", "slice", "reshape", "broadcast", "reverse"}
 INDEXING = {"gather", "scatter", "dynamic-slice", "dynamic-update-slice", "sort", "iota"}

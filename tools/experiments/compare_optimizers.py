@@ -2,7 +2,7 @@
 embedded stdlib corpus), each at its best learning rate from a small sweep, through the
 real training loop (olmo_jax.trainer.loop.train) with the same data, seed and schedule.
 
-    .venv/bin/python tools/compare_optimizers.py [--steps 200] [--batch 32] \\
+    .venv/bin/python tools/experiments/compare_optimizers.py [--steps 200] [--batch 32] \\
         [--adamw-lrs 2e-3,4e-3,8e-3] [--muon-lrs 4e-3,8e-3,1.6e-2] [--out runs/compare_optimizers]
 
 For every (optimizer, lr) it prints the final and best training loss (mean of the last /
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(name: str, lr: float, steps: int, batch: int, out: Path) -> dict:

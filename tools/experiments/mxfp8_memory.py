@@ -1,8 +1,8 @@
 """Compiled memory of one training step, MXFP8 against bf16, from XLA's memory analysis
 (compile only: nothing is allocated or run).
 
-    .venv/bin/python tools/mxfp8_memory.py                 # configs/tiny.py x4, one device
-    .venv/bin/python tools/mxfp8_memory.py --scale 8 --json out.json
+    .venv/bin/python tools/experiments/mxfp8_memory.py                 # configs/tiny.py x4, one device
+    .venv/bin/python tools/experiments/mxfp8_memory.py --scale 8 --json out.json
 
 Both runs are `--config.model.dtype=bfloat16`; the MXFP8 run sets
 `model.moe.precision=mxfp8` and `model.attention_precision=mxfp8`. The config is
@@ -23,7 +23,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from olmo_jax import config as config_lib  # noqa: E402

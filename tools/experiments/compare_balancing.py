@@ -1,6 +1,6 @@
 """Auxiliary-loss-free balancing vs no balancing on a config (default configs/tiny.py).
 
-    python tools/compare_balancing.py [--config configs/tiny.py] [--steps 200]
+    python tools/experiments/compare_balancing.py [--config configs/tiny.py] [--steps 200]
         [--bias-rate 1e-3] [--out runs/balancing] [--with-lb-loss]
 
 Trains the config once per variant, same seed and data, and prints each run's
@@ -11,7 +11,7 @@ is 0) and the LM loss:
   bias        lb_loss_coef = 0, bias_rate = --bias-rate (aux-loss-free balancing)
   lb_loss     the config's lb_loss_coef, bias_rate = 0 (with --with-lb-loss)
 Each run writes metrics.jsonl and expert_counts.jsonl under OUT/<variant>
-(plot one with tools/plot_routing.py OUT/<variant>).
+(plot one with tools/experiments/plot_routing.py OUT/<variant>).
 """
 
 from __future__ import annotations

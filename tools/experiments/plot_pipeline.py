@@ -6,7 +6,7 @@ orange (lighter shades for later virtual stages), each cell labelled with its
 microbatch, idle cells blank; the panel title gives the schedule table's bubble fraction
 next to the textbook value and the activation slots a stage keeps (in chunks).
 
-    python tools/plot_pipeline.py [--stages 4] [--microbatches 8] [--virtual 2] [-o pipeline.png]
+    python tools/experiments/plot_pipeline.py [--stages 4] [--microbatches 8] [--virtual 2] [-o pipeline.png]
 
 The tables are the ones the trainer runs (olmo_jax/parallel/pipeline/schedule.py).
 """
@@ -23,7 +23,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from olmo_jax.parallel.pipeline import schedule as sched_lib  # noqa: E402
 from olmo_jax.report.pipeline_view import schedule_cells  # noqa: E402
 
