@@ -252,7 +252,7 @@ def build(step: CompiledStep, spec: hardware.DeviceSpec, label: str = "",
     pipe = None
     if step.plan.pipeline is not None:
         pipe = pipeline_cost.cost(step.module, step.plan.pipeline.schedule, step.plan.grad_accum,
-                             spec, dtype, mesh, accounting)
+                                  spec, dtype, mesh, accounting)
     scheduled = overlap.simulate(step.module, cost.ops, spec, dtype, mesh, accounting)
     proj = roofline.project(cost.ops, roofline.link_uses(colls), spec, dtype, mesh, tokens / n,
                             model_flops, pipe.bubble_s if pipe else 0.0,
