@@ -119,7 +119,8 @@ def _jax_bytes(module: HloModule, ins: Instruction, size: int) -> int:
 
 
 def collectives(program) -> list[Collective]:
-    """Every collective in a compiled program (a jax Compiled, Lowered, or HLO text)."""
+    """Every collective in a compiled program (a jax Compiled, HLO text, or a parsed
+    HloModule)."""
     module = program if isinstance(program, HloModule) else parse_module(program)
     out = []
     for ins in module.instructions:

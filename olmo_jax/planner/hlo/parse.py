@@ -2,7 +2,7 @@
 opcode, result type, operands, attributes and metadata, and the number of times one run of
 the program executes it (loop bodies times their trip counts).
 
-    module = parse_module(compiled)   # a jax Compiled / Lowered, or the HLO text
+    module = parse_module(compiled)   # a jax Compiled, or HLO text
     for ins in module.instructions:
         ins.opcode, ins.type_str, ins.operands, ins.attr("calls"), ins.op_name, ins.count
 
@@ -66,7 +66,8 @@ def _body_pattern(callee: str) -> re.Pattern:
 
 
 def hlo_text(program) -> str:
-    """The HLO text of a jax Compiled / Lowered (or the text itself)."""
+    """The HLO text of a jax Compiled (`as_text()`), or the text itself (a Lowered's is
+    `as_text(dialect="hlo")`; its default is StableHLO, which this does not read)."""
     if isinstance(program, str):
         return program
     return program.as_text()
@@ -302,7 +303,7 @@ def _contexts(comps: dict[str, list[str]]) -> dict[str, str]:
 
 
 def parse_module(program) -> HloModule:
-    """Every instruction of a compiled program (a jax Compiled, Lowered, or HLO text) with
+    """Every instruction of a program (a jax Compiled, or HLO text: hlo_text) with
     the number of times one program run executes it."""
     text = hlo_text(program)
     comps, entry = _parse(text)
