@@ -52,7 +52,7 @@ def main(argv: list[str]) -> None:
     if n < 1:
         cli.fail(f"--devices={n} must be >= 1")
     from olmo_jax.planner import hardware
-    from olmo_jax.planner.cli import run  # jax's backend starts inside run, with n devices
+    from olmo_jax.planner.command import run  # jax's backend starts inside run, with n devices
 
     if _KIND.value not in hardware.KINDS:
         cli.fail(f"--device-kind={_KIND.value}: choose one of {', '.join(hardware.KINDS)}")

@@ -21,46 +21,26 @@ A backend may widen a collective's payload (XLA:CPU sends bf16 as f32, convertin
 and after): `bytes` is what the compiled program moves, `jax_bytes` what the JAX program
 asked for (the dtype before the backend's convert), which is what a GPU sends.
 
-The parsed module itself (`parse_module`: every instruction with its execution count and
-whether it runs on its own, inside a fusion or as a per-element reducer) is public for
-other accounting built on the same walk (olmo_jax/planner: FLOPs and bytes per step).
-A conditional's branches each count every time the conditional runs (an upper bound);
-`HloModule.counted` recounts with the fraction of runs each branch takes (the planner's
-pipeline schedules) or per execution of one computation.
+The program is read by the planner's HLO reader (planner/hlo/parse.py: every instruction
+with its execution count); a conditional's branches each count every time it runs unless
+the module was recounted (`HloModule.counted`: the planner's pipeline schedules).
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
-import math
-import re
-from fractions import Fraction
+
+from olmo_jax.planner.hlo import metadata
+from olmo_jax.planner.hlo.array_types import shape_bytes, tuple_elements
+from olmo_jax.planner.hlo.parse import HloModule, Instruction, parse_module
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
          "collective-permute", "collective-broadcast")
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
-               "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-               "f8e4m3fn": 1, "f8e5m2": 1, "f8e8m0fnu": 1, "s4": 1, "u4": 1}
-
 # Named scopes set by olmo_jax.parallel (zero.py, strategy.py, expert/*).
 SCOPES = ("zero_gather", "zero_reduce", "fsdp_gather", "loss_allsum", "moe_rowwise",
           "moe_ragged", "moe_allgather", "pipe_gather", "pipe_reduce", "pipe_send",
           "muon_gather", "muon_return")
-
-_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*->.*\{\s*$")
-_INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*)$")
-_SHAPE = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
-_CALLEES = re.compile(
-    r"\b(?:body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
-_OPNAME = re.compile(r'op_name="([^"]*)"')
-_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
-_IOTA_GROUPS = re.compile(r"replica_groups=\[([\d,]+)\]<=")
-_LIST_GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
-_PARTITIONS = re.compile(r"num_partitions=(\d+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,260 +92,9 @@ class Collective:
     def purpose(self) -> str:
         """What moves, from the named scope the parallel code set (see module docstring)."""
         for scope in SCOPES:  # "a/zero_gather/b", "jvp(loss_allsum)/psum", ...
-            if re.search(rf"(^|[/(:]){scope}[/):]", self.op_name):
+            if metadata.in_collective_scope(self.op_name, scope):
                 return scope
         return "other"
-
-
-def _hlo_text(program) -> str:
-    if isinstance(program, str):
-        return program
-    return program.as_text()
-
-
-def _shape_bytes(type_str: str) -> tuple[int, tuple[str, ...]]:
-    total, shapes = 0, []
-    for dtype, dims in _SHAPE.findall(type_str):
-        if dtype not in DTYPE_BYTES:
-            continue
-        n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
-        total += n * DTYPE_BYTES[dtype]
-        shapes.append(f"{dtype}[{dims}]")
-    return total, tuple(shapes)
-
-
-def _group(line: str, n_partitions: int) -> tuple[int, tuple[str, ...]]:
-    if m := _MESH_GROUPS.search(line):
-        sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
-        axes = tuple(re.findall(r"'(\w+)'", m.group(2)))
-        return math.prod(int(sizes[a]) for a in axes), axes
-    if m := _IOTA_GROUPS.search(line):
-        return int(m.group(1).split(",")[-1]), ()
-    if m := _LIST_GROUPS.search(line):
-        return len([d for d in m.group(1).split(",") if d]), ()
-    if "source_target_pairs" in line:
-        return 2, ()
-    return n_partitions, ()
-
-
-def _parse(text: str):
-    comps: dict[str, list[str]] = {}
-    entry, current = None, None
-    for line in text.splitlines():
-        if current is None:
-            if m := _HEADER.match(line):
-                current = m.group(2)
-                comps[current] = []
-                if m.group(1):
-                    entry = current
-        elif line.startswith("}"):
-            current = None
-        else:
-            comps[current].append(line)
-    return comps, entry
-
-
-def _call_graph(comps: dict[str, list[str]]) -> dict[str, list[tuple[str, int, bool]]]:
-    """computation -> (callee, executions per execution of the caller, trip count known)."""
-    calls: dict[str, list[tuple[str, int, bool]]] = collections.defaultdict(list)
-    for name, lines in comps.items():
-        for line in lines:
-            callees = _CALLEES.findall(line)
-            if m := _BRANCHES.search(line):
-                callees += [c.strip().lstrip("%") for c in m.group(1).split(",") if c.strip()]
-            if not callees:
-                continue
-            is_while = re.search(r"\swhile\(", line) is not None
-            trip = _TRIP.search(line)
-            n = int(trip.group(1)) if trip else 1
-            for callee in callees:
-                if is_while and re.search(rf"body=%?{re.escape(callee)}\b", line):
-                    calls[name].append((callee, n, trip is not None))
-                elif is_while:  # condition: runs trip + 1 times; it holds no collectives
-                    calls[name].append((callee, n + 1 if trip else 1, trip is not None))
-                else:
-                    calls[name].append((callee, 1, True))
-    return dict(calls)
-
-
-def _multipliers(calls: dict[str, list[tuple[str, int, bool]]], entry: str,
-                 weights: dict[str, Fraction] | None = None
-                 ) -> tuple[dict[str, int | float], dict[str, bool]]:
-    """Executions of each computation per run of `entry` (call graph is a DAG). A callee in
-    `weights` runs that fraction of its caller's executions (a conditional's branch)."""
-    weights = weights or {}
-    mult: dict[str, Fraction] = collections.defaultdict(Fraction)
-    known: dict[str, bool] = collections.defaultdict(lambda: True)
-    order: list[str] = []
-    seen: set[str] = set()
-
-    def visit(c):  # post-order for a topological order
-        if c in seen:
-            return
-        seen.add(c)
-        for callee, _, _ in calls.get(c, ()):
-            visit(callee)
-        order.append(c)
-
-    visit(entry)
-    mult[entry] = Fraction(1)
-    for c in reversed(order):
-        for callee, factor, ok in calls.get(c, ()):
-            mult[callee] += mult[c] * factor * weights.get(callee, 1)
-            known[callee] = known[callee] and known[c] and ok
-    return {c: _number(n) for c, n in mult.items()}, known
-
-
-def _number(x: Fraction) -> int | float:
-    return int(x) if x.denominator == 1 else float(x)
-
-
-@dataclasses.dataclass(frozen=True)
-class Instruction:
-    """One HLO instruction of a parsed module."""
-
-    name: str
-    computation: str
-    type_str: str  # the result type, e.g. "bf16[8,128]{1,0}" or a tuple "(f32[], s32[4])"
-    opcode: str
-    args: str  # the text after "opcode(": operands, then attributes
-    is_root: bool
-    count: int | float  # executions per program run (0: unreachable from the entry; a
-    # float only where HloModule.counted splits a conditional's executions between branches)
-    trip_counts_known: bool
-    # "top": runs as its own operation; "fused": inside a fusion (one kernel with its
-    # fusion instruction); "applied": in a reducer / comparator applied per element.
-    context: str
-
-    @property
-    def op_name(self) -> str:
-        return m.group(1) if (m := _OPNAME.search(self.args)) else ""
-
-    @property
-    def operands(self) -> list[str]:
-        """The operands (the text up to the closing parenthesis): instruction names, or
-        "name#i" for element i of a tuple-shaped instruction (HloModule.type_of)."""
-        depth, end = 1, len(self.args)
-        for i, ch in enumerate(self.args):
-            depth += {"(": 1, ")": -1}.get(ch, 0)
-            if depth == 0:
-                end = i
-                break
-        return _OPERAND.findall(self.args[:end])
-
-    def attr(self, key: str) -> str | None:
-        m = re.search(rf"\b{re.escape(key)}=(\{{[^}}]*\}}|%?[\w.\-]+)", self.args)
-        return m.group(1) if m else None
-
-
-_OPERAND = re.compile(r"%([\w.\-]+(?:#\d+)?)")
-
-
-def tuple_elements(type_str: str) -> list[str]:
-    """The element types of a tuple type string (one element for an array type)."""
-    text = re.sub(r"/\*.*?\*/", "", type_str).strip()
-    if not text.startswith("("):
-        return [text]
-    out, depth, start = [], 0, 1
-    for i, ch in enumerate(text[1:-1], 1):
-        depth += ch in "([{"
-        depth -= ch in ")]}"
-        if ch == "," and depth == 0:
-            out.append(text[start:i].strip())
-            start = i + 1
-    last = text[start:-1].strip()
-    return out + [last] if last else out
-
-
-@dataclasses.dataclass(frozen=True)
-class HloModule:
-    instructions: list[Instruction]
-    by_name: dict[str, Instruction]
-    roots: dict[str, Instruction]  # computation -> its ROOT instruction
-    num_partitions: int
-    calls: dict = dataclasses.field(default_factory=dict, repr=False)  # _call_graph
-    entry: str = ""
-
-    def counted(self, weights: dict[str, Fraction] | None = None,
-                root: str | None = None) -> HloModule:
-        """This module with its execution counts recomputed. `weights`: conditional branch
-        computations -> the fraction of their conditional's executions that take them (the
-        default walk runs every branch every time, which over-counts a branch a schedule
-        takes on some ticks only); `root`: counts per execution of that computation instead
-        of per program run (what it does not reach counts 0)."""
-        mult, known = _multipliers(self.calls, root or self.entry, weights)
-        out = [dataclasses.replace(i, count=mult.get(i.computation, 0),
-                                   trip_counts_known=known[i.computation])
-               for i in self.instructions]
-        by_name = {i.name: i for i in out}
-        return HloModule(out, by_name, {c: by_name[r.name] for c, r in self.roots.items()},
-                         self.num_partitions, self.calls, self.entry)
-
-    def instruction(self, ref: str) -> Instruction | None:
-        """The instruction an operand reference ("name" or "name#i") points into."""
-        return self.by_name.get(ref.split("#", 1)[0])
-
-    def type_of(self, ref: str) -> str:
-        """The type of an operand reference: element i of a tuple for "name#i"."""
-        ins = self.instruction(ref)
-        if ins is None:
-            return ""
-        if "#" in ref:
-            elems = tuple_elements(ins.type_str)
-            i = int(ref.split("#", 1)[1])
-            return elems[i] if i < len(elems) else ""
-        return ins.type_str
-
-
-def _contexts(comps: dict[str, list[str]]) -> dict[str, str]:
-    """How each computation runs: inside a fusion, applied per element, or on its own."""
-    ctx: dict[str, str] = {}
-    for lines in comps.values():
-        for line in lines:
-            m = _INSTR.match(line)
-            if not m:
-                continue
-            for attr, callee in re.findall(r"\b(calls|to_apply)=%?([\w.\-]+)", line):
-                if attr == "to_apply":
-                    ctx[callee] = "applied"
-                elif m.group(4) == "fusion":
-                    ctx[callee] = "fused"
-    # A computation called from a fused/applied one inherits that context.
-    changed = True
-    while changed:
-        changed = False
-        for name, lines in comps.items():
-            if name not in ctx:
-                continue
-            for line in lines:
-                for callee in _CALLEES.findall(line):
-                    if ctx.get(callee) != ctx[name] and ctx.get(callee, "top") == "top":
-                        ctx[callee], changed = ctx[name], True
-    return ctx
-
-
-def parse_module(program) -> HloModule:
-    """Every instruction of a compiled program (a jax Compiled, Lowered, or HLO text) with
-    the number of times one program run executes it."""
-    text = _hlo_text(program)
-    comps, entry = _parse(text)
-    if entry is None:
-        raise ValueError("no ENTRY computation in the HLO text")
-    calls = _call_graph(comps)
-    mult, known = _multipliers(calls, entry)
-    ctx = _contexts(comps)
-    out, roots = [], {}
-    for comp, lines in comps.items():
-        for line in lines:
-            if m := _INSTR.match(line):
-                ins = Instruction(m.group(2), comp, m.group(3), m.group(4), m.group(5),
-                                  bool(m.group(1)), mult.get(comp, 0), known[comp],
-                                  ctx.get(comp, "top"))
-                out.append(ins)
-                if ins.is_root:
-                    roots[comp] = ins
-    n_part = int(m.group(1)) if (m := _PARTITIONS.search(text)) else 1
-    return HloModule(out, {i.name: i for i in out}, roots, n_part, calls, entry)
 
 
 def _narrowed_source(module: HloModule, operand: str) -> str | None:
@@ -384,13 +113,14 @@ def _jax_bytes(module: HloModule, ins: Instruction, size: int) -> int:
     src_types = [_narrowed_source(module, o) for o in ins.operands]
     if not src_types or any(t is None for t in src_types):
         return size
-    src_bytes = sum(_shape_bytes(t)[0] for t in src_types)
-    op_bytes = sum(_shape_bytes(module.type_of(o))[0] for o in ins.operands)
+    src_bytes = sum(shape_bytes(t)[0] for t in src_types)
+    op_bytes = sum(shape_bytes(module.type_of(o))[0] for o in ins.operands)
     return size * src_bytes // op_bytes if 0 < src_bytes < op_bytes else size
 
 
 def collectives(program) -> list[Collective]:
-    """Every collective in a compiled program (a jax Compiled, Lowered, or HLO text)."""
+    """Every collective in a compiled program (a jax Compiled, HLO text, or a parsed
+    HloModule)."""
     module = program if isinstance(program, HloModule) else parse_module(program)
     out = []
     for ins in module.instructions:
@@ -398,15 +128,15 @@ def collectives(program) -> list[Collective]:
         kind = op[: -len("-start")] if op.endswith("-start") else op
         if kind not in KINDS or op.endswith("-done"):
             continue
-        size, shapes = _shape_bytes(ins.type_str)
+        size, shapes = shape_bytes(ins.type_str)
         parts = tuple_elements(ins.type_str)
         if op.endswith("-start") and len(parts) > 1 and (
                 parts[0].startswith("(") or kind in ("all-gather", "collective-permute")):
             # An async start's ((operands), results[, context]) (XLA:GPU: every kind, one
             # array or a tuple of them for a combined collective), or an older (operand,
             # result, ...) all-gather / collective-permute: count the results.
-            size, shapes = _shape_bytes(parts[1])
-        group, axes = _group(ins.args, module.num_partitions)
+            size, shapes = shape_bytes(parts[1])
+        group, axes = ins.replica_group(module.num_partitions)
         if kind == "reduce-scatter":
             size *= group
         out.append(Collective(kind, ins.name, ins.computation, shapes, size, group, axes,
@@ -415,9 +145,21 @@ def collectives(program) -> list[Collective]:
     return out
 
 
-def num_partitions(program) -> int:
-    m = _PARTITIONS.search(_hlo_text(program))
-    return int(m.group(1)) if m else 1
+def all_to_all_ops(program) -> list[int]:
+    """Bytes delivered by each all-to-all op of a program, in text order: the result type
+    of each synchronous `all-to-all` and of each `all-to-all-done` (an async pair counted
+    once), tuple results summed. Use the HLO as lowered
+    (`jit(f).lower(...).as_text(dialect="hlo")`) to compare payload dtypes (the expert
+    dispatch's, model/moe/payload.py): XLA:CPU widens bf16 collectives to f32 when it
+    compiles."""
+    module = program if isinstance(program, HloModule) else parse_module(program)
+    return [shape_bytes(ins.type_str)[0] for ins in module.instructions
+            if ins.opcode in ("all-to-all", "all-to-all-done")]
+
+
+def all_to_all_bytes(program) -> int:
+    """Total bytes of all_to_all_ops(program)."""
+    return sum(all_to_all_ops(program))
 
 
 def summary(colls: list[Collective]) -> list[dict]:

@@ -30,7 +30,7 @@ cuDNN's, report.py takes the core's [T, S] buffers off), not the CPU's FFI kerne
 (olmo_jax/kernels/cpu_attention.py), which `kind="cpu"` and the trainer's step keep.
 
 A pipelined step's module is counted with each pipeline branch run as often as the
-schedule runs it, averaged over the stages (pipeline.branch_weights).
+schedule runs it, averaged over the stages (pipeline_cost.branch_weights).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from olmo_jax.kernels import platform
 from olmo_jax.model import TransformerConfig
 from olmo_jax.optim import build_optimizer
 from olmo_jax.parallel.strategy import ParallelPlan, build_plan
-from olmo_jax.planner import comms, memory, pipeline
+from olmo_jax.planner import hlo, memory, pipeline_cost
 from olmo_jax.trainer import guard as guard_lib
 from olmo_jax.trainer.state import TrainState, abstract_train_state
 from olmo_jax.trainer.step import make_train_step
@@ -63,7 +63,7 @@ class CompiledStep:
     model_cfg: TransformerConfig
     plan: ParallelPlan
     compiled: jax.stages.Compiled
-    module: comms.HloModule  # pipeline branches counted per the schedule (module docstring)
+    module: hlo.HloModule  # pipeline branches counted per the schedule (module docstring)
     state: TrainState  # of ShapeDtypeStructs with their shardings
     shardings: TrainState
     batch: jax.ShapeDtypeStruct
@@ -148,8 +148,8 @@ def compile_train_step(cfg: ml_collections.ConfigDict, devices, *, trainer_step:
             gpu_text = memory.gpu_module_file(Path(dump))
             program = gpu_text.read_text() if gpu_text else compiled
     t2 = time.perf_counter()
-    module = comms.parse_module(program)
+    module = hlo.parse_module(program)
     if plan.pipeline is not None:
-        module = module.counted(pipeline.branch_weights(module, plan.pipeline.schedule))
+        module = module.counted(pipeline_cost.branch_weights(module, plan.pipeline.schedule))
     return CompiledStep(cfg, model_cfg, plan, compiled, module, state, shardings, batch,
                         t1 - t0, t2 - t1, live_range, lowered, assignment)

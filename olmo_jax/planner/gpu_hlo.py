@@ -1,7 +1,7 @@
 """What a compiled XLA:GPU program runs, read from its HLO: the collectives by kind and the
 library / kernel custom calls, so a test or a plan can say which path a step took.
 
-    module = comms.parse_module(compiled)          # or pass the Compiled / the HLO text
+    module = hlo.parse_module(compiled)            # or pass the Compiled / the HLO text
     collective_counts(module)   # Counter: all-to-all 6, ragged-all-to-all 2, ...
     block_scaled_dots(module)   # cuDNN MXFP8 GEMMs (jax.nn.scaled_matmul on Blackwell)
     cudnn_attention(module)     # cuDNN fused attention (forward and backward calls)
@@ -50,11 +50,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import math
-import re
 
-from olmo_jax.planner import comms
+from olmo_jax.planner import hlo
+from olmo_jax.planner.hlo import backend_config
+from olmo_jax.planner.hlo.array_types import dims
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
                "collective-permute", "collective-broadcast")
@@ -67,11 +67,10 @@ CPU_ATTENTION = {"olmo_cpu_attention_fwd": 2, "olmo_cpu_attention_bwd": 5}  # GE
 CPU_FFI = frozenset({*CPU_SWIGLU, *CPU_ATTENTION, "olmo_cpu_attention_prep_fwd",
                      "olmo_cpu_attention_prep_bwd", "olmo_cpu_rms_norm_fwd",
                      "olmo_cpu_rms_norm_bwd"})
-_TARGET = re.compile(r'custom_call_target="([^"]+)"')
 
 
-def _module(program) -> comms.HloModule:
-    return program if isinstance(program, comms.HloModule) else comms.parse_module(program)
+def _module(program) -> hlo.HloModule:
+    return program if isinstance(program, hlo.HloModule) else hlo.parse_module(program)
 
 
 def _collective_kind(opcode: str) -> str | None:
@@ -84,7 +83,7 @@ def _collective_kind(opcode: str) -> str | None:
 
 def collective_counts(program, executions: bool = False) -> collections.Counter:
     """Collectives by kind (COLLECTIVES): instructions in the program, or with `executions`
-    the times one run executes them (loop trip counts multiplied, comms.parse_module)."""
+    the times one run executes them (loop trip counts multiplied, hlo.parse_module)."""
     out: collections.Counter = collections.Counter()
     for ins in _module(program).instructions:
         if (kind := _collective_kind(ins.opcode)) is not None:
@@ -104,11 +103,9 @@ def custom_calls(program, prefix: str = "") -> list[CustomCall]:
     """Every custom call whose target starts with `prefix`."""
     out = []
     for ins in _module(program).instructions:
-        if ins.opcode != "custom-call":
-            continue
-        m = _TARGET.search(ins.args)
-        if m and m.group(1).startswith(prefix):
-            out.append(CustomCall(ins.name, m.group(1), ins.op_name, ins.count))
+        target = ins.custom_call_target
+        if target is not None and target.startswith(prefix):
+            out.append(CustomCall(ins.name, target, ins.op_name, ins.count))
     return out
 
 
@@ -138,111 +135,59 @@ def mosaic_gpu_kernels(program) -> list[MosaicKernel]:
     """The Pallas Mosaic GPU kernel calls of the program."""
     out = []
     for ins in _module(program).instructions:
-        if ins.opcode != "custom-call":
-            continue
-        m = _TARGET.search(ins.args)
-        if m and m.group(1) in MOSAIC_GPU:
+        if ins.custom_call_target in MOSAIC_GPU:
             out.append(MosaicKernel(ins.name, ins.op_name, "wgmma" in ins.args, ins.count))
     return out
 
 
-_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\s*\[([^\]]*)\]')
-_SCORES = re.compile(r'"intermediate_tensor_shape":\s*\{[^{}]*?"dimensions":\s*\[([^\]]*)\]')
-_CAUSAL = re.compile(r'"mask_type":\s*"CAUSAL"')
-_COST = re.compile(r'cost_estimate_json\s*=\s*"((?:[^"\\]|\\.)*)"')
+def call_target(ins: hlo.Instruction) -> str | None:
+    """The custom call target of `ins` (None for other opcodes)."""
+    return ins.custom_call_target
 
 
-def _dims(type_str: str) -> list[int]:
-    m = re.search(r"\b[a-z]\w*\[([\d,]*)\]", type_str)
-    return [int(d) for d in m.group(1).split(",") if d] if m else []
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x.strip().strip('"')) for x in text.split(",") if x.strip()]
-
-
-def call_target(ins: comms.Instruction) -> str | None:
-    m = _TARGET.search(ins.args) if ins.opcode == "custom-call" else None
-    return m.group(1) if m else None
-
-
-def custom_call_dot_flops(module: comms.HloModule, ins: comms.Instruction) -> float:
+def custom_call_dot_flops(module: hlo.HloModule, ins: hlo.Instruction) -> float:
     """Matmul FLOPs of one execution of a custom call (module docstring); 0 for others."""
     target = call_target(ins)
     if target is None:
         return 0.0
-    out = math.prod(_dims(ins.type_str))
+    out = math.prod(dims(ins.type_str))
     if target.startswith("__cublas$"):
-        m = _CONTRACTING.search(ins.args)
-        lhs = _dims(module.type_of(ins.operands[0])) if ins.operands else []
-        if not m or not lhs:
+        contracting = backend_config.lhs_contracting_dimensions(ins)
+        lhs = dims(module.type_of(ins.operands[0])) if ins.operands else []
+        if contracting is None or not lhs:
             return 0.0
-        return 2.0 * out * math.prod(lhs[d] for d in _ints(m.group(1)))
+        return 2.0 * out * math.prod(lhs[d] for d in contracting)
     if target.startswith("__cudnn$fmha"):
-        m = _SCORES.search(ins.args)
-        if not m or not ins.operands:
+        scores = backend_config.intermediate_tensor_shape(ins)
+        if scores is None or not ins.operands:
             return 0.0
-        B, N, T, S = _ints(m.group(1))
-        H = math.prod(_dims(module.type_of(ins.operands[0]))) / (B * N * T)
+        B, N, T, S = scores
+        H = math.prod(dims(module.type_of(ins.operands[0]))) / (B * N * T)
         gemms = 5 if "Backward" in target else 2
-        causal = (S + 1) / (2 * S) if _CAUSAL.search(ins.args) and T == S else 1.0
+        causal = (S + 1) / (2 * S) if backend_config.causal_mask(ins) and T == S else 1.0
         return gemms * 2.0 * B * N * T * S * H * causal
     if target == BLOCK_SCALED_DOT and ins.operands:
-        lhs = _dims(module.type_of(ins.operands[0]))
+        lhs = dims(module.type_of(ins.operands[0]))
         return 2.0 * out * lhs[-1] if lhs else 0.0
     if target in CPU_SWIGLU and len(ins.operands) > CPU_SWIGLU[target][1]:
         gemms, wg = CPU_SWIGLU[target]
-        R, D = _dims(module.type_of(ins.operands[0]))
-        F = _dims(module.type_of(ins.operands[wg]))[-1]
+        R, D = dims(module.type_of(ins.operands[0]))
+        F = dims(module.type_of(ins.operands[wg]))[-1]
         return gemms * 2.0 * R * D * F
     if target in CPU_ATTENTION and ins.operands:
         from olmo_jax.kernels.cpu_attention import computed_fraction
 
-        B, T, N, H = _dims(module.type_of(ins.operands[0]))
+        B, T, N, H = dims(module.type_of(ins.operands[0]))
         return CPU_ATTENTION[target] * 2.0 * B * N * T * T * H * computed_fraction(T)
     if target in MOSAIC_GPU:
-        m = _COST.search(ins.args)
-        if m:
-            return float(json.loads(m.group(1).encode().decode("unicode_escape")).get("flops", 0))
+        estimate = backend_config.cost_estimate(ins)
+        if estimate is not None:
+            return float(estimate.get("flops", 0))
     return 0.0
 
 
 def uncounted_kernels(program) -> list[CustomCall]:
     """Mosaic GPU kernel calls that declare no cost estimate: their FLOPs are unknown."""
     return [c for c in custom_calls(program)
-            if c.target in MOSAIC_GPU and not _COST.search(_module(program).instruction(c.name).args)]
-
-
-_FLOAT = ("f32", "bf16", "f16")
-
-
-def score_buffers(program, seq_len: int) -> list[str]:
-    """Buffers of the program (values of its top-level instructions, not inside a fusion)
-    shaped like attention scores of a sequence of `seq_len`: floating point, batched (rank
-    >= 3: batch and heads before the [queries, keys] of each; a 2-D [T, H] or [rows, S]
-    value is none), the last dimension spanning keys (seq_len, or a causal query chunk's
-    end: a multiple of the chunk length Tc = seq_len / model.attention.query_chunks) and
-    the one before it spanning queries (a multiple of Tc), made inside the model's
-    `attention_scores` scope (hlo_cost.Walker.scope: its op_name, or for one without, its
-    fusion's or its neighbours'; a [B, T, heads x H] slice of the q/k/v projection, in the `attention` scope, is shaped
-    the same when heads x H = seq_len). cuDNN's fused attention makes none; the xla core
-    makes [B, K, G * Tc, S] (XLA keeps them). "name: type" of each."""
-    from olmo_jax.model.attention import query_chunks
-    from olmo_jax.planner import hlo_cost  # imports this module
-
-    tc = seq_len // query_chunks(seq_len)
-    module = _module(program)
-    walker = hlo_cost.Walker(module)
-    out = []
-    for ins in module.instructions:
-        if ins.context != "top" or ins.opcode in ("parameter", "get-tuple-element", "tuple",
-                                                  "bitcast"):
-            continue
-        if walker.scope(ins) != "attention_scores":
-            continue
-        for dtype, dims in re.findall(r"\b([a-z]\w*)\[([\d,]*)\]", ins.type_str):
-            d = [int(x) for x in dims.split(",") if x]
-            if (dtype in _FLOAT and len(d) >= 3 and d[-1] % tc == 0 and d[-1] <= seq_len
-                    and d[-2] % tc == 0 and d[-2] >= tc):
-                out.append(f"{ins.name}: {dtype}[{dims}]")
-    return out
+            if c.target in MOSAIC_GPU
+            and backend_config.cost_estimate(_module(program).instruction(c.name)) is None]

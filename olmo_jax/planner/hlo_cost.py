@@ -1,5 +1,5 @@
 """FLOPs and memory traffic of one run of a compiled program, from its HLO, loop bodies
-multiplied by their trip counts (the walk of `olmo_jax.planner.comms.parse_module`), split
+multiplied by their trip counts (the walk of `olmo_jax.planner.hlo.parse_module`), split
 by the model's named scopes into the terms of OLMo-core's FLOPs formula.
 
 Counting follows XLA's HloCostAnalysis:
@@ -29,10 +29,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-import re
 
 from olmo_jax.planner import gpu_hlo
-from olmo_jax.planner.comms import DTYPE_BYTES, KINDS, HloModule, Instruction
+from olmo_jax.planner.comms import KINDS
+from olmo_jax.planner.hlo import metadata
+from olmo_jax.planner.hlo.array_types import arrays, dims, elements, type_bytes
+from olmo_jax.planner.hlo.parse import HloModule, Instruction, parse_module
 
 # The model's named scopes (model/transformer.py, model/attention.py, model/moe/layer.py;
 # the optimizer's update: trainer/step.py),
@@ -65,30 +67,10 @@ NO_BYTES = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "w
             "opt-barrier", "all-gather-done", "all-reduce-done", "collective-permute-done",
             "async-done", "async-update", "copy-done", "send-done", "recv-done", "domain"}
 
-_ARRAY = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
-
-
-def dims(type_str: str) -> list[int]:
-    """Dimensions of the first array in an HLO type string."""
-    m = _ARRAY.search(type_str)
-    return [int(d) for d in m.group(2).split(",") if d] if m else []
-
-
-def elements(type_str: str) -> int:
-    """Elements of the first array in an HLO type string (1 for a scalar)."""
-    return math.prod(dims(type_str))
-
-
-def type_bytes(type_str: str) -> int:
-    """Bytes of every array in an HLO type string (a tuple counts all its elements)."""
-    return sum(math.prod(int(d) for d in ds.split(",") if d) * DTYPE_BYTES[dt]
-               for dt, ds in _ARRAY.findall(type_str) if dt in DTYPE_BYTES)
-
-
 def scope_of(op_name: str) -> str:
     """The innermost-listed model scope an op_name carries (SCOPES order), or 'other'."""
     for scope in SCOPES:
-        if re.search(rf"(^|[/(]){scope}([/)]|$)", op_name):
+        if metadata.in_scope(op_name, scope):
             return scope
     return OTHER
 
@@ -253,9 +235,7 @@ class Walker:
             count = elements(self.module.type_of(ins.operands[0])) - elements(ins.type_str)
             return 0.0, count * self.reducer_flops(ins.attr("to_apply")), 0.0
         if op == "reduce-window":
-            m = re.search(r"size=([\dx]+)", ins.args)
-            window = math.prod(int(s) for s in m.group(1).split("x")) if m else 1
-            count = (window - 1) * elements(ins.type_str)
+            count = (ins.window_elements - 1) * elements(ins.type_str)
             return 0.0, count * self.reducer_flops(ins.attr("to_apply")), 0.0
         if op == "scatter":
             updates = elements(self.module.type_of(ins.operands[-1]))
@@ -339,3 +319,37 @@ def program_cost(module: HloModule, loops_once: bool = False) -> ProgramCost:
     ops = [op for op in ops if op.dot_flops or op.bytes]
     return ProgramCost(dict(dots), dict(recomputed), dict(others), trans, moved, dict(by_scope),
                        ops)
+
+
+_FLOAT = ("f32", "bf16", "f16")
+
+
+def score_buffers(program, seq_len: int) -> list[str]:
+    """Buffers of the program (values of its top-level instructions, not inside a fusion)
+    shaped like attention scores of a sequence of `seq_len`: floating point, batched (rank
+    >= 3: batch and heads before the [queries, keys] of each; a 2-D [T, H] or [rows, S]
+    value is none), the last dimension spanning keys (seq_len, or a causal query chunk's
+    end: a multiple of the chunk length Tc = seq_len / model.attention.query_chunks) and
+    the one before it spanning queries (a multiple of Tc), made inside the model's
+    `attention_scores` scope (Walker.scope: its op_name, or for one without, its
+    fusion's or its neighbours'; a [B, T, heads x H] slice of the q/k/v projection, in the `attention` scope, is shaped
+    the same when heads x H = seq_len). cuDNN's fused attention makes none; the xla core
+    makes [B, K, G * Tc, S] (XLA keeps them). "name: type" of each."""
+    from olmo_jax.model.attention import query_chunks
+
+    tc = seq_len // query_chunks(seq_len)
+    module = program if isinstance(program, HloModule) else parse_module(program)
+    walker = Walker(module)
+    out = []
+    for ins in module.instructions:
+        if ins.context != "top" or ins.opcode in ("parameter", "get-tuple-element", "tuple",
+                                                  "bitcast"):
+            continue
+        if walker.scope(ins) != "attention_scores":
+            continue
+        for dtype, dims_text in arrays(ins.type_str):
+            d = [int(x) for x in dims_text.split(",") if x]
+            if (dtype in _FLOAT and len(d) >= 3 and d[-1] % tc == 0 and d[-1] <= seq_len
+                    and d[-2] % tc == 0 and d[-2] >= tc):
+                out.append(f"{ins.name}: {dtype}[{dims_text}]")
+    return out

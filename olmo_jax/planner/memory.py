@@ -15,7 +15,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-import re
 from pathlib import Path
 
 import jax
@@ -24,14 +23,11 @@ from jax.sharding import NamedSharding
 
 from olmo_jax.model.params import path_name
 from olmo_jax.parallel import zero
-from olmo_jax.planner.comms import HloModule
-from olmo_jax.planner.hlo_cost import OTHER, Walker, dims, scope_of, type_bytes
-
-_PEAK_HEADER = re.compile(r"^\s*Live ranges at \d+ \(peak\):")
-_PEAK_LINE = re.compile(r"^\s+([\w.\-]+)\{([\d,]*)\}: (\d+) bytes")
-_ALLOCATION_LINE = re.compile(r"^allocation (\d+): ")
-_VALUE_LINE = re.compile(
-    r"^\s*value: <\d+ ([\w.\-]+)(?:\{([\d,]*)\})?(?: \(phi\))? @\d+> \(size=(\d+),offset=(\d+)\)")
+from olmo_jax.planner.hlo import metadata
+from olmo_jax.planner.hlo.array_types import dims, type_bytes
+from olmo_jax.planner.hlo.dumps import buffer_slices, read_peak
+from olmo_jax.planner.hlo.parse import HloModule
+from olmo_jax.planner.hlo_cost import OTHER, Walker, scope_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,35 +78,6 @@ def param_shapes(params, plan) -> dict[tuple[int, ...], str]:
     return out
 
 
-def read_peak(live_range_text: str) -> list[tuple[str, str, int]]:
-    """(instruction, tuple index, bytes) of every value live at the peak."""
-    out, inside = [], False
-    for line in live_range_text.splitlines():
-        if _PEAK_HEADER.match(line):
-            inside = True
-            continue
-        if inside:
-            m = _PEAK_LINE.match(line)
-            if not m:
-                break
-            out.append((m.group(1), m.group(2), int(m.group(3))))
-    return out
-
-
-def buffer_slices(buffer_assignment_text: str) -> dict[tuple[str, str], tuple[int, int, int]]:
-    """(instruction, tuple index) of every value in XLA's buffer assignment -> (allocation,
-    offset, bytes): where it lies. Values that share a slice (a loop's carry and what its
-    body writes in place, a conditional's output and its branches') are one buffer."""
-    out, allocation = {}, -1
-    for line in buffer_assignment_text.splitlines():
-        if m := _ALLOCATION_LINE.match(line):
-            allocation = int(m.group(1))
-        elif m := _VALUE_LINE.match(line):
-            out.setdefault((m.group(1), m.group(2) or ""),
-                           (allocation, int(m.group(4)), int(m.group(3))))
-    return out
-
-
 def _new_bytes(covered: dict[int, list], where: tuple[int, int, int]) -> int:
     """Bytes of the slice `where` not yet in `covered` (allocation -> [(start, end)]),
     which it joins."""
@@ -154,8 +121,8 @@ class _Namer:
         if ins is None or depth > 8:
             return "other"
         op = ins.opcode
-        if op == "parameter" and (arg := re.match(r"state[.](\w+)", ins.op_name)):
-            return f"argument: {arg.group(1)}"  # the jitted step's argument name
+        if op == "parameter" and (arg := metadata.argument(ins.op_name, "state")):
+            return f"argument: {arg}"  # the jitted step's argument name
         if op == "parameter" and ins.computation in self.body_of and index:
             loop = self.body_of[ins.computation]  # carried through the loop: its start value
             init = self.module.instruction(loop.operands[0])
@@ -182,7 +149,7 @@ class _Namer:
             return f"{scope} ({'backward' if 'transpose(' in ins.op_name else 'forward'})"
         if op == "parameter":
             return "argument: batch" if ins.computation.startswith("main") else "loop state"
-        tail = re.sub(r"[.]\d+$", "", ins.op_name.rsplit("/", 1)[-1] if ins.op_name else op)
+        tail = metadata.short_name(ins.op_name or op)
         return f"other ({tail})"
 
     def _loop_buffer_update(self, ins):

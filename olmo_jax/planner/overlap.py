@@ -40,13 +40,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import re
 
 from olmo_jax.planner import comms, hardware, hlo_cost, roofline
-
-_SYNC = re.compile(r'"is_sync":\s*true')
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
-_CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
+from olmo_jax.planner.hlo import backend_config
+from olmo_jax.planner.hlo.parse import HloModule, Instruction
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,12 +114,18 @@ def _row_key(c: comms.Collective) -> tuple[str, str, str]:
     return c.kind, c.purpose, c.phase
 
 
+def _called(ins: Instruction) -> str | None:
+    """The computation an instruction's `calls` names (an async-start's wrapped one)."""
+    called = ins.computations("calls")
+    return called[0] if called else None
+
+
 class _Replay:
-    def __init__(self, module: comms.HloModule, op_s: dict[str, float],
+    def __init__(self, module: HloModule, op_s: dict[str, float],
                  coll_s: dict[str, float]):
         self.module = module
         self.op_s = op_s
-        self.order: dict[str, list[comms.Instruction]] = collections.defaultdict(list)
+        self.order: dict[str, list[Instruction]] = collections.defaultdict(list)
         self.comp_count: dict[str, float] = {}
         for ins in module.instructions:
             self.order[ins.computation].append(ins)
@@ -136,17 +139,18 @@ class _Replay:
         for ins in module.instructions:
             if ins.context != "top":
                 continue
-            if ins.opcode == "async-start" and (m := _CALLS.search(ins.args)) and m.group(1) in by_comp:
-                c = by_comp[m.group(1)]
-                self.wrapped.add(m.group(1))
+            if ins.opcode == "async-start" and (wrapped := _called(ins)) in by_comp:
+                c = by_comp[wrapped]
+                self.wrapped.add(wrapped)
                 self.links[ins.name] = _Link(_row_key(c), coll_s.get(c.name, 0.0),
-                                             not _SYNC.search(ins.args))
+                                             not backend_config.is_sync(ins))
         for c in colls:
             ins = module.instruction(c.name)
             if c.computation in self.wrapped or ins is None or ins.context != "top":
                 continue
             self.links[c.name] = _Link(_row_key(c), coll_s.get(c.name, 0.0),
-                                       ins.opcode.endswith("-start") and not _SYNC.search(ins.args))
+                                       ins.opcode.endswith("-start")
+                                       and not backend_config.is_sync(ins))
         self.memo: dict[str, _State] = {}
         self.walker: hlo_cost.Walker | None = None
 
@@ -171,7 +175,7 @@ class _Replay:
         if n > 0:
             st.add(n, self.alone(comp))
 
-    def step(self, ins: comms.Instruction, st: _State) -> None:
+    def step(self, ins: Instruction, st: _State) -> None:
         op = ins.opcode
         link = self.links.get(ins.name)
         if link is not None and link.asynchronous:
@@ -191,7 +195,7 @@ class _Replay:
                 st.t = end
         elif op == "while":
             body, cond = ins.attr("body").lstrip("%"), (ins.attr("condition") or "").lstrip("%")
-            trip = int(m.group(1)) if (m := _TRIP.search(ins.args)) else 1
+            trip = 1 if (n := ins.known_trip_count) is None else n
             self.place(cond, st)  # tested once more than the body runs
             done = 0
             while done < trip and st.free > st.t:  # a collective issued before is on the links
@@ -205,13 +209,13 @@ class _Replay:
             self.place(callee.lstrip("%"), st)
         elif op == "conditional":
             self.conditional(ins, st)
-        elif op == "async-start" and (m := _CALLS.search(ins.args)):
-            self.place(m.group(1), st)  # async compute: priced where it starts
+        elif op == "async-start" and (wrapped := _called(ins)):
+            self.place(wrapped, st)  # async compute: priced where it starts
         cost = self.op_s.get(ins.name, 0.0)
         st.t += cost
         st.compute += cost
 
-    def conditional(self, ins: comms.Instruction, st: _State) -> None:
+    def conditional(self, ins: Instruction, st: _State) -> None:
         text = ins.attr("branch_computations")
         if text:
             comps = [c.strip().lstrip("%") for c in text.strip("{}").split(",") if c.strip()]
@@ -259,17 +263,17 @@ class _Replay:
                 open_[ins.name] = collections.Counter()
         return out
 
-    def _scope(self, ins: comms.Instruction) -> str:
+    def _scope(self, ins: Instruction) -> str:
         if ins.opcode in ("while", "call", "conditional"):
             return ins.opcode
         if self.walker is None:
             self.walker = hlo_cost.Walker(self.module)
-        if ins.opcode == "async-start" and (m := _CALLS.search(ins.args)):
-            root = self.module.roots.get(m.group(1))
+        if ins.opcode == "async-start" and (wrapped := _called(ins)):
+            root = self.module.roots.get(wrapped)
             return self.walker.scope(root) if root is not None else hlo_cost.OTHER
         return self.walker.scope(ins)
 
-    def _length(self, ins: comms.Instruction) -> float:
+    def _length(self, ins: Instruction) -> float:
         if ins.name in self.links:
             return 0.0
         st = _State()
@@ -277,7 +281,7 @@ class _Replay:
         return st.t
 
 
-def simulate(module: comms.HloModule, ops: list[hlo_cost.OpCost], spec: hardware.DeviceSpec,
+def simulate(module: HloModule, ops: list[hlo_cost.OpCost], spec: hardware.DeviceSpec,
              dtype: str, mesh_shape: dict[str, int],
              accounting: roofline.Accounting = roofline.XLA_CPU_AS_GPU,
              root: str | None = None) -> Scheduled:

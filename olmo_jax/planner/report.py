@@ -18,7 +18,7 @@ its start and done, and what stays exposed), and collectives fully overlapped.
 Per-token HLO figures are per-device program FLOPs x devices / tokens per step (every
 device runs the same program on its share of the batch). In a pipelined step the stages
 take different branches of that program: per-device figures are the mean over the stages
-(planner/pipeline.py), and the projected step adds the schedule's idle time.
+(planner/pipeline_cost.py), and the projected step adds the schedule's idle time.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from olmo_jax.model.attention import query_chunks, resolve_attention_impl
 from olmo_jax.model.moe import sizing
 from olmo_jax.parallel.expert import buffer_rows, rowwise_capacity_factor
 from olmo_jax.parallel.mesh import batch_shards
-from olmo_jax.planner import comms, gpu_hlo, hardware, hlo_cost, memory, overlap, pipeline, roofline
-from olmo_jax.planner import optimizer as optimizer_lib
+from olmo_jax.planner import comms, gpu_hlo, hardware, hlo_cost, memory, overlap, pipeline_cost, roofline
+from olmo_jax.planner import optimizer_cost as optimizer_lib
 from olmo_jax.planner.compile import CompiledStep
 from olmo_jax.trainer import preflight
 
@@ -75,7 +75,7 @@ class Plan:
     peak: list[memory.PeakGroup]
     projection: roofline.Projection
     notes: list[str]
-    pipeline: pipeline.PipelineCost | None = None  # parallel.pipe > 1
+    pipeline: pipeline_cost.PipelineCost | None = None  # parallel.pipe > 1
     layer_factor: dict[str, float] = dataclasses.field(default_factory=dict)  # layer_factors
     optimizer: optimizer_lib.OptimizerCost | None = None  # the update's share, per device
     attention_impl: str = "xla"  # the attention core on the device kind (module docstring)
@@ -251,8 +251,8 @@ def build(step: CompiledStep, spec: hardware.DeviceSpec, label: str = "",
     accounting = roofline.Accounting.for_program(step.gpu_kind is not None, impl == "cudnn")
     pipe = None
     if step.plan.pipeline is not None:
-        pipe = pipeline.cost(step.module, step.plan.pipeline.schedule, step.plan.grad_accum,
-                             spec, dtype, mesh, accounting)
+        pipe = pipeline_cost.cost(step.module, step.plan.pipeline.schedule, step.plan.grad_accum,
+                                  spec, dtype, mesh, accounting)
     scheduled = overlap.simulate(step.module, cost.ops, spec, dtype, mesh, accounting)
     proj = roofline.project(cost.ops, roofline.link_uses(colls), spec, dtype, mesh, tokens / n,
                             model_flops, pipe.bubble_s if pipe else 0.0,
@@ -504,7 +504,7 @@ def _bubble_lines(plan: Plan) -> list[str]:
     if pc is None:
         return []
     virtual = f" x {pc.virtual} virtual" if pc.virtual > 1 else ""
-    order = list(pipeline.ROLES.values())
+    order = list(pipeline_cost.ROLES.values())
     ops = "; ".join(f"{label} {_secs(pc.op_s[label])}"
                     for label in sorted(pc.op_s, key=order.index))
     return [

@@ -13,7 +13,7 @@ plus the collectives on the links, and the tokens/s and MFU that follow.
              between them: the program replayed in the compiler's schedule, each
              asynchronous collective hidden by at most the compute scheduled between its
              start and done (planner/overlap.py); a pipelined step adds to each the time
-             its stages idle in the schedule (planner/pipeline.py)
+             its stages idle in the schedule (planner/pipeline_cost.py)
   MFU        model FLOPs per device (OLMo-core's formula) / step time / datasheet peak
 
 Which bytes the HBM term counts (`Accounting`): of an XLA:GPU program every operation's

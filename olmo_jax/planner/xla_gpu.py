@@ -8,7 +8,7 @@ b200 | b300` (`where`):
   here        this interpreter has the plugin: compile in-process on abstract GPUs;
   subprocess  a GPU compile venv exists (`$OLMO_JAX_GPU_PYTHON`, else .venv-gpu/bin/python
               of the checkout olmo_jax is imported from): run the planner there
-              (`python -m olmo_jax.planner.xla_gpu IN OUT`: the config pickled in, the
+              (`python -m olmo_jax.planner.command IN OUT`: the config pickled in, the
               rendered plan and its JSON out), with this checkout first on PYTHONPATH;
   fallback    neither: XLA:CPU on fake CPU devices, every plan saying so and why.
 `--compiler=xla_cpu` asks for the XLA:CPU program; `xla_gpu` refuses to fall back.
@@ -24,7 +24,6 @@ import json
 import os
 import pickle
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -89,7 +88,8 @@ def where(kind: str, compiler: str = "auto") -> Where:
 
 def run_in_gpu_venv(python: str, cfg, n_devices: int, kind: str, compare: bool,
                     config_path: str = "") -> dict:
-    """cli.run's {"text", "json"} for `cfg`, planned on XLA:GPU by the GPU venv's `python`."""
+    """command.run's {"text", "json"} for `cfg`, planned on XLA:GPU by the GPU venv's
+    `python` (its worker: olmo_jax/planner/command.py)."""
     from olmo_jax.errors import ConfigError, DataError
 
     with tempfile.TemporaryDirectory(prefix="olmo_jax_xla_gpu_") as tmp:
@@ -100,35 +100,13 @@ def run_in_gpu_venv(python: str, cfg, n_devices: int, kind: str, compare: bool,
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
         env.pop("JAX_PLATFORMS", None)  # the worker's jax must see the CUDA plugin
         env.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no CUDA driver needed
-        proc = subprocess.run([python, "-m", "olmo_jax.planner.xla_gpu", str(src), str(dst)],
+        proc = subprocess.run([python, "-m", "olmo_jax.planner.command", str(src), str(dst)],
                               env=env, capture_output=True, text=True, check=False)
         out = json.loads(dst.read_text()) if dst.exists() else None
     if out is not None and "error" in out:
         raise (DataError if out["kind"] == "DataError" else ConfigError)(out["error"])
     if proc.returncode != 0 or out is None:
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
-        raise RuntimeError(f"the XLA:GPU plan ({python} -m olmo_jax.planner.xla_gpu) failed "
+        raise RuntimeError(f"the XLA:GPU plan ({python} -m olmo_jax.planner.command) failed "
                            f"with exit code {proc.returncode}:\n{tail}")
     return out
-
-
-def _worker(src: str, dst: str) -> int:
-    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-    from olmo_jax.errors import ConfigError, DataError
-    from olmo_jax.planner import cli
-
-    args = pickle.loads(Path(src).read_bytes())
-    if not has_cuda_plugin():
-        print(f"{sys.executable} has no jax CUDA plugin", file=sys.stderr)
-        return 1
-    try:
-        out = cli.run(args["cfg"], args["n_devices"], args["kind"], args["compare"],
-                      args["config_path"], compiler="xla_gpu")
-    except (ConfigError, DataError) as e:
-        out = {"error": str(e), "kind": type(e).__name__}
-    Path(dst).write_text(json.dumps(out, default=str))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_worker(*sys.argv[1:]))

@@ -4,7 +4,7 @@ category) and "collectives" (bytes per collective per step, per device).
 Both are the planner's numbers (`python -m olmo_jax.plan`), not a second estimate: the
 config's real train step is AOT-compiled for the plan's mesh on abstract inputs, by
 XLA:GPU for a GPU device kind where the planner can (else XLA:CPU on the plan's fake CPU
-devices, labelled; `planner.cli.run`, planner/xla_gpu.py), `planner.report.build` reads
+devices, labelled; `planner.command.run`, planner/xla_gpu.py), `planner.report.build` reads
 it, and this module
 only regroups the plan's JSON (`Plan.to_json()`, what `python -m olmo_jax.plan --json`
 writes) into what the page draws: the argument bytes by part of the train state, the
@@ -18,7 +18,7 @@ mean over the stages.
 
 from __future__ import annotations
 
-from olmo_jax.planner import cli as plan_cli
+from olmo_jax.planner import command as plan_command
 from olmo_jax.planner import hardware
 
 PEAK_PARTS = 8  # the planner's JSON lists the largest groups live at the peak
@@ -40,7 +40,7 @@ def compile_plan(cfg, plan, device_kind: str) -> tuple[dict, hardware.DeviceSpec
     """The planner's plan of `cfg` on the devices of `plan`'s mesh (its JSON) and the
     device kind's spec."""
     devices = list(plan.mesh.devices.flat)
-    out = plan_cli.run(cfg, len(devices), device_kind, False, devices=devices)
+    out = plan_command.run(cfg, len(devices), device_kind, False, devices=devices)
     return out["json"]["plan"], hardware.device_spec(device_kind, len(devices))
 
 

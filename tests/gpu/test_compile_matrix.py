@@ -52,7 +52,7 @@ from olmo_jax import config as config_lib
 from olmo_jax import targets
 from olmo_jax.config import default_config
 from olmo_jax.parallel.strategy import build_plan
-from olmo_jax.planner import gpu_hlo
+from olmo_jax.planner import gpu_hlo, hlo_cost
 from olmo_jax.planner.compile import compile_train_step, model_config
 from tests.gpu import results
 
@@ -188,7 +188,7 @@ def attention_problems(cell: Cell, module, seq_len: int = SEQ_LEN) -> list[str]:
     if not {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"} <= attention:
         out.append(f"model.attention_impl=auto in bfloat16 on {cell.kind} must run cuDNN fused "
                    f"attention forward and backward: found {sorted(attention)}")
-    if scores := gpu_hlo.score_buffers(module, seq_len):
+    if scores := hlo_cost.score_buffers(module, seq_len):
         out.append(f"{len(scores)} [T, S] attention score buffers next to cuDNN's fused "
                    f"attention, e.g. {scores[:3]}")
     return out
@@ -241,7 +241,7 @@ def test_xla_attention_core_leaves_score_buffers():
     step = compile_train_step(cfg, targets.abstract_devices("h200", 1), trainer_step=True,
                               options=COMPILE_OPTIONS)
     assert not gpu_hlo.cudnn_attention(step.module)
-    scores = gpu_hlo.score_buffers(step.module, SEQ_LEN)
+    scores = hlo_cost.score_buffers(step.module, SEQ_LEN)
     m = cfg.model
     rows = m.n_heads // m.n_kv_heads * SEQ_LEN  # one query chunk at this length
     assert any(s.endswith(f",{rows},{SEQ_LEN}]") for s in scores), scores

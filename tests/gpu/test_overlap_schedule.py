@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from olmo_jax import targets
-from olmo_jax.planner import comms, hardware, hlo_cost, overlap, roofline
+from olmo_jax.planner import comms, hardware, hlo, hlo_cost, overlap, roofline
 
 SPEC = hardware.DEVICES["h200"]
 MESH_SHAPE = {"x": 4}
@@ -29,7 +29,7 @@ def _replay(mesh, fn, *shapes):
             for s, p in shapes]
     f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=tuple(p for _, p in shapes),
                               out_specs=P()))
-    module = comms.parse_module(f.lower(*args).compile().as_text())
+    module = hlo.parse_module(f.lower(*args).compile().as_text())
     ops = hlo_cost.program_cost(module).ops
     acc = roofline.Accounting.for_program(True, True)
     s = overlap.simulate(module, ops, SPEC, "bfloat16", MESH_SHAPE, acc)

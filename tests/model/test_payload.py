@@ -9,6 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from olmo_jax.kernels import mxfp8_quant as mx
 from olmo_jax.model.moe import payload
+from olmo_jax.planner import comms
 
 
 def test_transfer_values_and_gradient_through_a_permutation():
@@ -56,12 +57,12 @@ def _all_to_all_step(precision):
 def test_all_to_all_payload_bytes_and_values():
     x, f_bf16, fwd_bf16, _ = _all_to_all_step("bf16")
     _, f_mx, fwd_mx, grad_mx = _all_to_all_step("mxfp8")
-    bytes_bf16 = payload.all_to_all_bytes(fwd_bf16)
-    bytes_mx = payload.all_to_all_bytes(fwd_mx)
+    bytes_bf16 = comms.all_to_all_bytes(fwd_bf16)
+    bytes_mx = comms.all_to_all_bytes(fwd_mx)
     assert bytes_bf16 == x.nbytes // 8  # per device: all its rows (the self slot included)
     assert bytes_mx / bytes_bf16 <= 0.55, (bytes_mx, bytes_bf16)  # 33/64 = 0.516
     # The backward all-to-all carries the bf16 cotangent (straight-through).
-    assert sorted(payload.all_to_all_ops(grad_mx)) == [bytes_mx, bytes_bf16]
+    assert sorted(comms.all_to_all_ops(grad_mx)) == [bytes_mx, bytes_bf16]
     y_mx, y_bf16 = np.asarray(f_mx(x), np.float32), np.asarray(f_bf16(x), np.float32)
     expected = np.asarray(jax.jit(f_bf16)(mx.quantize_dequantize(x)), np.float32)
     np.testing.assert_array_equal(y_mx, expected)

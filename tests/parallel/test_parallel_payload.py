@@ -11,10 +11,10 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec
 
 from olmo_jax.model.config import MoEConfig
-from olmo_jax.model.moe import payload
 from olmo_jax.model.moe.layer import routed_experts
 from olmo_jax.model.moe.router import route
 from olmo_jax.parallel.expert import make_dispatcher
+from olmo_jax.planner import comms
 from tests.parallel.test_parallel_dispatch import LocalExperts
 
 EP, E, K, S, D, F = 4, 8, 2, 32, 64, 64
@@ -46,7 +46,7 @@ def _inputs():
 @pytest.mark.parametrize("kind", ["rowwise", "ragged"])
 def test_mxfp8_dispatch_payload_bytes_and_numerics(kind):
     args = _inputs()
-    ops = {p: payload.all_to_all_ops(_program(kind, p).lower(*args).as_text(dialect="hlo"))
+    ops = {p: comms.all_to_all_ops(_program(kind, p).lower(*args).as_text(dialect="hlo"))
            for p in ("bf16", "mxfp8")}
     # Forward program: the dispatch payload is the one all-to-all that changes; the
     # combine (and, for ragged on CPU, the emulation's size exchanges) stay as they were.

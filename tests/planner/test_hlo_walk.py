@@ -8,7 +8,8 @@ import re
 
 import pytest
 
-from olmo_jax.planner import comms, hlo_cost
+from olmo_jax.planner import comms, hlo, hlo_cost
+from olmo_jax.planner.hlo.array_types import tuple_elements
 
 MODULE = """HloModule m, num_partitions=4
 
@@ -70,7 +71,7 @@ DOT = 2 * 8 * 16 * 32  # 8x32 @ 32x16
 
 @pytest.fixture(scope="module")
 def module():
-    return comms.parse_module(MODULE)
+    return hlo.parse_module(MODULE)
 
 
 def test_parse_counts_contexts_and_tuple_operands(module):
@@ -81,7 +82,7 @@ def test_parse_counts_contexts_and_tuple_operands(module):
     assert module.type_of("loop#1") == "bf16[8,32]{1,0}"
     assert by["sl"].operands == ["loop#1"] and by["d"].operands == ["x", "w"]
     assert by["d"].attr("lhs_contracting_dims") == "{1}"
-    assert comms.tuple_elements("(s32[], /*index=1*/f32[2,3]{1,0}, (u8[4], f32[]))") == [
+    assert tuple_elements("(s32[], /*index=1*/f32[2,3]{1,0}, (u8[4], f32[]))") == [
         "s32[]", "f32[2,3]{1,0}", "(u8[4], f32[])"]
 
 
@@ -154,7 +155,7 @@ ENTRY %main (x0: f32[8,8]) -> (s32[], f32[8,8]) {
 def test_counted_splits_a_conditionals_runs_between_its_branches():
     from fractions import Fraction
 
-    module = comms.parse_module(COND_MODULE)
+    module = hlo.parse_module(COND_MODULE)
     one_dot = 2 * 8 * 8 * 8
     # Default: every branch runs every time the conditional does (12 loop iterations).
     assert module.by_name["d"].count == 12 and module.by_name["b"].count == 12

@@ -10,7 +10,7 @@ from fractions import Fraction
 
 import pytest
 
-from olmo_jax.planner import comms, hardware, hlo_cost, overlap, roofline
+from olmo_jax.planner import comms, hardware, hlo, hlo_cost, overlap, roofline
 
 MS = 1e-3
 # 1e9 B/s of HBM and of link: a 1 MB op or collective-permute (a pair: bus factor 1) is 1 ms.
@@ -94,7 +94,7 @@ COMPUTE = {"c1": 3 * MS, "c2": 0.5 * MS, "c3": 1.5 * MS, "c_loop1": 0.25 * MS,
 
 
 def _module(text: str = MODULE):
-    m = comms.parse_module(text)
+    m = hlo.parse_module(text)
     return m.counted({"br_true": Fraction(1, 4), "br_false": Fraction(3, 4)})
 
 

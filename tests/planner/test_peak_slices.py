@@ -4,7 +4,8 @@ body updates in place) are one buffer in its buffer assignment. Without that, th
 pipelined plan read 282.9 GB live at the peak of a 217.1 GB allocation."""
 
 from olmo_jax.planner import memory
-from olmo_jax.planner.comms import parse_module
+from olmo_jax.planner.hlo import parse_module
+from olmo_jax.planner.hlo.dumps import buffer_slices
 
 HLO = """HloModule jit_train_step
 
@@ -46,7 +47,7 @@ allocation 1: size 8192, preallocated-temp:
 
 
 def test_buffer_slices_reads_where_each_value_lies():
-    slices = memory.buffer_slices(ASSIGNMENT)
+    slices = buffer_slices(ASSIGNMENT)
     assert slices[("b", "")] == (0, 0, 1024)
     assert slices[("upd", "")] == slices[("loop", "1")] == (1, 0, 4096)
     assert slices[("half", "")] == (1, 3072, 2048)

@@ -14,7 +14,7 @@ import pytest
 from olmo_jax.config import default_config
 from olmo_jax.parallel.pipeline import schedule as sched_lib
 from olmo_jax.parallel.pipeline import textbook_bubble
-from olmo_jax.planner import hardware, pipeline, report
+from olmo_jax.planner import hardware, pipeline_cost, report
 from olmo_jax.planner.compile import compile_train_step
 
 P, V, M, BATCH, SEQ = 2, 2, 4, 16, 32
@@ -113,22 +113,22 @@ def test_as_scheduled_replays_the_branches_as_the_schedule_weights_them(plan):
                                                        ("interleaved_1f1b", 4, 2, 8)])
 def test_lockstep_pricing_of_a_table(kind, stages, virtual, micro):
     sched = sched_lib.build(kind, stages, virtual, micro)
-    even = {(pipeline.FWD, ""): 1.0, (pipeline.BWD, ""): 1.0}
-    length, busy = pipeline.lockstep(sched, even)
+    even = {(pipeline_cost.FWD, ""): 1.0, (pipeline_cost.BWD, ""): 1.0}
+    length, busy = pipeline_cost.lockstep(sched, even)
     assert length == sched.length and busy == 2 * micro * virtual
     assert 1 - busy / length == pytest.approx(sched.bubble)  # ops of one tick: the table's
     # A tick lasts the slowest stage's F + B: a backward 2x or 3.9x a forward (remat =
     # block) leaves the bubble at the textbook value (one-op ticks would make it grow).
     for b in (2.0, 3.9):
-        length_b, busy_b = pipeline.lockstep(sched, {(pipeline.FWD, ""): 1.0, (pipeline.BWD, ""): b})
+        length_b, busy_b = pipeline_cost.lockstep(sched, {(pipeline_cost.FWD, ""): 1.0, (pipeline_cost.BWD, ""): b})
         assert busy_b == pytest.approx((1 + b) * micro * virtual)
         assert 1 - busy_b / length_b == pytest.approx(sched.bubble)
-    slow_bwd = {(pipeline.FWD, ""): 1.0, (pipeline.BWD, ""): 2.0}
-    length2, busy2 = pipeline.lockstep(sched, slow_bwd)
+    slow_bwd = {(pipeline_cost.FWD, ""): 1.0, (pipeline_cost.BWD, ""): 2.0}
+    length2, busy2 = pipeline_cost.lockstep(sched, slow_bwd)
     assert busy2 == 3 * micro * virtual and length2 >= busy2
     assert 1 - busy2 / length2 >= sched.bubble - 1e-12
     # Work on the first chunk (the prologue) lengthens the ticks stage 0 runs it in.
-    extra = dict(slow_bwd) | {(pipeline.FIRST, pipeline.FWD): 0.5}
-    length3, busy3 = pipeline.lockstep(sched, extra)
+    extra = dict(slow_bwd) | {(pipeline_cost.FIRST, pipeline_cost.FWD): 0.5}
+    length3, busy3 = pipeline_cost.lockstep(sched, extra)
     assert busy3 == pytest.approx(busy2 + 0.5 * micro / stages)
     assert length3 >= length2

@@ -1,10 +1,10 @@
-"""gpu_hlo.score_buffers, the compile matrix's check that cuDNN's fused attention left no
+"""hlo_cost.score_buffers, the compile matrix's check that cuDNN's fused attention left no
 [T, S] score matrix, on a hand-written module: a score-shaped buffer made in the model's
 attention_scores scope counts; one of the same shape made elsewhere (a q/k/v projection
 slice [B, T, heads x H] with heads x H = seq_len, in the attention scope) does not, nor do
 2-D values or ones whose last dims span no query chunk."""
 
-from olmo_jax.planner import gpu_hlo
+from olmo_jax.planner import hlo_cost
 
 SEQ = 64  # one query chunk at this length
 
@@ -34,4 +34,4 @@ ENTRY %main (p0: f32[2,2,64,16], p1: bf16[2,64,192], p2: f32[128,64]) -> (f32[2,
 
 
 def test_only_score_shaped_buffers_of_the_attention_scores_scope_count():
-    assert gpu_hlo.score_buffers(MODULE, SEQ) == ["scores: f32[2,2,64,64]"]
+    assert hlo_cost.score_buffers(MODULE, SEQ) == ["scores: f32[2,2,64,64]"]

@@ -62,7 +62,7 @@ from olmo_jax.model.moe.layer import MoELayer, routed_experts  # noqa: E402
 from olmo_jax.model.moe.router import Routing  # noqa: E402
 from olmo_jax.model.moe.tiled import TILE_MULTIPLE  # noqa: E402
 from olmo_jax.optim import build_optimizer  # noqa: E402
-from olmo_jax.planner import comms, hlo_cost  # noqa: E402
+from olmo_jax.planner import comms, hlo, hlo_cost  # noqa: E402
 from olmo_jax.trainer.state import init_state  # noqa: E402
 from olmo_jax.trainer.step import make_train_step  # noqa: E402
 
@@ -257,7 +257,7 @@ def efficiency_at(args, E: int) -> list[dict]:
             # alone XLA drops it, the loss being linear in the FFN's output).
             fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
         compiled = fn.lower(*args_).compile()
-        hlo_dots = hlo_cost.program_cost(comms.parse_module(compiled)).total_dot_flops
+        hlo_dots = hlo_cost.program_cost(hlo.parse_module(compiled)).total_dot_flops
         compiled(*args_)
         fns[name] = lambda c=compiled, a=args_: c(*a)
         if name.startswith("tiled"):  # its loops run the routing's trip counts: count rows

@@ -26,7 +26,7 @@ import jax
 from jax.profiler import ProfileData
 
 from olmo_jax import host_memory
-from olmo_jax.planner import comms, gpu_hlo, hlo_cost
+from olmo_jax.planner import gpu_hlo, hlo, hlo_cost
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vs_torch import benchmark_step  # noqa: E402  (the benchmark's own step and batch)
@@ -37,7 +37,7 @@ MOVES = {"transpose", "copy", "concatenate", "pad", "slice", "reshape", "broadca
 INDEXING = {"gather", "scatter", "dynamic-slice", "dynamic-update-slice", "sort", "iota"}
 
 
-def kind_of(module: comms.HloModule, walker: hlo_cost.Walker, ins) -> str:
+def kind_of(module: hlo.HloModule, walker: hlo_cost.Walker, ins) -> str:
     ops = {ins.opcode}
     if ins.opcode == "fusion" and (callee := ins.attr("calls")):
         ops = {i.opcode for i in walker.comp[callee.lstrip("%")]}
@@ -69,7 +69,7 @@ def step_runner(cfg):
 
 def profile(cfg, steps: int):
     compiled, run = step_runner(cfg)
-    module = comms.parse_module(compiled)
+    module = hlo.parse_module(compiled)
     walker = hlo_cost.Walker(module)
     for _ in range(2):
         jax.block_until_ready(run())

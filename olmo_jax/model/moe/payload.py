@@ -15,15 +15,14 @@ arrival: 33/64 = 0.516x the bytes of bf16 on the wire. The backward pass (a stra
 through estimator: d dequant(quant(x)) / dx = 1) moves the cotangent back through
 move's transpose in x's dtype, like the bf16 path.
 
-`all_to_all_ops(hlo_text)` lists the bytes of each all-to-all op in HLO text and
-`all_to_all_bytes` sums them, for checking the saving on a real dispatcher.
+The bytes a compiled dispatcher actually moves are read from its HLO by the planner
+(`olmo_jax.planner.comms.all_to_all_ops`), which the tests use to check the saving.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -92,34 +91,3 @@ def _qt_bwd(move, precision, res, g):
 
 
 _quantized_transfer.defvjp(_qt_fwd, _qt_bwd)
-
-
-_SHAPE = re.compile(r"(pred|[sufc]\d+|bf16|f8e4m3fn|f8e8m0fnu|f8e5m2)\[([\d,]*)\]")
-_BYTES = {"pred": 1, "bf16": 2, "f8e4m3fn": 1, "f8e8m0fnu": 1, "f8e5m2": 1}
-
-
-def _shape_bytes(dtype: str, dims: str) -> int:
-    size = _BYTES.get(dtype) or int(dtype[1:]) // 8
-    return size * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
-
-
-_A2A = re.compile(r"=\s*(.*?)\s(all-to-all(?:-done)?)\(")
-
-
-def all_to_all_ops(hlo_text: str) -> list[int]:
-    """Bytes delivered by each all-to-all op of an HLO module, in text order: the result
-    type of each synchronous `all-to-all` and of each `all-to-all-done` (an async pair
-    counted once), tuple results summed. Use the HLO as lowered
-    (`jit(f).lower(...).as_text(dialect="hlo")`) to compare payload dtypes: XLA:CPU
-    widens bf16 collectives to f32 when it compiles."""
-    sizes = []
-    for line in hlo_text.splitlines():
-        m = _A2A.search(line)
-        if m:
-            sizes.append(sum(_shape_bytes(d, dims) for d, dims in _SHAPE.findall(m.group(1))))
-    return sizes
-
-
-def all_to_all_bytes(hlo_text: str) -> int:
-    """Total bytes of all_to_all_ops(hlo_text)."""
-    return sum(all_to_all_ops(hlo_text))

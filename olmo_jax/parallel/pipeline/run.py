@@ -25,7 +25,7 @@ table names. FWD and BWD each sit in a `lax.cond`: a device runs only its own op
 all devices of one stage take the same branches, so the collectives inside stay matched.
 The conds sit in named scopes (pipe_fwd, pipe_bwd; pipe_first for chunk 0's prologue,
 pipe_last for the head) that the planner reads to count each branch as often as the
-schedule runs it (olmo_jax/planner/pipeline.py).
+schedule runs it (olmo_jax/planner/pipeline_cost.py).
 Buffers have the sizes the table needs: for 1F1B at most 2P - 1 microbatches whatever M
 is; for GPipe all M.
 

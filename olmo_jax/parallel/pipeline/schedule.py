@@ -37,7 +37,7 @@ interleaved take V M + 2 (P - 1) + (V - 1) P ticks, V M - 2 (P - 1) - (V - 1) P 
 (when positive) with a forward and a backward on every stage. With a backward b times
 as long as a forward, a microbatch's F and B on a stage take 1 + b in the steady state,
 not the 2b of two one-op ticks where neighbours alternate F and B, each tick lasting a
-backward (olmo_jax/planner/pipeline.py prices the table so).
+backward (olmo_jax/planner/pipeline_cost.py prices the table so).
 """
 
 from __future__ import annotations

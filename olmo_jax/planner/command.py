@@ -5,19 +5,28 @@ abstract GPUs here or in the GPU compile venv; else (and as the labelled fallbac
 XLA:CPU's on n fake CPU devices (planner/xla_gpu.py says which). A pipelined config
 (parallel.pipe > 1) is compiled as the trainer runs it: its schedule, stages and
 stage-to-stage sends.
+
+`python -m olmo_jax.planner.command IN OUT` is the GPU compile venv's worker
+(xla_gpu.run_in_gpu_venv starts it): `run` on the pickled config IN, compiling on
+XLA:GPU, the rendered plan and its JSON (or the config's error) written to OUT.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import json
+import os
+import pickle
+import sys
+from pathlib import Path
 
 import jax
 import ml_collections
 
 from olmo_jax import targets
 from olmo_jax.config import get_path, set_path
-from olmo_jax.errors import ConfigError
+from olmo_jax.errors import ConfigError, DataError
 from olmo_jax.parallel.expert import rowwise_capacity_factor
 from olmo_jax.planner import hardware, report, xla_gpu
 from olmo_jax.planner.compile import compile_train_step
@@ -94,3 +103,23 @@ def run(cfg: ml_collections.ConfigDict, n_devices: int, kind: str, compare: bool
         text.append(report.format_comparison(plans))
         out["compare"] = [p.to_json() for p in plans]
     return {"text": "\n\n".join(text), "json": out}
+
+
+def _worker(src: str, dst: str) -> int:
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+    args = pickle.loads(Path(src).read_bytes())
+    if not xla_gpu.has_cuda_plugin():
+        print(f"{sys.executable} has no jax CUDA plugin", file=sys.stderr)
+        return 1
+    try:
+        out = run(args["cfg"], args["n_devices"], args["kind"], args["compare"],
+                  args["config_path"], compiler="xla_gpu")
+    except (ConfigError, DataError) as e:
+        out = {"error": str(e), "kind": type(e).__name__}
+    Path(dst).write_text(json.dumps(out, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_worker(*sys.argv[1:]))

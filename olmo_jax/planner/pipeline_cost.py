@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import re
 from fractions import Fraction
 
 import numpy as np
@@ -37,6 +36,8 @@ import numpy as np
 from olmo_jax.parallel.pipeline import schedule as sched_lib
 from olmo_jax.planner import comms, hlo_cost, overlap, roofline
 from olmo_jax.planner.hardware import DeviceSpec
+from olmo_jax.planner.hlo import metadata
+from olmo_jax.planner.hlo.parse import HloModule
 
 FWD, BWD = "pipe_fwd", "pipe_bwd"
 FIRST, LAST = "pipe_first", "pipe_last"
@@ -45,8 +46,6 @@ ROLES = {(FWD, ""): "forward of a chunk", (BWD, ""): "backward of a chunk",
          (FIRST, FWD): "+ embedding, dense blocks (chunk 0)",
          (LAST, FWD): "+ head and loss, forward and backward (last chunk)",
          (FIRST, BWD): "+ embedding, dense blocks backward (chunk 0)"}
-_COND = re.compile(r"(?:^|/)(pipe_fwd|pipe_bwd|pipe_first|pipe_last)/cond$")
-_WITHIN = re.compile(r"(?:^|/)(pipe_fwd|pipe_bwd)/cond/")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,22 +56,23 @@ class Branch:
     skipped: str  # the false branch's computation (the identity)
 
 
-def branches(module: comms.HloModule) -> list[Branch]:
+def branches(module: HloModule) -> list[Branch]:
     """The pipeline's conditionals in a compiled step."""
     out = []
     for ins in module.instructions:
-        if ins.opcode != "conditional" or not (m := _COND.search(ins.op_name)):
+        if ins.opcode != "conditional" or not (
+                found := metadata.cond_scope(ins.op_name, (FWD, BWD, FIRST, LAST))):
             continue
-        comps = [c.strip().lstrip("%") for c in
-                 (ins.attr("branch_computations") or "").strip("{}").split(",") if c.strip()]
+        role, before = found
+        comps = ins.computations("branch_computations")
         if not comps and ins.attr("true_computation"):  # a predicated conditional (XLA:GPU)
             comps = [ins.attr(k).lstrip("%") for k in ("false_computation", "true_computation")]
         if len(comps) != 2:
             raise ValueError(f"pipeline conditional {ins.name} ({ins.op_name}) has "
                              f"{len(comps)} branches, expected the two of a lax.cond")
-        outer = _WITHIN.findall(ins.op_name[: m.start()] + "/")
-        within = outer[-1] if m.group(1) in (FIRST, LAST) and outer else ""
-        out.append(Branch(m.group(1), within, comps[1], comps[0]))
+        outer = metadata.conds_within(before + "/", (FWD, BWD))
+        within = outer[-1] if role in (FIRST, LAST) and outer else ""
+        out.append(Branch(role, within, comps[1], comps[0]))
     return out
 
 
@@ -98,7 +98,7 @@ def shares(schedule: sched_lib.Schedule) -> dict[tuple[str, str], Fraction]:
             (FIRST, BWD): Fraction(int((bwd & (kb == 0)).sum()), int(bwd.sum()))}
 
 
-def branch_weights(module: comms.HloModule, schedule: sched_lib.Schedule
+def branch_weights(module: HloModule, schedule: sched_lib.Schedule
                    ) -> dict[str, Fraction]:
     """Branch computation -> the share of its conditional's runs that take it (for
     HloModule.counted). Raises ValueError when the compiled step does not hold the
@@ -167,7 +167,7 @@ class PipelineCost:
                                            "bubble_scheduled_s": self.bubble_scheduled_s}
 
 
-def _seconds(module: comms.HloModule, root: str, weights: dict[str, Fraction],
+def _seconds(module: HloModule, root: str, weights: dict[str, Fraction],
              spec: DeviceSpec, dtype: str, mesh: dict[str, int],
              accounting: roofline.Accounting) -> tuple[float, float, float]:
     """(nothing overlapped, collectives overlapped, as scheduled) seconds of one run of
@@ -196,7 +196,7 @@ def lockstep(schedule: sched_lib.Schedule, op_s: dict[tuple[str, str], float]
     return float(cell.max(axis=1).sum()), float(cell.sum() / schedule.stages)
 
 
-def cost(module: comms.HloModule, schedule: sched_lib.Schedule, passes: int,
+def cost(module: HloModule, schedule: sched_lib.Schedule, passes: int,
          spec: DeviceSpec, dtype: str, mesh: dict[str, int],
          accounting: roofline.Accounting = roofline.XLA_CPU_AS_GPU) -> PipelineCost:
     """`module`: the compiled step (any counts); `passes`: table passes per step;
