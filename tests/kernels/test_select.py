@@ -6,6 +6,7 @@ no model module choosing a kernel from a context variable."""
 import ast
 import dataclasses
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -249,3 +250,36 @@ def test_no_model_module_chooses_a_kernel_from_a_context_variable():
     assert not found, f"model modules reading the target from a context variable: {found}"
     assert _names(root / "attention.py") & {"platform"} == set()
     assert _names(root / "moe" / "layer.py") & {"platform"} == set()
+
+
+class _Weights(NamedTuple):
+    w_gate_EDF: jax.Array
+    w_up_EDF: jax.Array
+    w_down_EFD: jax.Array
+
+    def weights(self, dtype):
+        return tuple(w.astype(dtype) for w in self)
+
+
+def test_the_platform_context_does_not_choose_the_models_grouped_matmul():
+    """The MoE layer traced inside the context the plan traces its steps in, for a B300:
+    the context sets what kernels are lowered for, never which one runs, so gmm_impl=auto
+    in a model without a plan stays the default device's (the tiled loop on this CPU, in
+    bfloat16), not the B300's ragged_dot."""
+    from olmo_jax.model.moe.layer import routed_experts
+    from olmo_jax.model.moe.router import Routing
+
+    S, D, F, E, k = 16, 64, 128, 4, 2
+    moe = MoEConfig(num_experts=E, top_k=k, expert_hidden=F)
+    idx_Sk = (jnp.arange(S * k).reshape(S, k) % E).astype(jnp.int32)
+    w_Sk = jnp.full((S, k), 0.5, jnp.float32)
+    weights = _Weights(jnp.zeros((E, D, F)), jnp.zeros((E, D, F)), jnp.zeros((E, F, D)))
+
+    def run(x_SD):
+        return routed_experts(x_SD, Routing(None, None, w_Sk, idx_Sk), weights, moe, jnp.bfloat16)
+
+    x_SD = jnp.zeros((S, D), jnp.bfloat16)
+    with platform.targeting(_kind("b300")):
+        in_context = str(jax.make_jaxpr(run)(x_SD))
+    assert "ragged_dot" not in in_context
+    assert in_context == str(jax.make_jaxpr(run)(x_SD))
