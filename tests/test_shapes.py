@@ -18,7 +18,7 @@ from olmo_jax import shapes
 from olmo_jax.kernels import grouped_matmul as gm
 from olmo_jax.kernels import mxfp8_quant as mx
 from olmo_jax.model import MoEConfig, Transformer, TransformerConfig
-from olmo_jax.model.attention import Attention, resolve_attention_impl
+from olmo_jax.model.attention import Attention, attention_impl
 from olmo_jax.model.rope import rope_tables
 
 
@@ -151,7 +151,7 @@ def test_real_model_passes_with_the_checks(seen):
     checked = {n.rsplit(".", 2)[-2] + "." + n.rsplit(".", 1)[-1] for n in seen}
     # float32 on a CPU: the attention block's element-wise work and core are the FFI
     # kernels' (attention_impl=auto -> blas), elsewhere jnp's RoPE
-    blas = resolve_attention_impl("auto", jnp.float32) == "blas"
+    blas = attention_impl("auto", jnp.float32) == "blas"
     attention = (("cpu_attention.qk_prep", "cpu_attention.causal_attention") if blas
                  else ("rope.apply_rope",))
     for want in ("Transformer.__call__", "Transformer.embed", "Transformer.blocks",

@@ -1,5 +1,5 @@
 """The attention block after its q/k/v GEMM as XLA FFI calls on CPUs
-(`model.attention_impl=blas`, auto's choice there for float32; C++ in cpu_attention.cc):
+(`model.attention_impl=blas`, olmo_jax/kernels/select.py; C++ in cpu_attention.cc):
 - `qk_prep`: QK-norm, clipping and RoPE, row by row, from the GEMM's [B, T, (N + 2K) H]
   output to q, k and v;
 - `causal_attention`: the core, flash attention's math in query blocks of 64 rows, each

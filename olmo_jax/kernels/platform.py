@@ -2,16 +2,19 @@
 devices of the mesh it runs on (never from `jax.default_backend()`), and Pallas' GPU
 interpret mode for running the GPU kernels on a CPU.
 
+Which grouped matmul and attention core a model runs is not chosen here: that is
+olmo_jax/kernels/select.py, given a Target explicitly, once per plan. The context below
+sets what the chosen kernels are lowered for (SM count, native collectives, their own
+platform checks).
+
 - `Target`: platform (cpu | gpu | tpu), CUDA compute capability, SM count, and whether
   the devices are abstract (a deviceless compile: `olmo_jax.targets`).
 - `target_of(devices)`: the Target of a list (or mesh array) of devices.
-- `targeting(target)`: inside this context every choice below is made for `target`. The
-  parallel plan traces its steps inside it (`ParallelPlan.traced`), so a step lowered for
-  abstract GPUs on a CPU host takes the GPU paths; outside any context the target is the
-  default device's.
+- `targeting(target)`: inside this context every query below answers for `target`. The
+  parallel plan traces its steps inside it (`ParallelPlan._for_target`), so a step lowered
+  for abstract GPUs on a CPU host lowers its kernels for them; outside any context the
+  target is the default device's.
 - `gpu_capability()`: (major, minor) of the target, or None when it is no CUDA GPU.
-- `pallas_gmm_supported()`: the grouped-matmul kernel is written for Hopper's wgmma
-  (sm_90); Blackwell (sm_100+) has no wgmma (tcgen05 instead), so it is Hopper only.
 - `block_scaled_mma_supported()`: Blackwell and newer, where `jax.nn.scaled_matmul`
   runs a cuDNN MXFP8 block-scaled GEMM.
 - `native_collectives()`: the target has `jax.lax.ragged_all_to_all` (GPU, TPU).
@@ -113,11 +116,6 @@ def targeting(target: Target):
 
 def gpu_capability() -> tuple[int, int] | None:
     return current_target().capability
-
-
-def pallas_gmm_supported() -> bool:
-    cc = gpu_capability()
-    return cc is not None and cc[0] == 9
 
 
 def block_scaled_mma_supported() -> bool:

@@ -1,7 +1,9 @@
 """Causal self-attention: grouped-query heads, QK RMSNorm, optional QKV clipping, RoPE.
 
-The attention core (`model.attention_impl`, resolved by `resolve_attention_impl` for the
-target platform: the mesh's devices while a step is traced):
+The attention core (`model.attention_impl`; which one runs where: the table of
+olmo_jax/kernels/select.py). A model built from a parallel plan's `plan.model_cfg` has it
+resolved for the mesh's target; a model used without a plan may leave it "auto", resolved
+by the same table for the default device, where such a model's arrays live:
   xla    a hand-written VJP (flash-attention's math without tiling) in the head-major
          layout ([B, heads, T, H]: one 4-D transpose per tensor, fused with RoPE; no 5-D
          transposes): the backward pass recomputes the probabilities from q, k and the
@@ -14,8 +16,6 @@ target platform: the mesh's devices while a step is traced):
          64-row query blocks, each block's scores one OpenBLAS SGEMM into a per-thread
          buffer, reading q, k and v in the projections' [B, T, heads, H] layout (no
          transposes); float32 on a CPU, built on first use.
-  auto   cudnn on an NVIDIA GPU in bfloat16/float16, blas on a CPU in float32 (where it
-         builds), xla elsewhere.
 QK-norm, clipping and RoPE are applied before either core.
 
 Matches Hugging Face `OlmoeAttention` (QK-norm spans all heads of q and of k; clipping
@@ -35,7 +35,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from olmo_jax import shapes
-from olmo_jax.kernels import cpu_ffi, platform
+from olmo_jax.kernels import select
+from olmo_jax.kernels.select import ATTENTION_IMPLS  # noqa: F401  (model/config.py checks with it)
 from olmo_jax.kernels.vma import cotangent_like
 from olmo_jax.model import mxfp8_gemm
 from olmo_jax.model.config import TransformerConfig
@@ -43,34 +44,13 @@ from olmo_jax.model.norm import RMSNorm
 from olmo_jax.model.params import normal_param
 from olmo_jax.model.rope import apply_rope
 
-ATTENTION_IMPLS = ("auto", "cudnn", "blas", "xla")  # model.attention_impl (resolve_attention_impl)
 
-
-def resolve_attention_impl(impl: str, dtype) -> str:
-    """`model.attention_impl` on the target platform: "cudnn", "blas" or "xla". An explicit
-    cudnn or blas where it cannot run is refused naming the field."""
-    target = platform.current_target()
-    dt = jnp.dtype(dtype)
-    half = dt in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    cpu_f32 = target.platform == "cpu" and dt == jnp.dtype(jnp.float32)
-    if impl == "auto":
-        if target.is_gpu and half:
-            return "cudnn"
-        return "blas" if cpu_f32 and cpu_ffi.available() is None else "xla"
-    if impl == "cudnn" and not (target.is_gpu and half):
-        why = f"the target is {target.describe()}" if not target.is_gpu else \
-            f"model.dtype is {dt.name}"
-        raise ValueError(
-            f"model.attention_impl=cudnn runs cuDNN's fused attention on an NVIDIA GPU in "
-            f"bfloat16/float16, but {why}; use model.attention_impl=auto or xla"
-        )
-    if impl == "blas":
-        why = (f"the target is {target.describe()}" if target.platform != "cpu" else
-               f"model.dtype is {dt.name}" if not cpu_f32 else cpu_ffi.available())
-        if why:
-            raise ValueError(f"model.attention_impl=blas runs a float32 CPU kernel, but {why}; "
-                             f"use model.attention_impl=auto or xla")
-    return impl
+def attention_impl(impl: str, dtype) -> str:
+    """The attention core the layer runs: `impl`, or for "auto" (no plan resolved it) the
+    table's choice for the default device (module docstring)."""
+    if impl != "auto":
+        return impl
+    return select.resolve_attention_impl("auto", select.local_target(), dtype)
 
 
 @shapes.check("-> B T N H")
@@ -199,7 +179,7 @@ class Attention(nnx.Module):
         self.clip_qkv = cfg.clip_qkv
         self.dtype = cfg.compute_dtype
         self.mxfp8_proj = cfg.attention_precision == "mxfp8"  # projection GEMMs in MXFP8
-        self.impl = cfg.attention_impl  # resolved when traced (the target is known then)
+        self.impl = cfg.attention_impl  # resolved by the plan (module docstring)
 
     def _proj(self, spec: str, x, w):
         return mxfp8_gemm.einsum(spec, x, w) if self.mxfp8_proj else jnp.einsum(spec, x, w)
@@ -217,7 +197,7 @@ class Attention(nnx.Module):
              self.v_proj[...].reshape(D, K * H)], axis=1,
         ).astype(dt)
         qkv_SJ = self._proj("rd,dj->rj", x_BTD.astype(dt).reshape(B * T, D), w_qkv_DJ)
-        impl = resolve_attention_impl(self.impl, dt)
+        impl = attention_impl(self.impl, dt)
         if impl == "blas":  # QK-norm, clipping, RoPE and the core: CPU FFI calls
             from olmo_jax.kernels import cpu_attention
 

@@ -77,7 +77,7 @@ class MoEConfig:
     # parallel.dispatch=ragged or allgather; rowwise dispatch (parallel.expert > 1) has fixed
     # receive slots and then uses OLMo-core's 1.25 (parallel/expert ROWWISE_CAPACITY_FACTOR).
     capacity_factor: float = 0.0
-    gmm_impl: str = "auto"  # kernels.GMM_IMPLS: auto | tiled | pallas | ragged_dot | einsum
+    gmm_impl: str = "auto"  # kernels.GMM_IMPLS; which runs where: olmo_jax/kernels/select.py
     # Expert GEMM precision (model/mxfp8_gemm.PRECISIONS): bf16 (= model.dtype) | mxfp8
     # (model/moe/mxfp8_experts.py).
     precision: str = "bf16"
@@ -212,8 +212,8 @@ class TransformerConfig:
     remat: str = "none"  # transformer.REMATS: none | block | attention
     scan_unroll: int = 1  # blocks per layer-scan iteration (= n_layers unrolls; compile time grows)
     attention_precision: str = "bf16"  # model/mxfp8_gemm.PRECISIONS: bf16 (= dtype) | mxfp8 (q/k/v/o GEMMs)
-    # attention.ATTENTION_IMPLS, the softmax(q k^T) v core (model/attention.py): auto (cuDNN
-    # fused attention on a GPU in bf16/fp16) | cudnn | xla
+    # kernels.ATTENTION_IMPLS, the softmax(q k^T) v core (model/attention.py): auto | cudnn |
+    # blas | xla; which runs where: olmo_jax/kernels/select.py
     attention_impl: str = "auto"
     moe: MoEConfig = field(default_factory=MoEConfig)
 

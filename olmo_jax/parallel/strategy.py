@@ -12,6 +12,7 @@ elementwise, runs in its own shard_map on whole matrices, each owned by one data
 rank (muon_owners.py, `optimizer_args`).
 
     plan = build_plan(cfg, model_cfg)          # validates the config against the devices
+    model_cfg = plan.model_cfg                 # kernels resolved for the mesh (plan.kernels)
     graphdef, state = init_state(model_cfg, tx, seed, dispatcher=plan.dispatcher)
     shardings = plan.state_shardings(state, tx)
     step = plan.jit_train_step(make_train_step(..., parallel=plan), shardings)
@@ -36,9 +37,9 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from olmo_jax.errors import ConfigError
-from olmo_jax.kernels import platform, resolve_gmm_impl
+from olmo_jax.kernels import platform
+from olmo_jax.kernels.select import KernelChoice, resolve_kernels
 from olmo_jax.model.abstract import abstract_model
-from olmo_jax.model.attention import resolve_attention_impl
 from olmo_jax.model.config import TransformerConfig
 from olmo_jax.model.params import compute_copy_dtype, path_name
 from olmo_jax.parallel import expert as expert_lib
@@ -63,6 +64,11 @@ class ParallelPlan:
     layouts: object  # tree of zero.ParamLayout, the params' structure
     pipeline: Pipeline | None = None  # parallel.pipe > 1
     muon: muon_lib.Ownership | None = None  # optim.name=muon: who orthogonalizes what
+    # The kernels resolved for the mesh's target (olmo_jax/kernels/select.py), and the
+    # model config the steps are built with: the one given, with those names in
+    # moe.gmm_impl and attention_impl.
+    kernels: KernelChoice | None = None
+    model_cfg: TransformerConfig | None = None
 
     def optimizer_args(self) -> dict:
         """Extra arguments of the optimizer's update on this mesh (Muon's orthogonalize)."""
@@ -156,8 +162,9 @@ class ParallelPlan:
 
     # ---- inside the shard_map --------------------------------------------------------
     def _for_target(self, fn):
-        """fn traced with every platform choice (gmm_impl auto, native collectives, kernels)
-        made for the mesh's devices."""
+        """fn traced for the mesh's devices: the kernels' lowering parameters (SM count,
+        native collectives, the Pallas kernels' platform check) read this target. The
+        kernel choice is not made here: it is `kernels`, resolved once by build_plan."""
         target = self.target
 
         @functools.wraps(fn)
@@ -290,19 +297,14 @@ def plan_target(mesh: Mesh) -> platform.Target:
     return platform.cross_lowering_target() or platform.target_of(mesh.devices)
 
 
-def check_kernels(model_cfg: TransformerConfig, target: platform.Target) -> None:
-    """The attention core and the expert GEMM implementation exist on the target (e.g.
-    model.moe.gmm_impl=pallas is Hopper only, model.attention_impl=cudnn GPU only), checked
-    when the plan is built rather than when the step is traced."""
-    m = model_cfg.moe
-    with platform.targeting(target):
-        try:
-            resolve_attention_impl(model_cfg.attention_impl, model_cfg.compute_dtype)
-            if model_cfg.n_moe_layers:
-                resolve_gmm_impl(m.gmm_impl, model_cfg.compute_dtype, m.precision,
-                                 (model_cfg.d_model, m.expert_hidden))
-        except ValueError as e:
-            raise ConfigError(str(e)) from e
+def plan_kernels(model_cfg: TransformerConfig, target: platform.Target) -> KernelChoice:
+    """The kernels `model_cfg` runs on `target` (olmo_jax/kernels/select.py), resolved when
+    the plan is built: an explicit choice that cannot run there is a ConfigError naming
+    the field. Inside platform.interpret() an explicit pallas is allowed on a CPU (tests)."""
+    try:
+        return resolve_kernels(model_cfg, target, interpret=platform.interpret_params() is not None)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
 
 
 def with_compute_dtypes(layouts, abstract_params, compute_dtype):
@@ -319,7 +321,9 @@ def build_plan(cfg, model_cfg: TransformerConfig, abstract_params=None,
                devices=None) -> ParallelPlan:
     """The plan for config `cfg` (ConfigDict with `parallel` and `trainer`). Raises
     ConfigError naming the field for a mesh that does not fit the devices, experts that
-    do not divide over `expert`, or a batch that does not divide."""
+    do not divide over `expert`, a batch that does not divide, or a kernel that cannot run
+    on the mesh's devices. The model and its steps are built with `plan.model_cfg`
+    (`model_cfg` with the kernels resolved, `plan.kernels`)."""
     p = cfg.parallel
     if p.strategy not in STRATEGIES:
         raise ConfigError(
@@ -328,7 +332,7 @@ def build_plan(cfg, model_cfg: TransformerConfig, abstract_params=None,
     if mesh.shape["pipe"] == 1:
         check_unpipelined(p)
     check_model_fits(model_cfg, mesh, p.strategy, p.dispatch)
-    check_kernels(model_cfg, plan_target(mesh))
+    kernels = plan_kernels(model_cfg, plan_target(mesh))
     check_batch(cfg.trainer.global_batch_size, mesh, cfg.trainer.grad_accum,
                 microbatches=p.microbatches)
     ep = mesh.shape["expert"]
@@ -362,4 +366,4 @@ def build_plan(cfg, model_cfg: TransformerConfig, abstract_params=None,
                 "use parallel.pipe=1 or optim.name=adamw")
         muon = muon_lib.ownership(abstract_params, layouts, mesh)
     return ParallelPlan(mesh, p.strategy, bool(p.zero1), cfg.trainer.grad_accum, dispatch,
-                        dispatcher, layouts, pipeline, muon)
+                        dispatcher, layouts, pipeline, muon, kernels, kernels.apply(model_cfg))

@@ -120,14 +120,14 @@ def compile_train_step(cfg: ml_collections.ConfigDict, devices, *, trainer_step:
     t = cfg.trainer
     tx, schedule = build_optimizer(cfg.optim, t.max_steps)
     guard_cfg = guard_lib.GuardConfig.from_trainer(t) if trainer_step else None
-    graphdef, abstract = abstract_train_state(compiled_model_cfg, tx, dispatcher=plan.dispatcher,
+    graphdef, abstract = abstract_train_state(plan.model_cfg, tx, dispatcher=plan.dispatcher,
                                               guard_cfg=guard_cfg)
     shardings = plan.state_shardings(abstract, tx)
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                          abstract, shardings)
     batch = jax.ShapeDtypeStruct(plan.batch_shape(t.global_batch_size, t.seq_len), jnp.int32,
                                  sharding=plan.batch_sharding())
-    train_step = make_train_step(graphdef, compiled_model_cfg, tx, schedule, t.grad_accum, parallel=plan,
+    train_step = make_train_step(graphdef, plan.model_cfg, tx, schedule, t.grad_accum, parallel=plan,
                                  expert_ranks=plan.mesh.shape["expert"])
     if trainer_step:
         train_step = guard_lib.guarded(train_step, guard_cfg)

@@ -26,8 +26,8 @@ from __future__ import annotations
 import dataclasses
 
 from olmo_jax import metrics, targets
-from olmo_jax.kernels import platform, resolve_gmm_impl
-from olmo_jax.model.attention import query_chunks, resolve_attention_impl
+from olmo_jax.kernels import platform, select
+from olmo_jax.model.attention import query_chunks
 from olmo_jax.model.moe import sizing
 from olmo_jax.parallel.expert import buffer_rows, rowwise_capacity_factor
 from olmo_jax.parallel.mesh import batch_shards
@@ -153,14 +153,6 @@ def tokens_per_step(step: CompiledStep) -> int:
     return t.global_batch_size * t.seq_len
 
 
-def _gmm_impl(step: CompiledStep) -> str:
-    """model.moe.gmm_impl resolved for the step's target."""
-    m = step.model_cfg.moe
-    with platform.targeting(step.plan.target):
-        return resolve_gmm_impl(m.gmm_impl, step.model_cfg.compute_dtype, m.precision,
-                                (step.model_cfg.d_model, m.expert_hidden))
-
-
 def expert_buffer_factor(step: CompiledStep) -> tuple[float | None, str]:
     """Rows the compiled expert matmuls run over, per routed (token, choice) row, from the
     dispatcher's own sizing functions, and what sets it."""
@@ -168,10 +160,10 @@ def expert_buffer_factor(step: CompiledStep) -> tuple[float | None, str]:
     S = t.global_batch_size // (t.grad_accum * plan.microbatches) // batch_shards(plan.mesh) * t.seq_len
     E, N = m.num_experts, S * m.top_k
     ep = plan.mesh.shape["expert"]
-    impl = _gmm_impl(step)
+    impl = plan.kernels.gmm  # model.moe.gmm_impl as the plan resolved it
     if not step.model_cfg.n_moe_layers:
         return None, "no MoE layers"
-    rows = buffer_rows(plan.dispatch, S, m, impl, ep)  # the dispatcher's own sizing
+    rows = buffer_rows(plan.dispatch, S, m, plan.kernels.run_padding, ep)  # the dispatcher's sizing
     if plan.dispatch == "rowwise":
         cf = rowwise_capacity_factor(m.capacity_factor)
         return rows / N, f"rowwise receive slots (capacity factor {cf})"
@@ -210,14 +202,16 @@ def layer_factors(step: CompiledStep) -> dict[str, float]:
 def attention_impl(step: CompiledStep, kind: str) -> str:
     """The attention core on device kind `kind`: what an XLA:GPU program compiled (cuDNN's
     custom calls or not); for a CPU, what its program runs (the blas FFI kernel or not);
-    else (a GPU kind planned on XLA:CPU) model.attention_impl resolved for that GPU."""
+    else (a GPU kind planned on XLA:CPU) model.attention_impl resolved for that GPU by the
+    kernel table (olmo_jax/kernels/select.py)."""
     if step.gpu_kind is not None:
         return "cudnn" if gpu_hlo.cudnn_attention(step.module) else "xla"
     if kind not in targets.KINDS:
         return "blas" if cpu_attention_kernel(step) else "xla"
     g = targets.spec(kind)
-    with platform.targeting(platform.Target("gpu", g.capability, g.num_sms, abstract=True)):
-        return resolve_attention_impl(step.model_cfg.attention_impl, step.model_cfg.compute_dtype)
+    target = platform.Target("gpu", g.capability, g.num_sms, abstract=True)
+    return select.resolve_attention_impl(step.model_cfg.attention_impl, target,
+                                         step.model_cfg.compute_dtype)
 
 
 def cpu_attention_kernel(step: CompiledStep) -> bool:
@@ -262,7 +256,7 @@ def build(step: CompiledStep, spec: hardware.DeviceSpec, label: str = "",
     peak_bytes, peak = memory.peak_groups(step.live_range, step.module, shapes,
                                           step.buffer_assignment)
     notes = list(notes or [])
-    if (step.gpu_kind is not None and _gmm_impl(step) == "ragged_dot" and formula["routed_experts"]
+    if (step.gpu_kind is not None and step.plan.kernels.gmm == "ragged_dot" and formula["routed_experts"]
             and (x := hlo["routed_experts"] / formula["routed_experts"] / (factor or 1.0)) > 1.5):
         notes.append(f"XLA:GPU compiles jax.lax.ragged_dot (model.moe.gmm_impl="
                      f"{step.model_cfg.moe.gmm_impl} resolves to ragged_dot here) as a dense "

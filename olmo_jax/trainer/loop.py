@@ -139,15 +139,16 @@ def _build(cfg: ml_collections.ConfigDict, console: Console, main: bool) -> _Run
     t_cfg = cfg.trainer
     run_dir = run_dir_lib.prepare(cfg)  # writable; no different run in it (trainer.overwrite)
     data = build_data(cfg.data, t_cfg.seq_len, t_cfg.global_batch_size, t_cfg.seed, t_cfg.cache_dir)
-    model_cfg = _model_config(cfg, data)
-    plan = build_plan(cfg, model_cfg)  # mesh, strategy, dispatcher (olmo_jax/parallel)
+    config_model_cfg = _model_config(cfg, data)  # as configured: what checkpoints record
+    plan = build_plan(cfg, config_model_cfg)  # mesh, strategy, dispatcher (olmo_jax/parallel)
+    model_cfg = plan.model_cfg  # kernels resolved for the mesh: the model is built with it
     tx, schedule = build_optimizer(cfg.optim, t_cfg.max_steps)
     guard_cfg = guard_lib.GuardConfig.from_trainer(t_cfg)
     graphdef, abstract = abstract_train_state(model_cfg, tx, dispatcher=plan.dispatcher,
                                               guard_cfg=guard_cfg)
     shardings = plan.state_shardings(abstract, tx)
     opt_bytes = plan.optimizer_bytes(abstract, tx)
-    checkpoints = RunCheckpoints(cfg, run_dir, model_cfg, console)
+    checkpoints = RunCheckpoints(cfg, run_dir, config_model_cfg, console)
     checkpoints.verify()  # the checkpoint to start from fits, before compiling
     step_fn = plan.jit_train_step(
         guard_lib.guarded(make_train_step(

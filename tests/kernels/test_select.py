@@ -1,42 +1,56 @@
-"""Choosing the grouped-matmul implementation by platform and config, and the config
-fields of the kernels and MXFP8 (clear errors naming the field and the fix)."""
+"""The kernel choice (olmo_jax/kernels/select.py): model.moe.gmm_impl and
+model.attention_impl resolved for an explicit target, once, by the parallel plan; the
+config fields of the kernels and MXFP8 (clear errors naming the field and the fix); and
+no model module choosing a kernel from a context variable."""
+
+import ast
+import dataclasses
+from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import pytest
 
+from olmo_jax import targets
 from olmo_jax.errors import ConfigError
-from olmo_jax.kernels import platform, resolve_gmm_impl
+from olmo_jax.kernels import platform, select
+from olmo_jax.kernels.select import KernelChoice, resolve_attention_impl, resolve_gmm_impl, resolve_kernels
 from olmo_jax.model.config import MoEConfig, TransformerConfig
+
+CPU = platform.Target("cpu")
 
 
 def _gpu(cc):
-    """Choices made for a GPU of capability cc (as for a mesh of such devices)."""
-    return platform.targeting(platform.Target("gpu", cc, 132, abstract=True))
+    """A GPU of capability cc (as the target of a mesh of such devices)."""
+    return platform.Target("gpu", cc, 132, abstract=True)
+
+
+def _kind(kind):
+    g = targets.spec(kind)
+    return platform.Target("gpu", g.capability, g.num_sms, abstract=True)
 
 
 def test_auto_on_cpu_is_the_tiled_loop():
-    assert jax.default_backend() == "cpu"
-    assert platform.current_target() == platform.Target("cpu")
-    assert resolve_gmm_impl("auto", jnp.bfloat16) == "tiled"
-    assert resolve_gmm_impl("auto", jnp.float32, "mxfp8") == "einsum"  # no MXFP8 tiled loop
-    assert resolve_gmm_impl("ragged_dot") == "ragged_dot"
+    assert resolve_gmm_impl("auto", CPU, jnp.bfloat16) == "tiled"
+    assert resolve_gmm_impl("auto", CPU, jnp.float32, "mxfp8") == "einsum"  # no MXFP8 tiled loop
+    assert resolve_gmm_impl("ragged_dot", CPU) == "ragged_dot"
 
 
 def test_auto_on_cpu_in_float32_is_the_blas_kernel_and_blas_is_checked():
-    assert resolve_gmm_impl("auto", jnp.float32) == "blas"  # g++ and numpy's OpenBLAS here
-    assert resolve_gmm_impl("blas", jnp.float32) == "blas"
+    assert resolve_gmm_impl("auto", CPU, jnp.float32) == "blas"  # g++ and numpy's OpenBLAS here
+    assert resolve_gmm_impl("blas", CPU, jnp.float32) == "blas"
     with pytest.raises(ValueError, match="gmm_impl=blas runs float32.*model.dtype=float32"):
-        resolve_gmm_impl("blas", jnp.bfloat16)
+        resolve_gmm_impl("blas", CPU, jnp.bfloat16)
     with pytest.raises(ValueError, match="gmm_impl=blas has no MXFP8 version"):
-        resolve_gmm_impl("blas", jnp.float32, "mxfp8")
-    with _gpu((9, 0)), pytest.raises(ValueError, match="gmm_impl=blas runs on a CPU"):
-        resolve_gmm_impl("blas", jnp.float32)
+        resolve_gmm_impl("blas", CPU, jnp.float32, "mxfp8")
+    with pytest.raises(ValueError, match="gmm_impl=blas runs on a CPU"):
+        resolve_gmm_impl("blas", _gpu((9, 0)), jnp.float32)
 
 
 def test_tiled_with_mxfp8_is_refused_naming_the_fix():
     with pytest.raises(ValueError, match="gmm_impl=tiled has no MXFP8 version.*gmm_impl=auto"):
-        resolve_gmm_impl("tiled", jnp.bfloat16, "mxfp8")
+        resolve_gmm_impl("tiled", CPU, jnp.bfloat16, "mxfp8")
 
 
 @pytest.mark.parametrize(
@@ -53,34 +67,21 @@ def test_tiled_with_mxfp8_is_refused_naming_the_fix():
     ],
 )
 def test_auto_on_gpus(cc, dtype, precision, dims, want):
-    with _gpu(cc):
-        assert resolve_gmm_impl("auto", dtype, precision, dims) == want
-
-
-def test_the_target_comes_from_the_mesh_not_the_default_backend():
-    """The CPU host lowering for GPUs: a plan over GPU devices resolves for them."""
-    with _gpu((10, 0)):
-        assert resolve_gmm_impl("auto", jnp.bfloat16, "mxfp8") == "einsum"
-    assert resolve_gmm_impl("auto", jnp.bfloat16, "mxfp8") == "einsum"  # CPU again
-    with _gpu((9, 0)):
-        assert resolve_gmm_impl("auto", jnp.bfloat16) == "pallas"
-    assert resolve_gmm_impl("auto", jnp.bfloat16) == "tiled"
+    assert resolve_gmm_impl("auto", _gpu(cc), dtype, precision, dims) == want
 
 
 def test_pallas_is_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match=r"gmm_impl=pallas needs an NVIDIA Hopper.*target is cpu"):
-        resolve_gmm_impl("pallas", jnp.bfloat16)
-    with platform.interpret():
-        assert resolve_gmm_impl("pallas", jnp.bfloat16) == "pallas"
-        assert resolve_gmm_impl("pallas", jnp.float32) == "pallas"  # interpreted: f32 tests
-    with _gpu((9, 0)):
-        with pytest.raises(ValueError, match="model.dtype=bfloat16"):
-            resolve_gmm_impl("pallas", jnp.float32)
-        with pytest.raises(ValueError, match=r"model.d_model=96 .* blocks of 64"):
-            resolve_gmm_impl("pallas", jnp.bfloat16, dims=(96, 128))
-    with _gpu((10, 0)):
-        with pytest.raises(ValueError, match=r"compute capability \(10, 0\)"):
-            resolve_gmm_impl("pallas", jnp.bfloat16)
+        resolve_gmm_impl("pallas", CPU, jnp.bfloat16)
+    # Pallas' GPU interpret mode (tests on a CPU) runs it, in float32 too
+    assert resolve_gmm_impl("pallas", CPU, jnp.bfloat16, interpret=True) == "pallas"
+    assert resolve_gmm_impl("pallas", CPU, jnp.float32, interpret=True) == "pallas"
+    with pytest.raises(ValueError, match="model.dtype=bfloat16"):
+        resolve_gmm_impl("pallas", _gpu((9, 0)), jnp.float32)
+    with pytest.raises(ValueError, match=r"model.d_model=96 .* blocks of 64"):
+        resolve_gmm_impl("pallas", _gpu((9, 0)), jnp.bfloat16, dims=(96, 128))
+    with pytest.raises(ValueError, match=r"compute capability \(10, 0\)"):
+        resolve_gmm_impl("pallas", _gpu((10, 0)), jnp.bfloat16)
 
 
 def test_config_fields_are_validated():
@@ -100,22 +101,186 @@ def test_config_fields_are_validated():
 
 
 def test_attention_impl_is_chosen_for_the_target():
-    from olmo_jax.model.attention import resolve_attention_impl
-
-    assert resolve_attention_impl("auto", jnp.bfloat16) == "xla"  # CPU
-    assert resolve_attention_impl("auto", jnp.float32) == "blas"  # CPU, float32: the FFI kernel
-    assert resolve_attention_impl("blas", jnp.float32) == "blas"
+    assert resolve_attention_impl("auto", CPU, jnp.bfloat16) == "xla"
+    assert resolve_attention_impl("auto", CPU, jnp.float32) == "blas"  # float32: the FFI kernel
+    assert resolve_attention_impl("blas", CPU, jnp.float32) == "blas"
     with pytest.raises(ValueError, match="attention_impl=blas .* model.dtype is bfloat16"):
-        resolve_attention_impl("blas", jnp.bfloat16)
-    with _gpu((9, 0)):
-        with pytest.raises(ValueError, match="attention_impl=blas .* the target is a GPU"):
-            resolve_attention_impl("blas", jnp.float32)
-        assert resolve_attention_impl("auto", jnp.bfloat16) == "cudnn"
-        assert resolve_attention_impl("auto", jnp.float32) == "xla"
-        assert resolve_attention_impl("xla", jnp.bfloat16) == "xla"
-        with pytest.raises(ValueError, match="attention_impl=cudnn .* model.dtype is float32"):
-            resolve_attention_impl("cudnn", jnp.float32)
+        resolve_attention_impl("blas", CPU, jnp.bfloat16)
+    h100 = _gpu((9, 0))
+    with pytest.raises(ValueError, match="attention_impl=blas .* the target is a GPU"):
+        resolve_attention_impl("blas", h100, jnp.float32)
+    assert resolve_attention_impl("auto", h100, jnp.bfloat16) == "cudnn"
+    assert resolve_attention_impl("auto", h100, jnp.float32) == "xla"
+    assert resolve_attention_impl("xla", h100, jnp.bfloat16) == "xla"
+    with pytest.raises(ValueError, match="attention_impl=cudnn .* model.dtype is float32"):
+        resolve_attention_impl("cudnn", h100, jnp.float32)
     with pytest.raises(ValueError, match="attention_impl=cudnn .* the target is cpu"):
-        resolve_attention_impl("cudnn", jnp.bfloat16)
+        resolve_attention_impl("cudnn", CPU, jnp.bfloat16)
     with pytest.raises(ConfigError, match="model.attention_impl='flash'"):
         TransformerConfig(attention_impl="flash").validate()
+
+
+def _model(dtype="bfloat16", precision="bf16", gmm="auto", attention="auto", d_model=128):
+    return TransformerConfig(d_model=d_model, n_heads=4, n_layers=2, dtype=dtype,
+                             attention_impl=attention,
+                             moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=256,
+                                           gmm_impl=gmm, precision=precision))
+
+
+@pytest.mark.parametrize(
+    "kind,dtype,precision,want",
+    [
+        ("cpu", "float32", "bf16", KernelChoice("blas", "blas", "none")),
+        ("cpu", "bfloat16", "bf16", KernelChoice("tiled", "xla", "tiles")),
+        ("cpu", "float32", "mxfp8", KernelChoice("einsum", "blas", "blocks")),
+        ("h200", "bfloat16", "bf16", KernelChoice("pallas", "cudnn", "none")),
+        ("h200", "float32", "bf16", KernelChoice("ragged_dot", "xla", "none")),
+        ("h200", "bfloat16", "mxfp8", KernelChoice("pallas", "cudnn", "none")),
+        ("b300", "bfloat16", "bf16", KernelChoice("ragged_dot", "cudnn", "none")),
+        ("b300", "bfloat16", "mxfp8", KernelChoice("einsum", "cudnn", "blocks")),
+    ],
+)
+def test_the_table_for_cpu_h200_and_b300(kind, dtype, precision, want):
+    """resolve_kernels: both choices and the buffer layout they need, for one target."""
+    target = CPU if kind == "cpu" else _kind(kind)
+    assert resolve_kernels(_model(dtype, precision), target) == want
+
+
+def test_a_choice_applied_to_a_model_config_names_the_kernels():
+    cfg = _model()
+    resolved = KernelChoice("pallas", "cudnn", "none").apply(cfg)
+    assert (resolved.moe.gmm_impl, resolved.attention_impl) == ("pallas", "cudnn")
+    assert dataclasses.replace(resolved, attention_impl="auto",
+                               moe=dataclasses.replace(resolved.moe, gmm_impl="auto")) == cfg
+    # the resolved config resolves to itself on the same target
+    assert resolve_kernels(resolved, _kind("h200")) == resolve_kernels(cfg, _kind("h200"))
+
+
+def test_dense_models_refuse_no_expert_kernel():
+    """Without MoE layers model.moe.gmm_impl runs nowhere: nothing to refuse."""
+    dense = dataclasses.replace(_model(gmm="pallas"), n_dense_layers=2)
+    assert dense.n_moe_layers == 0
+    assert resolve_kernels(dense, CPU).gmm == "pallas"
+    with pytest.raises(ValueError, match="gmm_impl=pallas"):
+        resolve_kernels(_model(gmm="pallas"), CPU)
+
+
+def _run_cfg(data, expert):
+    from olmo_jax.config import default_config
+
+    c = default_config()
+    c.parallel.data, c.parallel.expert, c.parallel.dispatch = data, expert, "ragged"
+    c.trainer.global_batch_size, c.trainer.grad_accum = 8, 1
+    return c
+
+
+def _build_plan(run_cfg, model_cfg, devices):
+    from olmo_jax.parallel.strategy import build_plan
+
+    return build_plan(run_cfg, model_cfg, devices=devices)
+
+
+def test_the_plan_resolves_the_kernels_once_for_its_mesh():
+    """build_plan stores the choice for the mesh's devices (8 fake CPUs here) and the model
+    config the steps are built with; a CPU host lowering for CUDA plans for an H100."""
+    model_cfg = dataclasses.replace(_model("float32"), moe=dataclasses.replace(
+        _model().moe, capacity_factor=0.0))
+    plan = _build_plan(_run_cfg(2, 4), model_cfg, jax.devices()[:8])
+    assert plan.kernels == resolve_kernels(model_cfg, CPU) == KernelChoice("blas", "blas", "none")
+    assert plan.model_cfg == plan.kernels.apply(model_cfg)
+    assert (plan.model_cfg.moe.gmm_impl, plan.model_cfg.attention_impl) == ("blas", "blas")
+
+    with platform.cross_lowering():
+        gpu_plan = _build_plan(_run_cfg(1, 1), _model("bfloat16"), jax.devices()[:1])
+    assert gpu_plan.kernels == KernelChoice("pallas", "cudnn", "none")
+    assert gpu_plan.model_cfg.moe.gmm_impl == "pallas"
+
+
+def test_the_plan_refuses_an_explicit_kernel_naming_the_field():
+    with pytest.raises(ConfigError, match=r"model.moe.gmm_impl=pallas needs an NVIDIA Hopper"):
+        _build_plan(_run_cfg(1, 1), _model(gmm="pallas"), jax.devices()[:1])
+    with pytest.raises(ConfigError, match=r"model.attention_impl=cudnn"):
+        _build_plan(_run_cfg(1, 1), _model(attention="cudnn"), jax.devices()[:1])
+
+
+def test_a_model_without_a_plan_resolves_auto_for_its_default_device():
+    from olmo_jax.model.attention import attention_impl
+    from olmo_jax.model.moe.layer import gmm_impl
+
+    assert select.local_target() == platform.target_of(jax.devices()[:1]) == CPU
+    assert attention_impl("auto", jnp.float32) == resolve_attention_impl("auto", CPU, jnp.float32)
+    assert attention_impl("cudnn", jnp.float32) == "cudnn"  # a resolved name is used as given
+    moe = MoEConfig(num_experts=8, top_k=2, expert_hidden=256)
+    assert gmm_impl(moe, jnp.bfloat16, 128) == "tiled"
+    assert gmm_impl(dataclasses.replace(moe, gmm_impl="einsum"), jnp.bfloat16, 128) == "einsum"
+    # the context the parallel plan traces its steps in does not change the model's choice
+    with platform.targeting(_kind("h200")):
+        assert gmm_impl(moe, jnp.bfloat16, 128) == "tiled"
+        assert attention_impl("auto", jnp.bfloat16) == "xla"
+
+
+# What reads the target from a context variable (olmo_jax/kernels/platform.py).
+_CONTEXT_READS = {"current_target", "targeting", "gpu_capability", "pallas_gmm_supported",
+                  "ContextVar", "contextvars", "default_backend"}
+# Model modules still reading the target for a choice of their own, outside the
+# gmm_impl / attention_impl table: the CPU RMSNorm FFI kernel and the block-scaled MMA.
+_NOT_YET = {"norm.py": {"current_target"}, "mxfp8_gemm.py": {"block_scaled_mma_supported"}}
+
+
+def _names(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            out.add(node.attr)
+        elif isinstance(node, ast.Name):
+            out.add(node.id)
+        elif isinstance(node, ast.alias):
+            out.add(node.name.split(".")[-1])
+    return out
+
+
+def test_no_model_module_chooses_a_kernel_from_a_context_variable():
+    root = Path(select.__file__).resolve().parents[1] / "model"
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        hits = _names(path) & (_CONTEXT_READS | {"block_scaled_mma_supported"})
+        hits -= _NOT_YET.get(path.name if path.parent == root else "", set())
+        if hits:
+            found[str(path.relative_to(root))] = sorted(hits)
+    assert not found, f"model modules reading the target from a context variable: {found}"
+    assert _names(root / "attention.py") & {"platform"} == set()
+    assert _names(root / "moe" / "layer.py") & {"platform"} == set()
+
+
+class _Weights(NamedTuple):
+    w_gate_EDF: jax.Array
+    w_up_EDF: jax.Array
+    w_down_EFD: jax.Array
+
+    def weights(self, dtype):
+        return tuple(w.astype(dtype) for w in self)
+
+
+def test_the_platform_context_does_not_choose_the_models_grouped_matmul():
+    """The MoE layer traced inside the context the plan traces its steps in, for a B300:
+    the context sets what kernels are lowered for, never which one runs, so gmm_impl=auto
+    in a model without a plan stays the default device's (the tiled loop on this CPU, in
+    bfloat16), not the B300's ragged_dot."""
+    from olmo_jax.model.moe.layer import routed_experts
+    from olmo_jax.model.moe.router import Routing
+
+    S, D, F, E, k = 16, 64, 128, 4, 2
+    moe = MoEConfig(num_experts=E, top_k=k, expert_hidden=F)
+    idx_Sk = (jnp.arange(S * k).reshape(S, k) % E).astype(jnp.int32)
+    w_Sk = jnp.full((S, k), 0.5, jnp.float32)
+    weights = _Weights(jnp.zeros((E, D, F)), jnp.zeros((E, D, F)), jnp.zeros((E, F, D)))
+
+    def run(x_SD):
+        return routed_experts(x_SD, Routing(None, None, w_Sk, idx_Sk), weights, moe, jnp.bfloat16)
+
+    x_SD = jnp.zeros((S, D), jnp.bfloat16)
+    with platform.targeting(_kind("b300")):
+        in_context = str(jax.make_jaxpr(run)(x_SD))
+    assert "ragged_dot" not in in_context
+    assert in_context == str(jax.make_jaxpr(run)(x_SD))

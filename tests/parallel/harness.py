@@ -179,6 +179,7 @@ def plan_run(data, expert, dispatch="rowwise", strategy="ddp", zero1=True, grad_
                    batch=batch, layers=layers, pipe=pipe, width=width, optim=optim)
     model_cfg = with_capacity(dataclasses.replace(model_cfg, remat=remat), cfg)
     plan = build_plan(cfg, model_cfg)
+    model_cfg = plan.model_cfg  # kernels resolved for the mesh
     graphdef = abstract_model(model_cfg, plan.dispatcher)[0]
     shardings = plan.state_shardings(state, tx)
     step = plan.jit_train_step(

@@ -109,6 +109,7 @@ def _cuda_lowered_step(dispatch: str) -> str:
     model_cfg = with_capacity(model_cfg, cfg)
     with platform.cross_lowering():
         plan = build_plan(cfg, model_cfg)
+        model_cfg = plan.model_cfg  # kernels resolved for the H100
         graphdef = abstract_model(model_cfg, plan.dispatcher)[0]
         shardings = plan.state_shardings(state, tx)
         step = plan.jit_train_step(make_train_step(graphdef, model_cfg, tx, schedule, 1,

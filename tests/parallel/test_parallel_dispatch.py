@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec
 
+from olmo_jax.kernels.select import run_padding
 from olmo_jax.model.config import MoEConfig
 from olmo_jax.model.moe import sizing
 from olmo_jax.model.moe.layer import local_dispatch, routed_experts
@@ -217,27 +218,29 @@ def test_emulated_ragged_all_to_all_with_several_slices_per_peer():
 @pytest.mark.parametrize("gmm_impl", ["einsum", "tiled", "ragged_dot", "blas"])
 def test_buffer_rows_is_the_size_of_the_buffer_the_backend_builds(kind, gmm_impl):
     """The sizing the planner uses (parallel.expert.buffer_rows, from model/moe/sizing.py)
-    is the row count of the buffer each backend hands the expert FFN (traced, not run)."""
+    is the row count of the buffer each backend hands the expert FFN (traced, not run);
+    backends take the FFN's run padding (kernels.select.run_padding), not its name."""
     ep, E, S, k, cf = 4, 8, 12, 2, 1.25
+    padding = run_padding(gmm_impl)
     cfg = MoEConfig(num_experts=E, top_k=k, expert_hidden=F, gmm_impl=gmm_impl)
     if kind == "local":
         for local_cfg in (cfg, dataclasses.replace(cfg, capacity_factor=cf)):
             d = jax.eval_shape(lambda x, idx, w, c=local_cfg: local_dispatch(
-                x, Routing(None, None, w, idx), c, gmm_impl).x_RD,
+                x, Routing(None, None, w, idx), c, padding).x_RD,
                 *_abstract_tokens(S, k))
-            assert d.shape == (buffer_rows("local", S, local_cfg, gmm_impl), D)
+            assert d.shape == (buffer_rows("local", S, local_cfg, padding), D)
         return
     if kind == "rowwise":  # the dropless backends have no capacity
         cfg = dataclasses.replace(cfg, capacity_factor=cf)
     dispatcher = make_dispatcher(kind, cfg.capacity_factor)
 
     def local(x, idx, w):
-        return dispatcher(x, Routing(None, None, w, idx), cfg, gmm_impl).x_RD[None]
+        return dispatcher(x, Routing(None, None, w, idx), cfg, padding).x_RD[None]
 
     X = PartitionSpec("expert")
     fn = jax.shard_map(local, mesh=expert_mesh(ep), in_specs=(X, X, X), out_specs=X)
     out = jax.eval_shape(fn, *_abstract_tokens(ep * S, k))
-    assert out.shape == (ep, buffer_rows(kind, S, cfg, gmm_impl, ep), D)
+    assert out.shape == (ep, buffer_rows(kind, S, cfg, padding, ep), D)
 
 
 def _abstract_tokens(n, k):

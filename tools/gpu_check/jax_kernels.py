@@ -162,7 +162,8 @@ def section_gmm(model_cfg, t_cfg, sz: Sizes, dry: bool) -> dict:
 def section_attention(model_cfg, t_cfg, sz: Sizes, dry: bool) -> dict:
     from flax import nnx
 
-    from olmo_jax.model.attention import Attention, resolve_attention_impl
+    from olmo_jax.kernels import select
+    from olmo_jax.model.attention import Attention
     from olmo_jax.model.rope import rope_tables
 
     B, T, D = sz.attn_batch, sz.attn_seq, model_cfg.d_model
@@ -184,7 +185,7 @@ def section_attention(model_cfg, t_cfg, sz: Sizes, dry: bool) -> dict:
     bf16_x = x_BTD.astype(jnp.bfloat16)
     for impl in ("xla", "cudnn"):
         try:
-            resolve_attention_impl(impl, jnp.bfloat16)
+            select.resolve_attention_impl(impl, select.local_target(), jnp.bfloat16)
         except ValueError as e:  # cudnn on a CPU: say why it did not run
             out[impl] = {"not_run": str(e)}
             continue

@@ -36,7 +36,6 @@ def train(gmm_impl: str, steps: int, dry: bool) -> dict:
 def _train(gmm_impl: str, steps: int, dry: bool) -> dict:
     from olmo_jax import config as config_lib
     from olmo_jax import metrics
-    from olmo_jax.kernels import resolve_gmm_impl
     from olmo_jax.optim import build_optimizer
     from olmo_jax.parallel.strategy import build_plan
     from olmo_jax.trainer import guard as guard_lib
@@ -49,8 +48,8 @@ def _train(gmm_impl: str, steps: int, dry: bool) -> dict:
     cfg.trainer.max_steps = steps + 1
     config_lib.validate(cfg)
     t = cfg.trainer
-    model_cfg = config_lib.model_config(cfg)
-    plan = build_plan(cfg, model_cfg, devices=jax.devices()[:1])
+    plan = build_plan(cfg, config_lib.model_config(cfg), devices=jax.devices()[:1])
+    model_cfg = plan.model_cfg  # gmm_impl resolved for the GPU (plan.kernels)
     tx, schedule = build_optimizer(cfg.optim, t.max_steps)
     guard_cfg = guard_lib.GuardConfig.from_trainer(t)
     graphdef, abstract = abstract_train_state(model_cfg, tx, dispatcher=plan.dispatcher, guard_cfg=guard_cfg)
@@ -85,8 +84,7 @@ def _train(gmm_impl: str, steps: int, dry: bool) -> dict:
     total, active = metrics.param_counts(model_cfg)
     return {
         "gmm_impl": gmm_impl,
-        "resolved_gmm_impl": resolve_gmm_impl(gmm_impl, model_cfg.compute_dtype,
-                                              dims=(model_cfg.d_model, model_cfg.moe.expert_hidden)),
+        "resolved_gmm_impl": plan.kernels.gmm,
         "mesh": dict(plan.mesh.shape), "strategy": plan.strategy, "dispatch": plan.dispatch,
         "params_total": total, "params_active": active, "tokens_per_step": t.global_batch_size * t.seq_len,
         "steps": steps, "compile_s": compile_s,

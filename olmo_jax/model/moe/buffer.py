@@ -2,7 +2,7 @@
 how its rows are grouped by expert, and the function that takes the experts' output
 rows back to the tokens.
 
-    d = backend(x_SD, routing, cfg, impl)          # moves tokens only
+    d = backend(x_SD, routing, cfg, padding)       # moves tokens only
     y_RD = ffn.expert_ffn(d.x_RD, d.layout, ...)   # the MoE layer, once
     y_SD = d.combine(y_RD)                         # float32, router weights applied
 

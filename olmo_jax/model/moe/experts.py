@@ -1,7 +1,7 @@
 """The routed experts' weights and the grouped SwiGLU matmul over an expert-grouped buffer.
 
-Weights: w_gate, w_up [E, D, F]; w_down [E, F, D]. Implementations (`gmm_impl`, resolved
-by `olmo_jax.kernels.resolve_gmm_impl`):
+Weights: w_gate, w_up [E, D, F]; w_down [E, F, D]. Implementations (`gmm_impl`; which one
+runs where: the table of olmo_jax/kernels/select.py):
   ragged_dot  jax.lax.ragged_dot over the sorted layout (GPU/TPU grouped GEMM; on CPU
               it expands to a dense masked product, E times the FLOPs);
   pallas      the sorted layout on the Pallas grouped-matmul kernels (Hopper GPUs;
@@ -12,9 +12,7 @@ by `olmo_jax.kernels.resolve_gmm_impl`):
   tiled       a loop of dense per-expert XLA GEMMs over the sorted layout padded to 8
               rows per expert (olmo_jax/model/moe/tiled.py); dropless, any dtype;
   blas        one OpenBLAS SGEMM per expert over its rows, an XLA FFI call (float32 on
-              CPU; olmo_jax/kernels/cpu_gmm.py); the fastest dropless path on CPU;
-  auto        blas on CPU in float32, tiled there otherwise (einsum with MXFP8 experts),
-              pallas on Hopper (bf16), ragged_dot elsewhere.
+              CPU; olmo_jax/kernels/cpu_gmm.py); the fastest dropless path on CPU.
 MXFP8 versions of these FFNs: olmo_jax/model/moe/mxfp8_experts.py.
 """
 
@@ -25,11 +23,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from olmo_jax import shapes
-from olmo_jax.kernels import resolve_gmm_impl
 from olmo_jax.kernels.vma import cotangent_like
 from olmo_jax.model.params import normal_param
 
-__all__ = ["Experts", "ffn_batched", "ffn_blocked", "ffn_ragged", "resolve_gmm_impl"]
+__all__ = ["Experts", "ffn_batched", "ffn_blocked", "ffn_ragged"]
 
 
 class Experts(nnx.Module):

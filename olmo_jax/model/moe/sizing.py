@@ -5,7 +5,7 @@ A buffer holds n (token, choice) assignments for G groups (experts, or a rank's 
 experts) in one of two layouts (olmo_jax/model/moe/buffer.py):
   slots  every group owns C = capacity(...) rows; assignments past C are dropped;
   runs   dropless: each group's assignments form one run, padded to a multiple of
-         `run_multiple(impl, n, G)` rows (1: back to back, the sorted layout), in a
+         `run_multiple(padding, n, G)` rows (1: back to back, the sorted layout), in a
          static buffer of `runs_rows(n, G, multiple)` rows that fits any routing.
 """
 
@@ -36,16 +36,18 @@ def padded_rows(n_assignments: int, groups: int, multiple: int) -> int:
     return (-(-n_assignments // multiple) + groups - 1) * multiple
 
 
-def run_multiple(impl: str, n_assignments: int, groups: int) -> int:
-    """How the dropless layout pads each group's run for the expert FFN `impl` (a
-    resolved gmm_impl): to blocks of block_size rows for the blocked einsum, to
-    TILE_MULTIPLE rows for the tiled per-expert loop, not at all for the grouped GEMMs
-    (ragged_dot, pallas, blas)."""
-    if impl == "einsum":
+def run_multiple(padding: str, n_assignments: int, groups: int) -> int:
+    """The multiple each group's run of the dropless layout is padded to, for the expert
+    FFN's requirement `padding` (kernels.select.RUN_PADDINGS: a KernelChoice's
+    run_padding): block_size rows ("blocks", the blocked einsum), TILE_MULTIPLE rows
+    ("tiles", the tiled per-expert loop), 1 ("none", the grouped GEMMs)."""
+    if padding == "blocks":
         return block_size(n_assignments, groups)
-    if impl == "tiled":
+    if padding == "tiles":
         return TILE_MULTIPLE
-    return 1
+    if padding == "none":
+        return 1
+    raise ValueError(f"unknown run padding {padding!r}: one of blocks, tiles, none")
 
 
 def runs_rows(n_assignments: int, groups: int, multiple: int) -> int:
@@ -53,10 +55,10 @@ def runs_rows(n_assignments: int, groups: int, multiple: int) -> int:
     return n_assignments if multiple == 1 else padded_rows(n_assignments, groups, multiple)
 
 
-def local_rows(n_tokens: int, cfg, impl: str) -> int:
+def local_rows(n_tokens: int, cfg, padding: str) -> int:
     """Rows of the MoE layer's own (single-device) buffer for n_tokens tokens: E capacity
-    buffers when cfg.capacity_factor > 0, else E dropless runs padded for `impl`."""
+    buffers when cfg.capacity_factor > 0, else E dropless runs padded as `padding` says."""
     E, n = cfg.num_experts, n_tokens * cfg.top_k
     if cfg.capacity_factor > 0:
         return E * capacity(n_tokens, cfg.top_k, E, cfg.capacity_factor)
-    return runs_rows(n, E, run_multiple(impl, n, E))
+    return runs_rows(n, E, run_multiple(padding, n, E))

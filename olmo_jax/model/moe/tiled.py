@@ -1,5 +1,5 @@
 """The routed SwiGLU as a loop of per-expert GEMMs over the padded sorted layout: the
-dropless grouped matmul for CPUs (`model.moe.gmm_impl=tiled`, auto's choice there).
+dropless grouped matmul for CPUs (`model.moe.gmm_impl=tiled`; olmo_jax/kernels/select.py).
 
 Layout (`dispatch.padded_plan`): rows sorted by expert, each expert's run padded with
 zero rows to a multiple of TILE_MULTIPLE (8), so padding is at most 7 rows per expert.

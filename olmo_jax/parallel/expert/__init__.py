@@ -2,7 +2,7 @@
 tokens travel to them. Each runs per device inside `shard_map` (the trainer's step runs
 the whole model that way) and is a MoE layer dispatch backend (olmo_jax/model/moe/layer.py):
 
-    backend(x_SD, routing, moe_cfg, impl) -> buffer.Dispatched(x_RD, layout, combine, dropped)
+    backend(x_SD, routing, moe_cfg, padding) -> buffer.Dispatched(x_RD, layout, combine, dropped)
 
 with x_SD / routing the device's own tokens; the buffer's groups are the rank's E/ep
 local experts (expert e lives on rank e // (E/ep) as local expert e % (E/ep)), whose FFN
@@ -97,19 +97,21 @@ def make_dispatcher(kind: str, capacity_factor: float = 0.0, axis: str = EXPERT_
     return _scoped(kind, fn, axis)
 
 
-def buffer_rows(kind: str, n_tokens: int, cfg, impl: str, ep: int = 1) -> int:
+def buffer_rows(kind: str, n_tokens: int, cfg, padding: str, ep: int = 1) -> int:
     """Rows of the buffer the experts run on, per device, for `parallel.dispatch` = kind
     ("local": the MoE layer's own dispatch), n_tokens tokens per device; `cfg` the MoE
-    config (rowwise sizes its slots with rowwise_capacity_factor(cfg.capacity_factor))."""
+    config (rowwise sizes its slots with rowwise_capacity_factor(cfg.capacity_factor));
+    `padding` how the expert FFN wants each dropless run padded (a KernelChoice's
+    run_padding, olmo_jax/kernels/select.py)."""
     if kind == "rowwise":
-        return rowwise.buffer_rows(n_tokens, cfg, impl, ep,
+        return rowwise.buffer_rows(n_tokens, cfg, padding, ep,
                                    rowwise_capacity_factor(cfg.capacity_factor))
     if kind == "ragged":
-        return ragged.buffer_rows(n_tokens, cfg, impl, ep)
+        return ragged.buffer_rows(n_tokens, cfg, padding, ep)
     if kind == "allgather":
-        return allgather.buffer_rows(n_tokens, cfg, impl, ep)
+        return allgather.buffer_rows(n_tokens, cfg, padding, ep)
     if kind == "local":
-        return sizing.local_rows(n_tokens, cfg, impl)
+        return sizing.local_rows(n_tokens, cfg, padding)
     raise ConfigError(f"parallel.dispatch={kind!r}: choose one of {', '.join(BACKENDS)}")
 
 

@@ -20,15 +20,15 @@ from olmo_jax.model.moe import dispatch, payload, sizing
 from olmo_jax.model.moe.buffer import Dispatched, Runs
 
 
-def buffer_rows(n_tokens: int, cfg, impl: str, ep: int) -> int:
+def buffer_rows(n_tokens: int, cfg, padding: str, ep: int) -> int:
     """Rows of a rank's buffer: the ep ranks' assignments in El + 1 runs, sized for the
-    worst case (every one of them routed here), each run padded for the FFN `impl`."""
+    worst case (every one of them routed here), each run padded as `padding` says."""
     groups, n = cfg.num_experts // ep + 1, ep * n_tokens * cfg.top_k
-    return sizing.runs_rows(n, groups, sizing.run_multiple(impl, n, groups))
+    return sizing.runs_rows(n, groups, sizing.run_multiple(padding, n, groups))
 
 
 @shapes.check("routing.*", "-> *")
-def allgather_dispatch(x_SD, routing, cfg, impl: str, *, axis: str) -> Dispatched:
+def allgather_dispatch(x_SD, routing, cfg, padding: str, *, axis: str) -> Dispatched:
     """Buffer: Runs over the El local experts; the trailing run (other ranks' experts)
     is outside every group, so the FFN leaves it zero or its rows are weighted zero."""
     ep = jax.lax.axis_size(axis)
@@ -39,7 +39,7 @@ def allgather_dispatch(x_SD, routing, cfg, impl: str, *, axis: str) -> Dispatche
     idx_Yk, weights_Yk = gather(routing.idx_Sk), gather(routing.weights_Sk)
     local_Yk = idx_Yk // El == me
     lidx_Yk = jnp.where(local_Yk, idx_Yk - me * El, El)  # El = not mine
-    multiple = sizing.run_multiple(impl, lidx_Yk.size, El + 1)
+    multiple = sizing.run_multiple(padding, lidx_Yk.size, El + 1)
     plan = dispatch.runs_plan(lidx_Yk, El + 1, multiple)
 
     def combine(y_RD):

@@ -70,23 +70,23 @@ def ragged_layout(counts_E: jax.Array, ep: int, block: int, axis: str) -> Ragged
     )
 
 
-def buffer_rows(n_tokens: int, cfg, impl: str, ep: int) -> int:
+def buffer_rows(n_tokens: int, cfg, padding: str, ep: int) -> int:
     """Receive rows of a rank, for the worst case: every assignment of the ep senders
-    routed to its El experts, each local expert's run padded for the FFN `impl`."""
+    routed to its El experts, each local expert's run padded as `padding` says."""
     El, n = cfg.num_experts // ep, ep * n_tokens * cfg.top_k
-    return sizing.runs_rows(n, El, sizing.run_multiple(impl, n, El))
+    return sizing.runs_rows(n, El, sizing.run_multiple(padding, n, El))
 
 
 @shapes.check("routing.*", "-> *")
-def ragged_dispatch(x_SD, routing, cfg, impl: str, *, axis: str,
+def ragged_dispatch(x_SD, routing, cfg, padding: str, *, axis: str,
                     emulate: bool | None = None) -> Dispatched:
     """Receive buffer grouped by local expert: Runs(rows per local expert, multiple)."""
     ep = jax.lax.axis_size(axis)
     E = cfg.num_experts
     El = E // ep
     N = x_SD.shape[0] * cfg.top_k
-    multiple = sizing.run_multiple(impl, ep * N, El)
-    rows = buffer_rows(x_SD.shape[0], cfg, impl, ep)
+    multiple = sizing.run_multiple(padding, ep * N, El)
+    rows = buffer_rows(x_SD.shape[0], cfg, padding, ep)
 
     plan = dispatch.sorted_plan(routing.idx_Sk, E)
     send_YD = dispatch.gather_rows(x_SD, plan)

@@ -33,8 +33,9 @@ from olmo_jax.model.moe import dispatch, payload, sizing
 from olmo_jax.model.moe.buffer import Dispatched, Slots
 
 
-def buffer_rows(n_tokens: int, cfg, impl: str, ep: int, capacity_factor: float) -> int:
-    """Receive rows of a rank: El local experts x ep senders x C slots."""
+def buffer_rows(n_tokens: int, cfg, padding: str, ep: int, capacity_factor: float) -> int:
+    """Receive rows of a rank: El local experts x ep senders x C slots (fixed slots:
+    `padding`, the dropless runs' requirement, does not apply)."""
     return cfg.num_experts * sizing.capacity(n_tokens, cfg.top_k, cfg.num_experts, capacity_factor)
 
 
@@ -54,7 +55,7 @@ def rowwise_plan(idx_Sk: jax.Array, num_experts: int, ep: int, capacity: int):
 
 
 @shapes.check("routing.*", "-> *")
-def rowwise_dispatch(x_SD, routing, cfg, impl: str, *, capacity_factor: float,
+def rowwise_dispatch(x_SD, routing, cfg, padding: str, *, capacity_factor: float,
                      axis: str) -> Dispatched:
     """Receive buffer [El * ep * C, D], grouped by local expert: Slots(El, ep * C)."""
     ep = jax.lax.axis_size(axis)
