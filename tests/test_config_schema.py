@@ -13,19 +13,25 @@ from olmo_jax.checkpoint import hf
 from olmo_jax.config import SECTIONS, default_config, get_path, has_path, parse, set_path, validate
 from olmo_jax.kernels import GMM_IMPLS
 from olmo_jax.labels import INSTANCES
-from olmo_jax.model.attention import ATTENTION_IMPLS
-from olmo_jax.model.config import COMPUTE_DTYPES, DTYPES, RUN_DEFAULT, ConfigError, TransformerConfig
+from olmo_jax.model.config import (
+    ATTENTION_IMPLS,
+    COMPUTE_DTYPES,
+    DTYPES,
+    GATINGS,
+    REMATS,
+    ROUTING_MODES,
+    RUN_DEFAULT,
+    ConfigError,
+    TransformerConfig,
+)
 from olmo_jax.model.moe.losses import LB_GRANULARITIES, LB_LOSS_TYPES
-from olmo_jax.model.moe.router import GATINGS, ROUTING_MODES
 from olmo_jax.model.mxfp8 import PRECISIONS
-from olmo_jax.model.transformer import REMATS
 from olmo_jax.optim.optimizer import OPTIMIZERS
-from olmo_jax.optim.schedules import SCHEDULES as LR_SCHEDULES
+from olmo_jax.optim.schedules import LR_SCHEDULES
 from olmo_jax.parallel.expert import BACKENDS
-from olmo_jax.parallel.pipeline.schedule import SCHEDULES
+from olmo_jax.parallel.pipeline.schedule import PIPELINE_SCHEDULES
 from olmo_jax.parallel.rules import STRATEGIES
-from olmo_jax.trainer.guard import POLICIES
-from olmo_jax.trainer.sinks import LOGGERS, WANDB_MODES
+from olmo_jax.trainer.config import LOGGERS, POLICIES, WANDB_MODES
 
 PACKAGE = Path(__file__).resolve().parents[1] / "olmo_jax"
 # Every choice field of the run config and the list (from its module) that validates it.
@@ -35,7 +41,7 @@ CHOICES = {
     "model.moe.routing_mode": ROUTING_MODES, "model.moe.gmm_impl": GMM_IMPLS,
     "model.moe.precision": PRECISIONS, "model.moe.lb_loss_type": LB_LOSS_TYPES,
     "model.moe.lb_granularity": LB_GRANULARITIES, "parallel.strategy": STRATEGIES,
-    "parallel.dispatch": BACKENDS, "parallel.pipeline_schedule": SCHEDULES,
+    "parallel.dispatch": BACKENDS, "parallel.pipeline_schedule": PIPELINE_SCHEDULES,
     "optim.name": OPTIMIZERS, "optim.schedule": LR_SCHEDULES, "trainer.nan_policy": POLICIES,
     "trainer.wandb.mode": WANDB_MODES, "data.instances": INSTANCES,
 }

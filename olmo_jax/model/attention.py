@@ -43,8 +43,6 @@ from olmo_jax.model.norm import RMSNorm
 from olmo_jax.model.params import normal_param
 from olmo_jax.model.rope import apply_rope
 
-ATTENTION_IMPLS = ("auto", "cudnn", "blas", "xla")  # model.attention_impl (resolve_attention_impl)
-
 
 def resolve_attention_impl(impl: str, dtype) -> str:
     """`model.attention_impl` on the target platform: "cudnn", "blas" or "xla". An explicit

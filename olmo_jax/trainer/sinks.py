@@ -21,7 +21,6 @@ W&B run is continued by id (its id is kept in {run_dir}/wandb/run_id).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import secrets
 import string
@@ -32,36 +31,8 @@ from typing import Protocol
 import ml_collections
 import numpy as np
 
-from olmo_jax.errors import ConfigError
+from olmo_jax.trainer.config import loggers
 from olmo_jax.trainer.logger import ExpertCountsLog, MetricsLog
-
-LOGGERS = ("jsonl", "tensorboard", "wandb")  # trainer.loggers
-_LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}  # logger -> module (extra)
-WANDB_MODES = ("online", "offline", "disabled")  # trainer.wandb.mode
-
-
-def loggers(spec: str) -> tuple[str, ...]:
-    """The metric sinks named by trainer.loggers (comma-separated), checked: known,
-    installed, jsonl kept."""
-    names = tuple(dict.fromkeys(x.strip() for x in spec.split(",") if x.strip()))
-    for name in names:
-        if name not in LOGGERS:
-            raise ConfigError(
-                f"trainer.loggers={spec!r}: unknown logger {name!r}; choose from {', '.join(LOGGERS)}"
-            )
-    if "jsonl" not in names:
-        raise ConfigError(
-            f"trainer.loggers={spec!r} must include jsonl: metrics.jsonl is what resuming, "
-            "the report and the summary read; e.g. trainer.loggers=jsonl,tensorboard"
-        )
-    for name in names:
-        module = _LOGGER_PACKAGES.get(name)
-        if module and importlib.util.find_spec(module) is None:
-            raise ConfigError(
-                f"trainer.loggers includes {name}, but the {module} package is not installed; "
-                f"pip install 'olmo-jax[{name}]' (or remove {name} from trainer.loggers)"
-            )
-    return names
 
 
 class MetricSink(Protocol):
