@@ -11,7 +11,7 @@ runs outside, elementwise on the stored shards; Muon's Newton-Schulz, which is n
 elementwise, runs in its own shard_map on whole matrices, each owned by one data-parallel
 rank (muon.py, `optimizer_args`).
 
-    plan = build_plan(cfg, model_cfg)          # validates the config against the devices
+    plan = build_plan(run.parallel, run.trainer, model_cfg, optim=run.optim)  # checked against the devices
     graphdef, state = init_state(model_cfg, tx, seed, dispatcher=plan.dispatcher)
     shardings = plan.state_shardings(state, tx)
     step = plan.jit_train_step(make_train_step(..., parallel=plan), shardings)
@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Protocol
 
 import jax
 import numpy as np
@@ -40,15 +41,23 @@ from olmo_jax.model.abstract import abstract_model
 from olmo_jax.model.attention import resolve_attention_impl
 from olmo_jax.model.config import ConfigError, TransformerConfig
 from olmo_jax.model.params import compute_copy_dtype, path_name
+from olmo_jax.optim.config import OptimConfig
 from olmo_jax.parallel import expert as expert_lib
 from olmo_jax.parallel import mesh as mesh_lib
 from olmo_jax.parallel import muon as muon_lib
 from olmo_jax.parallel import rules, zero
+from olmo_jax.parallel.config import ParallelConfig
 from olmo_jax.parallel.mesh import BATCH_AXES
 from olmo_jax.parallel.pipeline import Pipeline, build_pipeline, check_unpipelined
-from olmo_jax.parallel.rules import STRATEGIES
 
 BATCH_SPEC = rules.logical_to_spec((None, "act_batch", None))  # [microbatch, rows, tokens]
+
+
+class BatchSettings(Protocol):
+    """What a plan reads of the run's `trainer` section (trainer/config.TrainerConfig, a
+    row above this package, satisfies it)."""
+    global_batch_size: int
+    grad_accum: int
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -314,21 +323,20 @@ def with_compute_dtypes(layouts, abstract_params, compute_dtype):
         abstract_params, layouts)
 
 
-def build_plan(cfg, model_cfg: TransformerConfig, abstract_params=None,
+def build_plan(parallel: ParallelConfig, trainer: BatchSettings, model_cfg: TransformerConfig,
+               *, optim: OptimConfig | None = None, abstract_params=None,
                devices=None) -> ParallelPlan:
-    """The plan for config `cfg` (ConfigDict with `parallel` and `trainer`). Raises
+    """The plan for a run's validated `parallel` section (its batch from `trainer`:
+    global_batch_size, grad_accum; `optim`: Muon's ownership when optim.name=muon). Raises
     ConfigError naming the field for a mesh that does not fit the devices, experts that
     do not divide over `expert`, or a batch that does not divide."""
-    p = cfg.parallel
-    if p.strategy not in STRATEGIES:
-        raise ConfigError(
-            f"parallel.strategy={p.strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    p = parallel
     mesh = mesh_lib.make_mesh(p, devices)
     if mesh.shape["pipe"] == 1:
         check_unpipelined(p)
     check_model_fits(model_cfg, mesh, p.strategy, p.dispatch)
     check_kernels(model_cfg, plan_target(mesh))
-    check_batch(cfg.trainer.global_batch_size, mesh, cfg.trainer.grad_accum,
+    check_batch(trainer.global_batch_size, mesh, trainer.grad_accum,
                 microbatches=p.microbatches)
     ep = mesh.shape["expert"]
     if p.strategy == "ddp" and ep > 1:
@@ -354,11 +362,11 @@ def build_plan(cfg, model_cfg: TransformerConfig, abstract_params=None,
     if pipeline is not None:
         pipeline = dataclasses.replace(pipeline, layouts=layouts)
     muon = None
-    if "optim" in cfg and cfg.optim.name == "muon":
+    if optim is not None and optim.name == "muon":
         if pipeline is not None:
             raise ConfigError(
                 f"optim.name=muon does not support parallel.pipe={mesh.shape['pipe']} yet: "
                 "use parallel.pipe=1 or optim.name=adamw")
         muon = muon_lib.ownership(abstract_params, layouts, mesh)
-    return ParallelPlan(mesh, p.strategy, bool(p.zero1), cfg.trainer.grad_accum, dispatch,
+    return ParallelPlan(mesh, p.strategy, bool(p.zero1), trainer.grad_accum, dispatch,
                         dispatcher, layouts, pipeline, muon)

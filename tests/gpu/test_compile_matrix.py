@@ -2,7 +2,7 @@
 combination of GPU, expert dispatch, grouped-matmul implementation and expert precision
 either compiles on the GPU path it names or is refused while the plan is built.
 
-The step is `python -m olmo_jax.train`'s: `compile_train_step(cfg, devices,
+The step is `python -m olmo_jax.train`'s: `compile_train_step(config_lib.validate(cfg), devices,
 trainer_step=True)` builds the plan, the abstract state (with the bad-step guard's
 counters), the guarded train step and `plan.jit_train_step`, lowers it on
 ShapeDtypeStructs carrying the state's shardings and compiles it. One compile option
@@ -51,10 +51,10 @@ import pytest
 from olmo_jax import config as config_lib
 from olmo_jax import targets
 from olmo_jax.config import default_config
-from olmo_jax.parallel.strategy import build_plan
 from olmo_jax.planner import gpu_hlo
 from olmo_jax.planner.compile import compile_train_step, model_config
 from tests.gpu import results
+from tests.sections import plan_for
 
 GMM_IMPLS = ("auto", "ragged_dot", "pallas")
 PRECISIONS = ("bf16", "mxfp8")
@@ -207,7 +207,7 @@ def test_cell(cell):
     t0 = time.perf_counter()
     try:  # phase 1: the only place a cell may be refused
         config_lib.validate(cfg)
-        build_plan(cfg, model_config(cfg), devices=devices)
+        plan_for(cfg, model_config(cfg), devices=devices)
         refusal = None
     except ValueError as e:  # ConfigError is one
         refusal = e
@@ -219,7 +219,7 @@ def test_cell(cell):
         assert expected in str(refusal), f"the refusal must name {expected}: {refusal}"
         return
     try:  # phase 2: trace, lower, compile
-        step = compile_train_step(cfg, devices, trainer_step=True, options=COMPILE_OPTIONS)
+        step = compile_train_step(config_lib.validate(cfg), devices, trainer_step=True, options=COMPILE_OPTIONS)
     except Exception as e:
         results.record(cell.id, "FAILED", time.perf_counter() - t0, note=_first_line(e))
         raise
@@ -238,7 +238,7 @@ def test_xla_attention_core_leaves_score_buffers():
     cell = Cell("h200", 1, "local", "ragged_dot", "bf16")
     cfg = cell_config(cell)
     cfg.model.attention_impl = "xla"
-    step = compile_train_step(cfg, targets.abstract_devices("h200", 1), trainer_step=True,
+    step = compile_train_step(config_lib.validate(cfg), targets.abstract_devices("h200", 1), trainer_step=True,
                               options=COMPILE_OPTIONS)
     assert not gpu_hlo.cudnn_attention(step.module)
     scores = gpu_hlo.score_buffers(step.module, SEQ_LEN)

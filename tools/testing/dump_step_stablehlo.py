@@ -1,5 +1,6 @@
 """The StableHLO of the tiny config's train step, lowered ahead of time exactly as the
-trainer builds it (trainer/loop.py's `_build`, in a temporary run_dir; nothing trains),
+trainer builds it (trainer/loop.py's `_build` of the validated config, in a temporary
+run_dir; nothing trains),
 on two meshes:
 
     single  1 CPU device (parallel.data=1, parallel.expert=1)
@@ -37,13 +38,14 @@ def lower_text(config_path: str, data: int, expert: int) -> str:
     import numpy as np
     from rich.console import Console
 
+    from olmo_jax import config
     from olmo_jax.trainer import loop
 
     cfg = runpy.run_path(config_path)["get_config"]()
     cfg.parallel.data, cfg.parallel.expert, cfg.parallel.pipe = data, expert, 1
     with tempfile.TemporaryDirectory() as tmp:
         cfg.trainer.run_dir = str(Path(tmp) / "run")
-        run = loop._build(cfg, Console(quiet=True), main=True)
+        run = loop._build(config.validate(cfg), Console(quiet=True), main=True)
         try:
             t = run.t
             batch_spec = jax.ShapeDtypeStruct(
