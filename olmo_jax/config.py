@@ -63,9 +63,10 @@ class RunConfig(NamedTuple):
         return _resolved_model(self.model, vocab_size)
 
     def to_dict(self) -> dict:
-        """The sections as plain nested dicts, as the ConfigDict's `to_dict()` holds them
-        (the run's config.json, the metric sinks' record of the config)."""
-        return {name: dataclasses.asdict(getattr(self, name)) for name in self._fields}
+        """The sections as plain nested dicts, exactly as the ConfigDict's `to_dict()` gives
+        them (keys sorted at every level): the run's config.json, the config saved with a
+        checkpoint, the metric sinks' record of the config."""
+        return _sorted({name: dataclasses.asdict(getattr(self, name)) for name in self._fields})
 
     def get(self, dotted: str):
         """The value of a dotted field name ("model.moe.top_k")."""
@@ -79,6 +80,10 @@ class RunConfig(NamedTuple):
                 raise unknown_key_error(default_config(), dotted)
             set_path(d, dotted, value)
         return check(RunConfig(**{name: _typed(SECTIONS[name], d[name], name) for name in SECTIONS}))
+
+
+def _sorted(d: dict) -> dict:
+    return {k: _sorted(d[k]) if isinstance(d[k], dict) else d[k] for k in sorted(d)}
 
 
 def get_path(cfg, dotted: str):

@@ -1,9 +1,12 @@
 """One schema: the run config is generated from the typed section dataclasses, each choice
-list is spelled once (in the module implementing it) and validated from there, one dtype
-table, one dotted-path walk, and the command lines share olmo_jax/cli.py."""
+list is spelled once (in its section's config module, or the module implementing it) and
+validated from there, one dtype table, one dotted-path walk, the typed sections record
+exactly what the ConfigDict holds, and the command lines share olmo_jax/cli.py."""
 
 import ast
 import dataclasses
+import json
+import runpy
 from pathlib import Path
 
 import pytest
@@ -157,3 +160,20 @@ def test_no_module_imports_another_modules_private_names():
             if isinstance(node, ast.Attribute) and node.attr in ("_CONFIG", "_fail", "_parse_flags"):
                 bad.append(f"{path.relative_to(PACKAGE)}: .{node.attr}")
     assert not bad, bad
+
+
+CONFIG_FILES = sorted(p for p in (PACKAGE.parent / "configs").glob("*.py") if p.stem != "__init__")
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=[p.stem for p in CONFIG_FILES])
+def test_typed_sections_record_what_the_config_dict_holds(path):
+    """config.json, a checkpoint's config and the sinks' copy come from RunConfig.to_dict():
+    the same JSON, byte for byte, as the ConfigDict's; with_values / get walk dotted names."""
+    cfg = runpy.run_path(str(path))["get_config"]()
+    run = parse(cfg)
+    assert json.dumps(run.to_dict(), default=str) == json.dumps(cfg.to_dict(), default=str)
+    changed = run.with_values({"trainer.seed": 7, "model.moe.top_k": 1})
+    assert changed.get("trainer.seed") == 7 and changed.model.moe.top_k == 1
+    assert changed.parallel == run.parallel and run.trainer.seed == cfg.trainer.seed
+    with pytest.raises(config_lib.ConfigError, match="did you mean model.moe.top_k"):
+        run.with_values({"model.moe.topk": 1})
