@@ -4,8 +4,9 @@
 routed feed-forward. These fields ARE the run config's `model` section: olmo_jax/config.py
 generates that ConfigDict from them, so each field's default and doc live here, once.
 Validation lives here so research code that builds a model by hand gets the same clear
-errors as the command line. The choice lists the schema checks that the model's own modules
-implement (attention, block layout, remat, router) are declared here and imported by them.
+errors as the command line. The choice lists of what the model's own modules
+implement (attention core, block layout, remat, router) are declared here, with the schema
+that checks them, so this module imports none of those modules.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 # The compute dtypes: float16 is a storage dtype only. The trainer has no loss scaling, so
 # float16 activations and gradients would underflow; model.dtype refuses it.
 COMPUTE_DTYPES = ("float32", "bfloat16")
-# Choices the model implements; attention.py, transformer.py and moe/router.py import them.
+# Choices implemented by attention.py, transformer.py and moe/router.py, declared with the
+# schema that checks them.
 # model.attention_impl, the softmax(q k^T) v core (attention.resolve_attention_impl).
 AttentionImpl = Literal["auto", "cudnn", "blas", "xla"]
 ATTENTION_IMPLS = get_args(AttentionImpl)

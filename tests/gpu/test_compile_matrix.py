@@ -2,7 +2,7 @@
 combination of GPU, expert dispatch, grouped-matmul implementation and expert precision
 either compiles on the GPU path it names or is refused while the plan is built.
 
-The step is `python -m olmo_jax.train`'s: `compile_train_step(config_lib.validate(cfg), devices,
+The step is `python -m olmo_jax.train`'s: `compile_train_step(run, devices,
 trainer_step=True)` builds the plan, the abstract state (with the bad-step guard's
 counters), the guarded train step and `plan.jit_train_step`, lowers it on
 ShapeDtypeStructs carrying the state's shardings and compiles it. One compile option
@@ -51,10 +51,10 @@ import pytest
 from olmo_jax import config as config_lib
 from olmo_jax import targets
 from olmo_jax.config import default_config
+from olmo_jax.parallel.strategy import build_plan
 from olmo_jax.planner import gpu_hlo
 from olmo_jax.planner.compile import compile_train_step, model_config
 from tests.gpu import results
-from tests.sections import plan_for
 
 GMM_IMPLS = ("auto", "ragged_dot", "pallas")
 PRECISIONS = ("bf16", "mxfp8")
@@ -206,8 +206,8 @@ def test_cell(cell):
     expected = REFUSED.get((cell.kind, cell.gmm))
     t0 = time.perf_counter()
     try:  # phase 1: the only place a cell may be refused
-        config_lib.validate(cfg)
-        plan_for(cfg, model_config(cfg), devices=devices)
+        run = config_lib.validate(cfg)
+        build_plan(run.parallel, run.trainer, model_config(run), optim=run.optim, devices=devices)
         refusal = None
     except ValueError as e:  # ConfigError is one
         refusal = e
