@@ -1,7 +1,6 @@
 """The StableHLO of the tiny config's train step, lowered ahead of time exactly as the
 trainer builds it (trainer/loop.py's `_build` of the validated config, in a temporary
-run_dir; nothing trains),
-on two meshes:
+run_dir; nothing trains), on two meshes:
 
     single  1 CPU device (parallel.data=1, parallel.expert=1)
     de      data 2 x expert 4 on 8 fake CPU devices
