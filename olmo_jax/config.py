@@ -13,9 +13,11 @@ once):
 
 `default_config()` returns that ConfigDict with every field present (types are locked by
 ml_collections, so `--config.x=y` overrides are type-checked); files in configs/ derive
-from it. `parse(cfg)` turns it into the typed sections, `validate(cfg)` checks every
-section and the cross-section rules, `model_config(cfg, vocab)` is the typed model of a
-run. Each error names the field and the fix. `get_path` / `set_path` walk a dotted field
+from it. `parse(cfg)` turns it into the typed sections (a `RunConfig`), `validate(cfg)`
+checks every section and the cross-section rules (`check` of a `RunConfig`),
+`model_config(cfg, vocab)` is the typed model of a run. The entry points validate once and
+hand the `RunConfig` down, each builder taking the sections it needs: no module but this
+one reads a ConfigDict. Each error names the field and the fix. `get_path` / `set_path` walk a dotted field
 name ("model.moe.top_k") through a ConfigDict or dict; `upgrade` reads an older run's
 saved config into this schema.
 """
@@ -48,12 +50,40 @@ MOVED = {
 
 
 class RunConfig(NamedTuple):
-    """A run config's typed sections (`parse`)."""
+    """A run config's typed sections (`parse`, `validate`): what the entry points hand down,
+    each builder taking the sections it needs."""
     model: TransformerConfig  # vocab_size 0 = from the tokenizer (model_config resolves it)
     parallel: ParallelConfig
     optim: OptimConfig
     data: DataConfig
     trainer: TrainerConfig
+
+    def model_config(self, vocab_size: int | None = None) -> TransformerConfig:
+        """The run's typed model, validated (vocab from the data when model.vocab_size is 0)."""
+        return _resolved_model(self.model, vocab_size)
+
+    def to_dict(self) -> dict:
+        """The sections as plain nested dicts, exactly as the ConfigDict's `to_dict()` gives
+        them (keys sorted at every level): the run's config.json, the config saved with a
+        checkpoint, the metric sinks' record of the config."""
+        return _sorted({name: dataclasses.asdict(getattr(self, name)) for name in self._fields})
+
+    def get(self, dotted: str):
+        """The value of a dotted field name ("model.moe.top_k")."""
+        return get_path(self.to_dict(), dotted)
+
+    def with_values(self, changes: dict) -> RunConfig:
+        """This config with the dotted fields of `changes` set, checked (`check`)."""
+        d = self.to_dict()
+        for dotted, value in changes.items():
+            if not has_path(d, dotted):
+                raise unknown_key_error(default_config(), dotted)
+            set_path(d, dotted, value)
+        return check(RunConfig(**{name: _typed(SECTIONS[name], d[name], name) for name in SECTIONS}))
+
+
+def _sorted(d: dict) -> dict:
+    return {k: _sorted(d[k]) if isinstance(d[k], dict) else d[k] for k in sorted(d)}
 
 
 def get_path(cfg, dotted: str):
@@ -105,6 +135,11 @@ def default_config() -> ml_collections.ConfigDict:
     return c
 
 
+def defaults() -> RunConfig:
+    """The typed sections at their run defaults (`default_config()`, parsed)."""
+    return parse(default_config())
+
+
 def _moved_error(dotted: str) -> ConfigError:
     where, why = MOVED[dotted]
     return ConfigError(f"config field '{dotted}' was removed: it is {where} now; {why}")
@@ -153,6 +188,16 @@ def upgrade(saved: dict) -> dict:
     return d
 
 
+def from_saved(saved: dict) -> RunConfig:
+    """The typed sections (not yet validated) of a resolved config as a run folder's
+    config.json holds it, an older olmo_jax's too (`upgrade`), over this schema's defaults;
+    a field the schema lacks raises KeyError or AttributeError."""
+    cfg = default_config()
+    cfg.lock()
+    cfg.update(upgrade(saved))
+    return parse(cfg)
+
+
 def _typed(schema, values: dict, prefix: str):
     """A section's dataclass from its ConfigDict values; a field the schema lacks is a
     ConfigError naming it (a config file may add fields to its unlocked ConfigDict)."""
@@ -180,7 +225,10 @@ def parse(cfg: ml_collections.ConfigDict) -> RunConfig:
 
 def model_config(cfg: ml_collections.ConfigDict, vocab_size: int | None = None) -> TransformerConfig:
     """The typed model config for a run (vocab from the data when model.vocab_size is 0)."""
-    model = _typed(TransformerConfig, cfg.model.to_dict(), "model")
+    return _resolved_model(_typed(TransformerConfig, cfg.model.to_dict(), "model"), vocab_size)
+
+
+def _resolved_model(model: TransformerConfig, vocab_size: int | None) -> TransformerConfig:
     if not model.vocab_size:
         if vocab_size is None:
             raise ConfigError("model.vocab_size is 0 (= from the tokenizer) but no tokenizer vocab is known")
@@ -191,7 +239,11 @@ def model_config(cfg: ml_collections.ConfigDict, vocab_size: int | None = None) 
 def validate(cfg: ml_collections.ConfigDict) -> RunConfig:
     """Checks every section and the rules across sections; returns the typed sections.
     (model.vocab_size 0 = from the tokenizer: `model_config` checks the resolved vocab.)"""
-    run = parse(cfg)
+    return check(parse(cfg))
+
+
+def check(run: RunConfig) -> RunConfig:
+    """`validate` of typed sections: each section's rules and those across sections."""
     run.model.replace(vocab_size=run.model.vocab_size or 1).validate()
     run.parallel.validate()
     run.trainer.validate()
@@ -205,5 +257,6 @@ def validate(cfg: ml_collections.ConfigDict) -> RunConfig:
     return run
 
 
-__all__ = ["MOVED", "SECTIONS", "ConfigError", "RunConfig", "default_config", "get_path",
-           "has_path", "model_config", "parse", "set_path", "unknown_key_error", "upgrade", "validate"]
+__all__ = ["MOVED", "SECTIONS", "ConfigError", "RunConfig", "check", "default_config", "defaults",
+           "from_saved", "get_path", "has_path", "model_config", "parse", "set_path",
+           "unknown_key_error", "upgrade", "validate"]

@@ -33,7 +33,7 @@ from olmo_jax.errors import CheckpointError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from olmo_jax.model.moe.router import GATINGS
+    from olmo_jax.model.config import GATINGS
 
     parser = argparse.ArgumentParser(
         prog="python -m olmo_jax.convert",

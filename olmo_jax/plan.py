@@ -24,6 +24,7 @@ import sys
 from absl import app, flags, logging
 
 from olmo_jax import cli
+from olmo_jax import config as config_lib
 from olmo_jax.errors import ConfigError, DataError
 
 _DEVICES = flags.DEFINE_integer(
@@ -46,9 +47,12 @@ def default_devices(parallel) -> int:
 
 
 def main(argv: list[str]) -> None:
-    cfg = cli.required_config(argv)
     logging.set_verbosity(logging.WARNING)
-    n = _DEVICES.value or default_devices(cfg.parallel)
+    try:
+        run_cfg = config_lib.validate(cli.required_config(argv))
+    except ConfigError as e:
+        cli.fail(str(e))
+    n = _DEVICES.value or default_devices(run_cfg.parallel)
     if n < 1:
         cli.fail(f"--devices={n} must be >= 1")
     from olmo_jax.planner import hardware
@@ -58,7 +62,7 @@ def main(argv: list[str]) -> None:
         cli.fail(f"--device-kind={_KIND.value}: choose one of {', '.join(hardware.KINDS)}")
     path = cli.config_filename()
     try:
-        out = run(cfg, n, _KIND.value, _COMPARE.value, path, compiler=_COMPILER.value)
+        out = run(run_cfg, n, _KIND.value, _COMPARE.value, path, compiler=_COMPILER.value)
     except (ConfigError, DataError, RuntimeError) as e:  # RuntimeError: the XLA:GPU worker's
         cli.fail(str(e))
     print(out["text"])

@@ -21,6 +21,7 @@ import jax
 from absl import app, flags, logging
 
 from olmo_jax import cli, distributed, host_memory
+from olmo_jax import config as config_lib
 from olmo_jax.errors import ConfigError, DataError
 
 # A multi-process launch (olmo_jax/distributed/launch.py): flags, else OLMO_JAX_* / SLURM.
@@ -36,14 +37,15 @@ _PROCESS_ID = flags.DEFINE_integer(
 
 
 def run_training(cfg) -> int:
-    """Trains `cfg` as the command line does; returns the exit code. A user's error (bad
-    config, data, checkpoint, run_dir, memory) or a halted run prints one `error:` line,
-    no traceback; in a multi-process run the other processes are told and stop too."""
+    """Trains the run config `cfg` (a ConfigDict, validated here into its typed sections)
+    as the command line does; returns the exit code. A user's error (bad config, data,
+    checkpoint, run_dir, memory) or a halted run prints one `error:` line, no traceback;
+    in a multi-process run the other processes are told and stop too."""
     from olmo_jax.trainer.guard import TrainingHalted
     from olmo_jax.trainer.loop import train
 
     try:
-        train(cfg)
+        train(config_lib.validate(cfg))
     except (ConfigError, DataError) as e:
         return distributed.report_error(str(e), cli.EXIT_BAD_INPUT)
     except TrainingHalted as e:
@@ -64,11 +66,12 @@ def main(argv: list[str]) -> None:
     cfg = cli.required_config(argv)
     logging.set_verbosity(logging.WARNING)  # jax's backend-probing INFO lines
     try:
-        host_memory.configure(cfg.trainer.host_malloc)  # before JAX starts its backend
+        trainer = config_lib.parse(cfg).trainer  # run_training validates every section
+        host_memory.configure(trainer.host_malloc)  # before JAX starts its backend
         launch = distributed.detect({"coordinator": _COORDINATOR.value,
                                      "num_processes": _NUM_PROCESSES.value,
                                      "process_id": _PROCESS_ID.value})
-        distributed.initialize(launch, cfg.trainer.peer_timeout_s)
+        distributed.initialize(launch, trainer.peer_timeout_s)
     except ConfigError as e:
         cli.fail(str(e))
     sys.exit(run_training(cfg))

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from olmo_jax import config as config_lib
 from olmo_jax.checkpoint import manager as m
 from olmo_jax.config import model_config
 from olmo_jax.data import write_token_file
@@ -77,7 +78,7 @@ def _setup(case, cfg, tmp):
         return [f"trainer.run_dir={tmp / 'file' / 'run'} cannot be written to"]
     if case == "run_dir holding another run":
         (tmp / "run").mkdir()
-        write_config(tmp / "run", run_config(tmp / "run"))
+        write_config(tmp / "run", config_lib.parse(run_config(tmp / "run")))
         cfg.optim.b2 = 0.99
         return ["holds a run with a different config", "optim.b2: 0.95 -> 0.99",
                 "--config.trainer.overwrite=True"]

@@ -1,9 +1,12 @@
 """One schema: the run config is generated from the typed section dataclasses, each choice
-list is spelled once (in the module implementing it) and validated from there, one dtype
-table, one dotted-path walk, and the command lines share olmo_jax/cli.py."""
+list is spelled once (in its section's config module, or the module implementing it) and
+validated from there, one dtype table, one dotted-path walk, the typed sections record
+exactly what the ConfigDict holds, and the command lines share olmo_jax/cli.py."""
 
 import ast
 import dataclasses
+import json
+import runpy
 from pathlib import Path
 
 import pytest
@@ -14,19 +17,24 @@ from olmo_jax.config import SECTIONS, default_config, get_path, has_path, parse,
 from olmo_jax.errors import ConfigError
 from olmo_jax.kernels import GMM_IMPLS
 from olmo_jax.labels import INSTANCES
-from olmo_jax.model.attention import ATTENTION_IMPLS
-from olmo_jax.model.config import COMPUTE_DTYPES, DTYPES, RUN_DEFAULT, TransformerConfig
+from olmo_jax.model.config import (
+    ATTENTION_IMPLS,
+    COMPUTE_DTYPES,
+    DTYPES,
+    GATINGS,
+    REMATS,
+    ROUTING_MODES,
+    RUN_DEFAULT,
+    TransformerConfig,
+)
 from olmo_jax.model.moe.losses import LB_GRANULARITIES, LB_LOSS_TYPES
-from olmo_jax.model.moe.router import GATINGS, ROUTING_MODES
 from olmo_jax.model.mxfp8_gemm import PRECISIONS
-from olmo_jax.model.transformer import REMATS
 from olmo_jax.optim.optimizer import OPTIMIZERS
-from olmo_jax.optim.schedules import SCHEDULES as LR_SCHEDULES
+from olmo_jax.optim.schedules import LR_SCHEDULES
 from olmo_jax.parallel.expert import BACKENDS
-from olmo_jax.parallel.pipeline.schedule import SCHEDULES
+from olmo_jax.parallel.pipeline.schedule import PIPELINE_SCHEDULES
 from olmo_jax.parallel.rules import STRATEGIES
-from olmo_jax.trainer.guard import POLICIES
-from olmo_jax.trainer.sinks import LOGGERS, WANDB_MODES
+from olmo_jax.trainer.config import LOGGERS, POLICIES, WANDB_MODES
 
 PACKAGE = Path(__file__).resolve().parents[1] / "olmo_jax"
 # Every choice field of the run config and the list (from its module) that validates it.
@@ -36,7 +44,7 @@ CHOICES = {
     "model.moe.routing_mode": ROUTING_MODES, "model.moe.gmm_impl": GMM_IMPLS,
     "model.moe.precision": PRECISIONS, "model.moe.lb_loss_type": LB_LOSS_TYPES,
     "model.moe.lb_granularity": LB_GRANULARITIES, "parallel.strategy": STRATEGIES,
-    "parallel.dispatch": BACKENDS, "parallel.pipeline_schedule": SCHEDULES,
+    "parallel.dispatch": BACKENDS, "parallel.pipeline_schedule": PIPELINE_SCHEDULES,
     "optim.name": OPTIMIZERS, "optim.schedule": LR_SCHEDULES, "trainer.nan_policy": POLICIES,
     "trainer.wandb.mode": WANDB_MODES, "data.instances": INSTANCES,
 }
@@ -152,3 +160,20 @@ def test_no_module_imports_another_modules_private_names():
             if isinstance(node, ast.Attribute) and node.attr in ("_CONFIG", "_fail", "_parse_flags"):
                 bad.append(f"{path.relative_to(PACKAGE)}: .{node.attr}")
     assert not bad, bad
+
+
+CONFIG_FILES = sorted(p for p in (PACKAGE.parent / "configs").glob("*.py") if p.stem != "__init__")
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=[p.stem for p in CONFIG_FILES])
+def test_typed_sections_record_what_the_config_dict_holds(path):
+    """config.json, a checkpoint's config and the sinks' copy come from RunConfig.to_dict():
+    the same JSON, byte for byte, as the ConfigDict's; with_values / get walk dotted names."""
+    cfg = runpy.run_path(str(path))["get_config"]()
+    run = parse(cfg)
+    assert json.dumps(run.to_dict(), default=str) == json.dumps(cfg.to_dict(), default=str)
+    changed = run.with_values({"trainer.seed": 7, "model.moe.top_k": 1})
+    assert changed.get("trainer.seed") == 7 and changed.model.moe.top_k == 1
+    assert changed.parallel == run.parallel and run.trainer.seed == cfg.trainer.seed
+    with pytest.raises(ConfigError, match="did you mean model.moe.top_k"):
+        run.with_values({"model.moe.topk": 1})

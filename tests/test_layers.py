@@ -90,11 +90,6 @@ def test_docs_table_is_the_layer_table():
     assert sorted(rows) == list(range(len(ig.LAYERS)))
 
 
-# Modules in a file circle another change removes: model/config.py validates the names of
-# the attention, block and router options by importing those modules when it runs.
-PENDING_CIRCLES = {"olmo_jax.model.config"}
-
-
 def _circles(package_dir: Path) -> list[list[str]]:
     """Groups of modules whose imports (any depth, as the layer walk reads them) run in a
     circle: the strongly connected components of more than one module (Tarjan)."""
@@ -129,15 +124,9 @@ def _circles(package_dir: Path) -> list[list[str]]:
 
 
 def test_no_file_circles():
-    circles = [c for c in _circles(REPO / "olmo_jax") if not PENDING_CIRCLES & set(c)]
+    circles = _circles(REPO / "olmo_jax")
     assert not circles, "modules importing each other in a circle (move the shared part " \
         "into the module both need):\n" + "\n".join(" <-> ".join(c) for c in circles)
-
-
-def test_pending_circles_still_exist():
-    found = {m for c in _circles(REPO / "olmo_jax") for m in c}
-    stale = PENDING_CIRCLES - found
-    assert not stale, f"remove {sorted(stale)} from PENDING_CIRCLES in tests/test_layers.py"
 
 
 def test_circles_count_function_level_imports(tmp_path):

@@ -31,7 +31,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from flax import nnx
 
@@ -347,16 +346,15 @@ def _model_assignments(cfg: TransformerConfig) -> list[tuple[str, object]]:
     return out
 
 
-def run_config(cfg: TransformerConfig, tokenizer: str = "") -> ml_collections.ConfigDict:
-    """The default run config with `cfg` as its model."""
-    from olmo_jax.config import default_config, set_path
+def run_config(cfg: TransformerConfig, tokenizer: str = "") -> dict:
+    """The default run config with `cfg` as its model, resolved (RunConfig.to_dict(), as a
+    run's config.json holds it)."""
+    from olmo_jax.config import defaults
 
-    c = default_config()
-    for dotted, value in _model_assignments(cfg):
-        set_path(c, dotted, value)
+    changes = dict(_model_assignments(cfg))
     if tokenizer:
-        c.data.tokenizer = tokenizer
-    return c
+        changes["data.tokenizer"] = tokenizer
+    return defaults().with_values(changes).to_dict()
 
 
 def require_empty(path: Path, flag: str) -> None:
@@ -386,7 +384,7 @@ def save_init_checkpoint(out_dir: Path, model: HFModel, source, command: str, wh
     out_dir = Path(out_dir).absolute()
     run_cfg = run_config(model.config, tokenizer)
     ckpts = m.Checkpoints(out_dir / m.RUN_SUBDIR, async_save=False)
-    json_items = {m.CONFIG: {"config": run_cfg.to_dict(),
+    json_items = {m.CONFIG: {"config": run_cfg,
                              "model": m.model_config_to_dict(model.config)}}
     if model.hf_config is not None:
         json_items[m.HF_CONFIG] = model.hf_config

@@ -2,7 +2,7 @@
 loader that turns them into deterministic, step-addressed global batches (grain:
 stream.py), and the named eval sets (build.py).
 
-    data = build_data(cfg.data, seq_len, global_batch_size, seed)
+    data = build_data(run.data, seq_len, global_batch_size, seed)  # run: config.RunConfig
     for step, batch_BX in data.train.iterate():  # int32 [B, seq_len + 1]
         inputs, targets = batch_BX[:, :-1], batch_BX[:, 1:]  # targets < 0: olmo_jax/labels.py
 """

@@ -54,7 +54,7 @@ def default_cache_dir() -> Path:
 
 
 def _field(cfg: Any, name: str, default: Any) -> Any:
-    """`cfg[name]` for mappings, `cfg.name` otherwise (ml_collections, dataclasses)."""
+    """`cfg[name]` for mappings, `cfg.name` otherwise (DataConfig)."""
     if isinstance(cfg, Mapping):
         return cfg.get(name, default)
     return getattr(cfg, name, default)
@@ -67,8 +67,8 @@ def build_data(
     seed: int = 0,
     cache_dir: str | Path | None = None,
 ) -> Data:
-    """Train and eval loaders from the `data` config section: a dict, ConfigDict or object
-    with `paths` (token files, a list or one comma-separated string; empty: the embedded
+    """Train and eval loaders from the `data` config section: a DataConfig (data/config.py)
+    or a dict with `paths` (token files, a list or one comma-separated string; empty: the embedded
     stdlib corpus, cached in `cache_dir`),
     `tokenizer` ('' | 'bytes' | path to tokenizer.json), `vocab_size` (0: the tokenizer's
     padded vocabulary), `eval_fraction` (default 0: no default split; > 0 holds that share
@@ -170,8 +170,6 @@ def _paths(paths: Any) -> list:
 
 
 def _mapping(value: Any) -> dict:
-    if hasattr(value, "to_dict"):  # ml_collections.ConfigDict
-        value = value.to_dict()
     if not isinstance(value, Mapping):
         raise DataError(
             f"data.eval_sets={value!r} must map names to token files, e.g. "

@@ -45,14 +45,17 @@ the kernel's name.
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
 
 from olmo_jax.kernels import platform
 
-GMM_IMPLS = ("auto", "blas", "tiled", "pallas", "ragged_dot", "einsum")
-ATTENTION_IMPLS = ("auto", "cudnn", "blas", "xla")
+GmmImpl = Literal["auto", "blas", "tiled", "pallas", "ragged_dot", "einsum"]  # model.moe.gmm_impl
+GMM_IMPLS = get_args(GmmImpl)
+AttentionImpl = Literal["auto", "cudnn", "blas", "xla"]  # model.attention_impl
+ATTENTION_IMPLS = get_args(AttentionImpl)
 RUN_PADDINGS = ("blocks", "tiles", "none")
 # The Pallas grouped matmul tiles d_model and the expert hidden size in blocks of 64 (the
 # weight-gradient kernel's wgmma M is one of them).

@@ -36,7 +36,6 @@ from flax import nnx
 
 from olmo_jax import shapes
 from olmo_jax.kernels import select
-from olmo_jax.kernels.select import ATTENTION_IMPLS  # noqa: F401  (model/config.py checks with it)
 from olmo_jax.kernels.vma import cotangent_like
 from olmo_jax.model import mxfp8_gemm
 from olmo_jax.model.config import TransformerConfig

@@ -4,7 +4,9 @@
 routed feed-forward. These fields ARE the run config's `model` section: olmo_jax/config.py
 generates that ConfigDict from them, so each field's default and doc live here, once.
 Validation lives here so research code that builds a model by hand gets the same clear
-errors as the command line; each choice list is imported from the module implementing it.
+errors as the command line. The choice lists of what the model's own modules
+implement (attention core, block layout, remat, router) are declared here, with the schema
+that checks them, so this module imports none of those modules.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import jax.numpy as jnp
 
 from olmo_jax.errors import ConfigError, check_choice
-from olmo_jax.kernels import GMM_IMPLS
+from olmo_jax.kernels.select import ATTENTION_IMPLS, GMM_IMPLS, AttentionImpl, GmmImpl
 from olmo_jax.model.moe.losses import LB_GRANULARITIES, LB_LOSS_TYPES
 from olmo_jax.model.mxfp8_gemm import PRECISIONS
 
@@ -26,6 +29,23 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 # The compute dtypes: float16 is a storage dtype only. The trainer has no loss scaling, so
 # float16 activations and gradients would underflow; model.dtype refuses it.
 COMPUTE_DTYPES = ("float32", "bfloat16")
+# Choices implemented by transformer.py and moe/router.py, declared with the schema that
+# checks them. The kernel choices (model.attention_impl, model.moe.gmm_impl) are the lower
+# kernels layer's table, olmo_jax/kernels/select.py, imported above.
+# model.remat: none | block (each block's activations recomputed in the backward pass,
+# transformer.run_blocks) | attention (the attention sub-layer only, transformer.Block)
+Remat = Literal["none", "block", "attention"]
+REMATS = get_args(Remat)
+# model.block_norm, OLMo-core's block layouts (nn/transformer/block.py, nn/ddp/block.py):
+# pre = x + f(norm(x)); post = its "reordered" norm, x + norm(f(x)); peri = x + norm(f(norm(x))).
+BlockNorm = Literal["pre", "post", "peri"]
+BLOCK_NORMS = get_args(BlockNorm)
+Gating = Literal["softmax", "sigmoid", "topk_softmax"]  # model.moe.gating (router.gate_scores)
+GATINGS = get_args(Gating)
+# model.moe.routing_mode (router.route): learned | random (OLMo-core: U(0,1) scores replace
+# the gate) | random_choice (random experts, learned weights) | uniform (round-robin)
+RoutingMode = Literal["learned", "random", "random_choice", "uniform"]
+ROUTING_MODES = get_args(RoutingMode)
 # The run config's value of a field when it differs from the dataclass default (metadata).
 RUN_DEFAULT = "run_default"
 
@@ -53,7 +73,7 @@ class MoEConfig:
     top_k: int = 2
     expert_hidden: int = 512
     # Router (model/moe/router.py; every option is documented in docs/training.md's routing table).
-    gating: str = "softmax"  # router.GATINGS: softmax | sigmoid | topk_softmax
+    gating: Gating = "softmax"  # GATINGS: softmax | sigmoid | topk_softmax
     norm_topk_prob: bool = False  # softmax gating: renormalize the k weights to sum to 1
     # sigmoid gating: renormalize the k weights to sum to 1 (OLMo-core renormalizes only
     # with normalize_expert_weights=1; without it the weights are the raw sigmoid scores).
@@ -63,10 +83,10 @@ class MoEConfig:
     n_group: int = 1  # group-limited routing: experts split into n_group groups (1 = off) ...
     topk_group: int = 1  # ... of which the best topk_group may be chosen from
     bias_rate: float = 0.0  # > 0: auxiliary-loss-free balancing with this bias step size (0 = off)
-    # router.ROUTING_MODES: learned | random (OLMo-core: U(0,1) scores replace the gate) |
+    # ROUTING_MODES: learned | random (OLMo-core: U(0,1) scores replace the gate) |
     # random_choice (random experts, learned weights) | uniform (round-robin); all but
     # learned: system benchmarks.
-    routing_mode: str = "learned"
+    routing_mode: RoutingMode = "learned"
     router_jitter: float = 0.0  # training only: router input *= U(1 - j, 1 + j)
     # Shared experts (always applied, added to the routed output).
     n_shared_experts: int = 0
@@ -77,7 +97,7 @@ class MoEConfig:
     # parallel.dispatch=ragged or allgather; rowwise dispatch (parallel.expert > 1) has fixed
     # receive slots and then uses OLMo-core's 1.25 (parallel/expert ROWWISE_CAPACITY_FACTOR).
     capacity_factor: float = 0.0
-    gmm_impl: str = "auto"  # kernels.GMM_IMPLS; which runs where: olmo_jax/kernels/select.py
+    gmm_impl: GmmImpl = "auto"  # GMM_IMPLS; which runs where: olmo_jax/kernels/select.py
     # Expert GEMM precision (model/mxfp8_gemm.PRECISIONS): bf16 (= model.dtype) | mxfp8
     # (model/moe/mxfp8_experts.py).
     precision: str = "bf16"
@@ -106,9 +126,7 @@ class MoEConfig:
             )
         if self.expert_hidden < 1:
             raise ConfigError(f"{prefix}.expert_hidden must be >= 1, got {self.expert_hidden}")
-        from olmo_jax.model.moe import router  # it imports this module: imported when used
-
-        check_choice(f"{prefix}.gating", self.gating, router.GATINGS, one_of=False)
+        check_choice(f"{prefix}.gating", self.gating, GATINGS, one_of=False)
         if self.n_shared_experts < 0 or (self.n_shared_experts > 0 and self.shared_hidden < 1):
             raise ConfigError(
                 f"{prefix}.n_shared_experts={self.n_shared_experts} needs "
@@ -126,7 +144,7 @@ class MoEConfig:
                 f"{prefix}.expert_hidden={self.expert_hidden} must be a multiple of 32"
             )
         check_choice(f"{prefix}.lb_loss_type", self.lb_loss_type, LB_LOSS_TYPES, one_of=False)
-        self._validate_routing(prefix, router.ROUTING_MODES)
+        self._validate_routing(prefix, ROUTING_MODES)
 
     def _validate_routing(self, prefix: str, routing_modes) -> None:
         if self.n_group < 1 or self.num_experts % self.n_group:
@@ -196,7 +214,7 @@ class TransformerConfig:
     norm_eps: float = 1e-6  # RMSNorm epsilon (OLMo-core 3 reference: 1e-6; HF OLMoE: 1e-5)
     qk_norm: bool = True
     head_qk_norm: bool = True  # QK-norm per head over head_dim, one [head_dim] weight (OLMo-core's use_head_qk_norm)
-    block_norm: str = "post"  # transformer.BLOCK_NORMS: pre | post (OLMo-core's reordered norm) | peri
+    block_norm: BlockNorm = "post"  # BLOCK_NORMS: pre | post (OLMo-core's reordered norm) | peri
     # embeddings *= this: -1 = sqrt(d_model) (OLMo-core 3's reference), 0 = off, > 0 = this factor
     embed_scale: float = -1.0
     embedding_norm: bool = True  # RMSNorm of the (scaled) embeddings (OLMo-core's embedding_norm)
@@ -209,12 +227,12 @@ class TransformerConfig:
     # (OLMo-core's z_loss_multiplier; its reference runs use 1e-4). 0 = off.
     lm_z_loss_coef: float = 0.0
     dtype: str = "float32"  # compute dtype, COMPUTE_DTYPES: float32 | bfloat16 (params: float32)
-    remat: str = "none"  # transformer.REMATS: none | block | attention
+    remat: Remat = "none"  # REMATS: none | block | attention
     scan_unroll: int = 1  # blocks per layer-scan iteration (= n_layers unrolls; compile time grows)
     attention_precision: str = "bf16"  # model/mxfp8_gemm.PRECISIONS: bf16 (= dtype) | mxfp8 (q/k/v/o GEMMs)
-    # kernels.ATTENTION_IMPLS, the softmax(q k^T) v core (model/attention.py): auto | cudnn |
-    # blas | xla; which runs where: olmo_jax/kernels/select.py
-    attention_impl: str = "auto"
+    # ATTENTION_IMPLS, the softmax(q k^T) v core (model/attention.py): auto | cudnn | blas |
+    # xla; which runs where: olmo_jax/kernels/select.py
+    attention_impl: AttentionImpl = "auto"
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     @property
@@ -274,10 +292,6 @@ class TransformerConfig:
             )
         if self.scan_unroll < 1:
             raise ConfigError(f"{prefix}.scan_unroll must be >= 1, got {self.scan_unroll}")
-        # attention.py and transformer.py import this module: imported when used.
-        from olmo_jax.model.attention import ATTENTION_IMPLS
-        from olmo_jax.model.transformer import BLOCK_NORMS, REMATS
-
         check_choice(f"{prefix}.block_norm", self.block_norm, BLOCK_NORMS)
         check_choice(f"{prefix}.remat", self.remat, REMATS, one_of=False)
         check_choice(f"{prefix}.attention_precision", self.attention_precision, PRECISIONS, one_of=False)

@@ -88,14 +88,6 @@ def _stacked_blocks(cfg: TransformerConfig, n: int, moe: bool, rngs: nnx.Rngs, d
     return make(rngs)
 
 
-# model.remat: none | block (each block's activations recomputed in the backward pass,
-# run_blocks) | attention (the attention sub-layer only, Block)
-REMATS = ("none", "block", "attention")
-# model.block_norm, OLMo-core's block layouts (nn/transformer/block.py, nn/ddp/block.py):
-# pre = x + f(norm(x)); post = its "reordered" norm, x + norm(f(x)); peri = x + norm(f(norm(x))).
-BLOCK_NORMS = ("pre", "post", "peri")
-
-
 @shapes.check("-> B T D, _")
 def run_blocks(blocks: Block, x_BTD, cos_TH, sin_TH, remat: str = "none", rng=None, unroll: int = 1,
                *, keys=None, keep_L=None):

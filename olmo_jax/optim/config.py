@@ -7,14 +7,14 @@ from dataclasses import dataclass
 
 from olmo_jax.errors import ConfigError, check_choice
 from olmo_jax.optim.optimizer import OPTIMIZERS
-from olmo_jax.optim.schedules import SCHEDULES
+from olmo_jax.optim.schedules import LR_SCHEDULES
 
 
 @dataclass(frozen=True)
 class OptimConfig:
     name: str = "adamw"  # OPTIMIZERS: adamw | muon (Muon on weight matrices, AdamW on the rest)
     lr: float = 3e-3
-    schedule: str = "cosine"  # schedules.SCHEDULES: cosine | wsd | constant
+    schedule: str = "cosine"  # schedules.LR_SCHEDULES: cosine | wsd | constant
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1  # final lr / peak lr
     decay_fraction: float = 0.2  # wsd: fraction of steps spent decaying
@@ -30,7 +30,7 @@ class OptimConfig:
     muon_lr: float = 0.0  # muon: peak lr of the matrices (0 = optim.lr, which the scale rule allows)
 
     def validate(self, prefix: str = "optim") -> OptimConfig:
-        check_choice(f"{prefix}.schedule", self.schedule, SCHEDULES)
+        check_choice(f"{prefix}.schedule", self.schedule, LR_SCHEDULES)
         check_choice(f"{prefix}.name", self.name, OPTIMIZERS)
         if self.lr <= 0:
             raise ConfigError(f"{prefix}.lr must be > 0, got {self.lr}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import optax
 
-SCHEDULES = ("cosine", "wsd", "constant")  # optim.schedule (lr_schedule)
+LR_SCHEDULES = ("cosine", "wsd", "constant")  # optim.schedule (lr_schedule)
 
 
 def lr_schedule(

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from olmo_jax.errors import ConfigError, check_choice
 from olmo_jax.parallel.expert import BACKENDS
-from olmo_jax.parallel.pipeline.schedule import SCHEDULES
+from olmo_jax.parallel.pipeline.schedule import PIPELINE_SCHEDULES
 from olmo_jax.parallel.rules import STRATEGIES
 
 
@@ -23,14 +23,14 @@ class ParallelConfig:
     dispatch: str = "rowwise"
     zero1: bool = True  # shard fp32 params + AdamW moments over the data-parallel devices
     # Pipeline (parallel.pipe > 1; olmo_jax/parallel/pipeline):
-    pipeline_schedule: str = "1f1b"  # schedule.SCHEDULES: gpipe | 1f1b | interleaved_1f1b
+    pipeline_schedule: str = "1f1b"  # schedule.PIPELINE_SCHEDULES: gpipe | 1f1b | interleaved_1f1b
     microbatches: int = 1  # microbatches per pipeline flush (the batch rows split in order)
     virtual_stages: int = 1  # chunks per stage: interleaved_1f1b needs >= 2 (gpipe: circular)
 
     def validate(self, prefix: str = "parallel") -> ParallelConfig:
         check_choice(f"{prefix}.strategy", self.strategy, STRATEGIES)
         check_choice(f"{prefix}.dispatch", self.dispatch, BACKENDS)
-        check_choice(f"{prefix}.pipeline_schedule", self.pipeline_schedule, SCHEDULES)
+        check_choice(f"{prefix}.pipeline_schedule", self.pipeline_schedule, PIPELINE_SCHEDULES)
         for name in ("microbatches", "virtual_stages"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{prefix}.{name} must be >= 1, got {getattr(self, name)}")

@@ -11,7 +11,7 @@ runs outside, elementwise on the stored shards; Muon's Newton-Schulz, which is n
 elementwise, runs in its own shard_map on whole matrices, each owned by one data-parallel
 rank (muon_owners.py, `optimizer_args`).
 
-    plan = build_plan(cfg, model_cfg)          # validates the config against the devices
+    plan = build_plan(run.parallel, run.trainer, model_cfg, optim=run.optim)  # checked against the devices
     model_cfg = plan.model_cfg                 # kernels resolved for the mesh (plan.kernels)
     graphdef, state = init_state(model_cfg, tx, seed, dispatcher=plan.dispatcher)
     shardings = plan.state_shardings(state, tx)
@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Protocol
 
 import jax
 import numpy as np
@@ -42,15 +43,23 @@ from olmo_jax.kernels.select import KernelChoice, resolve_kernels
 from olmo_jax.model.abstract import abstract_model
 from olmo_jax.model.config import TransformerConfig
 from olmo_jax.model.params import compute_copy_dtype, path_name
+from olmo_jax.optim.config import OptimConfig
 from olmo_jax.parallel import expert as expert_lib
 from olmo_jax.parallel import mesh as mesh_lib
 from olmo_jax.parallel import muon_owners as muon_lib
 from olmo_jax.parallel import rules, zero
+from olmo_jax.parallel.config import ParallelConfig
 from olmo_jax.parallel.mesh import BATCH_AXES
 from olmo_jax.parallel.pipeline import Pipeline, build_pipeline, check_unpipelined
-from olmo_jax.parallel.rules import STRATEGIES
 
 BATCH_SPEC = rules.logical_to_spec((None, "act_batch", None))  # [microbatch, rows, tokens]
+
+
+class BatchSettings(Protocol):
+    """What a plan reads of the run's `trainer` section (trainer/config.TrainerConfig, a
+    row above this package, satisfies it)."""
+    global_batch_size: int
+    grad_accum: int
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -317,23 +326,22 @@ def with_compute_dtypes(layouts, abstract_params, compute_dtype):
         abstract_params, layouts)
 
 
-def build_plan(cfg, model_cfg: TransformerConfig, abstract_params=None,
+def build_plan(parallel: ParallelConfig, trainer: BatchSettings, model_cfg: TransformerConfig,
+               *, optim: OptimConfig | None = None, abstract_params=None,
                devices=None) -> ParallelPlan:
-    """The plan for config `cfg` (ConfigDict with `parallel` and `trainer`). Raises
+    """The plan for a run's validated `parallel` section (its batch from `trainer`:
+    global_batch_size, grad_accum; `optim`: Muon's ownership when optim.name=muon). Raises
     ConfigError naming the field for a mesh that does not fit the devices, experts that
     do not divide over `expert`, a batch that does not divide, or a kernel that cannot run
     on the mesh's devices. The model and its steps are built with `plan.model_cfg`
     (`model_cfg` with the kernels resolved, `plan.kernels`)."""
-    p = cfg.parallel
-    if p.strategy not in STRATEGIES:
-        raise ConfigError(
-            f"parallel.strategy={p.strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    p = parallel
     mesh = mesh_lib.make_mesh(p, devices)
     if mesh.shape["pipe"] == 1:
         check_unpipelined(p)
     check_model_fits(model_cfg, mesh, p.strategy, p.dispatch)
     kernels = plan_kernels(model_cfg, plan_target(mesh))
-    check_batch(cfg.trainer.global_batch_size, mesh, cfg.trainer.grad_accum,
+    check_batch(trainer.global_batch_size, mesh, trainer.grad_accum,
                 microbatches=p.microbatches)
     ep = mesh.shape["expert"]
     if p.strategy == "ddp" and ep > 1:
@@ -359,11 +367,11 @@ def build_plan(cfg, model_cfg: TransformerConfig, abstract_params=None,
     if pipeline is not None:
         pipeline = dataclasses.replace(pipeline, layouts=layouts)
     muon = None
-    if "optim" in cfg and cfg.optim.name == "muon":
+    if optim is not None and optim.name == "muon":
         if pipeline is not None:
             raise ConfigError(
                 f"optim.name=muon does not support parallel.pipe={mesh.shape['pipe']} yet: "
                 "use parallel.pipe=1 or optim.name=adamw")
         muon = muon_lib.ownership(abstract_params, layouts, mesh)
-    return ParallelPlan(mesh, p.strategy, bool(p.zero1), cfg.trainer.grad_accum, dispatch,
+    return ParallelPlan(mesh, p.strategy, bool(p.zero1), trainer.grad_accum, dispatch,
                         dispatcher, layouts, pipeline, muon, kernels, kernels.apply(model_cfg))

@@ -13,7 +13,6 @@ XLA:GPU, the rendered plan and its JSON (or the config's error) written to OUT.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import os
@@ -22,10 +21,9 @@ import sys
 from pathlib import Path
 
 import jax
-import ml_collections
 
 from olmo_jax import targets
-from olmo_jax.config import get_path, set_path
+from olmo_jax.config import RunConfig
 from olmo_jax.errors import ConfigError, DataError
 from olmo_jax.parallel.expert import rowwise_capacity_factor
 from olmo_jax.planner import hardware, report, xla_gpu
@@ -43,7 +41,7 @@ def start_devices(n: int) -> list:
     return devices
 
 
-def comparison_variants(cfg) -> list[tuple[str, dict]]:
+def comparison_variants(cfg: RunConfig) -> list[tuple[str, dict]]:
     """(label, config changes): ddp + expert parallelism, fsdp as configured, and fsdp with
     capacity buffers (the same batched expert matmul as rowwise dispatch: XLA:CPU's
     dropless layout gathers each block's expert weights, which a GPU's grouped GEMM does
@@ -64,20 +62,18 @@ def comparison_variants(cfg) -> list[tuple[str, dict]]:
             (f"{label}, capacity {cf}", {**fsdp, "model.moe.capacity_factor": cf})]
 
 
-def _same(cfg, changes: dict) -> bool:
-    return all(get_path(cfg, k) == v for k, v in changes.items())
+def _same(cfg: RunConfig, changes: dict) -> bool:
+    return all(cfg.get(k) == v for k, v in changes.items())
 
 
-def _variant(cfg, devices, changes: dict, kind: str):
-    variant = copy.deepcopy(cfg)
-    for dotted, value in changes.items():
-        set_path(variant, dotted, value)
-    return compile_train_step(variant, devices, kind=kind)
+def _variant(cfg: RunConfig, devices, changes: dict, kind: str):
+    return compile_train_step(cfg.with_values(changes), devices, kind=kind)
 
 
-def run(cfg: ml_collections.ConfigDict, n_devices: int, kind: str, compare: bool,
+def run(cfg: RunConfig, n_devices: int, kind: str, compare: bool,
         config_path: str = "", compiler: str = "auto", devices=None) -> dict:
-    """{"text": the rendered plan(s), "json": {"plan": ..., "compare": [...]}}. `compiler`:
+    """{"text": the rendered plan(s), "json": {"plan": ..., "compare": [...]}} of the
+    validated config `cfg` (config.validate). `compiler`:
     auto | xla_gpu | xla_cpu (planner/xla_gpu.py); `devices`: the fake CPU devices an
     XLA:CPU plan compiles for when JAX already runs (default: start n of them)."""
     try:

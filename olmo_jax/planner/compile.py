@@ -42,10 +42,9 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 
-from olmo_jax import config as config_lib
 from olmo_jax import targets
+from olmo_jax.config import RunConfig
 from olmo_jax.data import load_tokenizer
 from olmo_jax.kernels import platform
 from olmo_jax.model import TransformerConfig
@@ -59,7 +58,7 @@ from olmo_jax.trainer.step import make_train_step
 
 @dataclasses.dataclass
 class CompiledStep:
-    cfg: ml_collections.ConfigDict
+    cfg: RunConfig
     model_cfg: TransformerConfig
     plan: ParallelPlan
     compiled: jax.stages.Compiled
@@ -95,28 +94,29 @@ def planner_options(devices, dump: str) -> dict:
     return {**options, "xla_backend_optimization_level": 0}
 
 
-def model_config(cfg: ml_collections.ConfigDict) -> TransformerConfig:
+def model_config(cfg: RunConfig) -> TransformerConfig:
     """The model config; model.vocab_size 0 takes the tokenizer's (padded) vocabulary, as
     the trainer does, without reading any data."""
     vocab = cfg.data.vocab_size or None
     if not cfg.model.vocab_size and vocab is None:
         vocab = load_tokenizer(cfg.data.tokenizer).padded_vocab_size
-    return config_lib.model_config(cfg, vocab)
+    return cfg.model_config(vocab)
 
 
-def compile_train_step(cfg: ml_collections.ConfigDict, devices, *, trainer_step: bool = False,
+def compile_train_step(cfg: RunConfig, devices, *, trainer_step: bool = False,
                        options: dict | None = None, kind: str | None = None) -> CompiledStep:
-    """Lowers and compiles `cfg`'s train step for a mesh over `devices`: the planner's
+    """Lowers and compiles the train step of the validated config `cfg` (config.validate)
+    for a mesh over `devices`: the planner's
     (unguarded, `planner_options` with the buffer dump), or with
     `trainer_step` the trainer's exact program (module docstring), compiled with XLA
     `options` (None: the backend's defaults, as the trainer compiles)."""
-    config_lib.validate(cfg)
     t0 = time.perf_counter()
     model_cfg = compiled_model_cfg = model_config(cfg)
     if (not trainer_step and kind != "cpu" and model_cfg.attention_impl == "auto"
             and platform.target_of(devices).platform == "cpu"):  # module docstring
         compiled_model_cfg = dataclasses.replace(model_cfg, attention_impl="xla")
-    plan = build_plan(cfg, compiled_model_cfg, devices=devices)
+    plan = build_plan(cfg.parallel, cfg.trainer, compiled_model_cfg, optim=cfg.optim,
+                      devices=devices)
     t = cfg.trainer
     tx, schedule = build_optimizer(cfg.optim, t.max_steps)
     guard_cfg = guard_lib.GuardConfig.from_trainer(t) if trainer_step else None

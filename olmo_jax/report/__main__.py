@@ -22,6 +22,7 @@ from pathlib import Path
 from absl import flags
 
 from olmo_jax import cli
+from olmo_jax import config as config_lib
 from olmo_jax.errors import ConfigError, DataError
 from olmo_jax.planner import hardware
 from olmo_jax.report import page, sources
@@ -65,6 +66,11 @@ def main(argv: list[str]) -> int:
         return cli.error(f"--device-kind={_KIND.value}: choose one of {', '.join(hardware.KINDS)}")
     if _DEVICES.value < 0:
         return cli.error(f"--devices={_DEVICES.value} must be > 0 (or 0: from the run or config)")
+    if cfg is not None:
+        try:
+            cfg = config_lib.parse(cfg)  # the typed sections; checked by sources.model_config
+        except ConfigError as e:
+            return cli.error(str(e))
     n = 0
     try:
         if cfg is None:

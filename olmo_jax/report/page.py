@@ -70,7 +70,7 @@ def _shared_sections(cfg, model_cfg, plan) -> list[dict]:
 
 def run_page(run: RunFolder, model_cfg) -> dict:
     cfg = run.cfg
-    plan = build_plan(cfg, model_cfg)
+    plan = build_plan(cfg.parallel, cfg.trainer, model_cfg, optim=cfg.optim)
     last = run.metrics[-1] if run.metrics else {}
     extra = [("pipeline", _pipeline_line(plan)),
              ("logged steps", f"{len(run.metrics)} (last step {last.get('step', '–')})"),
@@ -92,7 +92,7 @@ def run_page(run: RunFolder, model_cfg) -> dict:
 
 def plan_page(cfg, model_cfg, config_path: str, device_kind: str = "b300") -> dict:
     """`device_kind` (planner/hardware.py): the device whose HBM the peak is compared to."""
-    plan = build_plan(cfg, model_cfg)
+    plan = build_plan(cfg.parallel, cfg.trainer, model_cfg, optim=cfg.optim)
     sections = [section("summary", "Summary", "summary",
                         _summary(cfg, model_cfg, plan, [("pipeline", _pipeline_line(plan))]))]
     sections += _shared_sections(cfg, model_cfg, plan)

@@ -14,9 +14,8 @@ import json
 import math
 from pathlib import Path
 
-import ml_collections
-
 from olmo_jax import config as config_lib
+from olmo_jax.config import RunConfig
 from olmo_jax.data import load_tokenizer
 from olmo_jax.model.config import TransformerConfig
 from olmo_jax.parallel.mesh import AXES
@@ -29,7 +28,7 @@ class ReportError(ValueError):
 @dataclasses.dataclass
 class RunFolder:
     path: Path
-    cfg: ml_collections.ConfigDict
+    cfg: RunConfig  # parsed, not yet checked (model_config checks it)
     metrics: list[dict]  # metrics.jsonl records, in file order
     counts: list[dict]  # expert_counts.jsonl records ({"step", "blocks", "counts"}), maybe empty
     mesh_shape: dict[str, int] | None  # from mesh.json (None for runs that predate it)
@@ -47,15 +46,13 @@ def _read_jsonl(path: Path) -> list[dict]:
     return records
 
 
-def config_from_dict(d: dict, where: str) -> ml_collections.ConfigDict:
-    """The default config updated with `d` (a resolved config as written to config.json)."""
-    cfg = config_lib.default_config()
-    cfg.lock()
+def config_from_dict(d: dict, where: str) -> RunConfig:
+    """The typed sections of `d` (a resolved config as written to config.json) over the
+    defaults."""
     try:
-        cfg.update(config_lib.upgrade(d))
+        return config_lib.from_saved(d)
     except (KeyError, AttributeError, TypeError, ValueError) as e:
         raise ReportError(f"{where} does not fit this version's config schema: {e}") from e
-    return cfg
 
 
 def load_run(run_dir: str | Path) -> RunFolder:
@@ -77,15 +74,15 @@ def load_run(run_dir: str | Path) -> RunFolder:
     return RunFolder(path, cfg, metrics, counts, mesh_shape)
 
 
-def model_config(cfg: ml_collections.ConfigDict) -> TransformerConfig:
-    """The typed model config; a vocabulary of 0 is taken from the tokenizer, as the trainer
-    does (without reading any token file)."""
+def model_config(cfg: RunConfig) -> TransformerConfig:
+    """The typed model config, every section checked (config.check); a vocabulary of 0 is
+    taken from the tokenizer, as the trainer does (without reading any token file)."""
     vocab = cfg.data.vocab_size or load_tokenizer(cfg.data.tokenizer).padded_vocab_size
-    config_lib.validate(cfg)
-    return config_lib.model_config(cfg, vocab)
+    config_lib.check(cfg)
+    return cfg.model_config(vocab)
 
 
-def device_count(cfg: ml_collections.ConfigDict, mesh_shape: dict[str, int] | None,
+def device_count(cfg: RunConfig, mesh_shape: dict[str, int] | None,
                  devices: int) -> int:
     """Devices of the mesh to draw: `devices` if > 0 (--devices), else the run's mesh.json,
     else the product of parallel.pipe/data/expert; 0 when one of them is -1 (fill: the
@@ -97,5 +94,5 @@ def device_count(cfg: ml_collections.ConfigDict, mesh_shape: dict[str, int] | No
         if missing:
             raise ReportError(f"mesh.json lacks the axes {missing}; expected {list(AXES)}")
         return math.prod(int(mesh_shape[a]) for a in AXES)
-    sizes = [cfg.parallel[a] for a in AXES]
+    sizes = [getattr(cfg.parallel, a) for a in AXES]
     return 0 if -1 in sizes else math.prod(sizes)

@@ -26,12 +26,12 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from rich.console import Console
 
 from olmo_jax.checkpoint import manager as m
 from olmo_jax.errors import CheckpointError
 from olmo_jax.model.config import TransformerConfig
+from olmo_jax.trainer.config import TrainerConfig
 from olmo_jax.trainer.state import TrainState, initial_rng
 
 # Model fields that change numerics or cost but not what the weights mean: a checkpoint
@@ -94,17 +94,19 @@ def truncate_metrics(path: Path, step: int) -> list[dict]:
 
 
 class RunCheckpoints:
-    """The checkpoints of one run: {run_dir}/checkpoints."""
+    """The checkpoints of one run: {run_dir}/checkpoints, as its `trainer` section asks;
+    `run_config` (RunConfig.to_dict()) is saved with each one."""
 
     def __init__(
         self,
-        cfg: ml_collections.ConfigDict,
+        trainer: TrainerConfig,
+        run_config: dict,
         run_dir: Path,
         model_cfg: TransformerConfig,
         console: Console | None = None,
     ):
-        t = cfg.trainer
-        self.cfg, self.model_cfg = cfg, model_cfg
+        t = self.trainer = trainer
+        self.run_config, self.model_cfg = run_config, model_cfg
         self.console = console or Console()
         self.save_every = t.save_every
         self.ckpts = m.Checkpoints(
@@ -141,11 +143,11 @@ class RunCheckpoints:
         try:
             if self.latest is not None:
                 self._check_architecture(self.ckpts, self.latest, "resume")
-            elif self.cfg.trainer.init_from:
-                ckpts, step = m.resolve(self.cfg.trainer.init_from)
+            elif self.trainer.init_from:
+                ckpts, step = m.resolve(self.trainer.init_from)
                 with ckpts:
                     self._check_architecture(
-                        ckpts, step, f"trainer.init_from={self.cfg.trainer.init_from}")
+                        ckpts, step, f"trainer.init_from={self.trainer.init_from}")
         except BaseException:
             self.close()
             raise
@@ -163,7 +165,7 @@ class RunCheckpoints:
         checkpoint, or a fresh state with trainer.init_from's weights, or `init()`.
         `abstract` is the state's structure (ShapeDtypeStructs); nothing is initialized
         (or allocated twice) when a checkpoint provides the values."""
-        t = self.cfg.trainer
+        t = self.trainer
         try:
             if self.latest is not None:
                 return self._resume(self.latest, abstract, shardings, train_loader, metrics_path)
@@ -182,7 +184,7 @@ class RunCheckpoints:
                 ckpts, step, m.MODEL, model_tree(abstract), model_tree(shardings)
             )
         self.console.print(f"initialized the weights from {ckpts.step_dir(step)}")
-        seed = self.cfg.trainer.seed
+        seed = self.trainer.seed
         return TrainState(
             step=jax.device_put(jnp.zeros((), jnp.int32), shardings.step),
             params=model["params"],
@@ -216,7 +218,7 @@ class RunCheckpoints:
         self.resumed_from = step
         if jax.process_index() == 0:  # the process that writes metrics (multi-process runs)
             self.previous_records = truncate_metrics(metrics_path, step)
-        init_from = self.cfg.trainer.init_from
+        init_from = self.trainer.init_from
         note = f" (trainer.init_from={init_from} ignored: resuming wins)" if init_from else ""
         self.console.print(f"resumed from checkpoint step {step} in {self.ckpts.directory}{note}")
         return TrainState(
@@ -250,7 +252,7 @@ class RunCheckpoints:
             if int(data_iter["next_index"]) != step:
                 raise CheckpointError(
                     f"the data stream is at step {data_iter['next_index']} when saving step {step}")
-        config = {"config": self.cfg.to_dict(), "model": m.model_config_to_dict(self.model_cfg)}
+        config = {"config": self.run_config, "model": m.model_config_to_dict(self.model_cfg)}
         self.ckpts.save(
             step,
             model=model_tree(state),

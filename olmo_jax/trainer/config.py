@@ -1,21 +1,69 @@
 """The run config's `trainer` section as typed dataclasses (olmo_jax/config.py generates
 the ConfigDict from them): steps and batch, logging and metric sinks, sampling,
-checkpoints, reliability. Each choice list is imported from the module that implements it."""
+checkpoints, reliability. The choice lists and field parsers the schema checks are
+declared here and imported by the modules that implement them (guard.py, sinks.py,
+profiler.py), so this module imports nothing of the trainer."""
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 from olmo_jax.errors import ConfigError, check_choice
 from olmo_jax.host_memory import MODES as HOST_MALLOC_MODES
-from olmo_jax.trainer.guard import POLICIES
-from olmo_jax.trainer.profiler import profile_window
-from olmo_jax.trainer.sinks import WANDB_MODES, loggers
+
+NanPolicy = Literal["skip", "halt"]  # trainer.nan_policy (guard.py)
+POLICIES = get_args(NanPolicy)
+Logger = Literal["jsonl", "tensorboard", "wandb"]  # trainer.loggers (sinks.py)
+LOGGERS = get_args(Logger)
+_LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}  # logger -> module (extra)
+WandbMode = Literal["online", "offline", "disabled"]  # trainer.wandb.mode (sinks.py)
+WANDB_MODES = get_args(WandbMode)
+
+
+def loggers(spec: str) -> tuple[str, ...]:
+    """The metric sinks named by trainer.loggers (comma-separated), checked: known,
+    installed, jsonl kept."""
+    names = tuple(dict.fromkeys(x.strip() for x in spec.split(",") if x.strip()))
+    for name in names:
+        if name not in LOGGERS:
+            raise ConfigError(
+                f"trainer.loggers={spec!r}: unknown logger {name!r}; choose from {', '.join(LOGGERS)}"
+            )
+    if "jsonl" not in names:
+        raise ConfigError(
+            f"trainer.loggers={spec!r} must include jsonl: metrics.jsonl is what resuming, "
+            "the report and the summary read; e.g. trainer.loggers=jsonl,tensorboard"
+        )
+    for name in names:
+        module = _LOGGER_PACKAGES.get(name)
+        if module and importlib.util.find_spec(module) is None:
+            raise ConfigError(
+                f"trainer.loggers includes {name}, but the {module} package is not installed; "
+                f"pip install 'olmo-jax[{name}]' (or remove {name} from trainer.loggers)"
+            )
+    return names
+
+
+def profile_window(spec: str) -> tuple[int, int] | None:
+    """trainer.profile_steps 'START:END' -> (START, END): the steps START..END-1 (numbered
+    as in metrics.jsonl, the first step is 1) are traced; '' -> None."""
+    if not spec.strip():
+        return None
+    fix = "write it as START:END with 1 <= START < END, e.g. trainer.profile_steps=10:13"
+    try:
+        a, b = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise ConfigError(f"trainer.profile_steps={spec!r} is not START:END; {fix}") from None
+    if not 1 <= a < b:
+        raise ConfigError(f"trainer.profile_steps={spec!r}: need 1 <= START < END; {fix}")
+    return a, b
 
 
 @dataclass(frozen=True)
 class WandbConfig:
-    mode: str = "offline"  # sinks.WANDB_MODES: online | offline (no network; `wandb sync` later) | disabled
+    mode: WandbMode = "offline"  # WANDB_MODES: online | offline (no network; `wandb sync` later) | disabled
     project: str = "olmo_jax"
     entity: str = ""  # "" = the W&B default
     name: str = ""  # "" = the run_dir's folder name
@@ -54,7 +102,7 @@ class TrainerConfig:
     hard_stop: int = 0  # stop (with a checkpoint) after this step, before max_steps (0 = off)
     overwrite: bool = False  # accept a config that differs from the one run_dir already holds
     # Reliability (olmo_jax/trainer/guard.py, preflight.py; olmo_jax/distributed).
-    nan_policy: str = "skip"  # guard.POLICIES: skip | halt: a step with a non-finite loss or grad norm
+    nan_policy: NanPolicy = "skip"  # POLICIES: skip | halt: a step with a non-finite loss or grad norm
     max_skipped: int = 10  # halt after this many skipped steps in a row (0 = never)
     spike_sigma: float = 0.0  # skip steps whose loss / grad norm is this many std above the mean (0 = off)
     spike_window: int = 128  # ... of the last N steps

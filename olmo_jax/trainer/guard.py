@@ -30,9 +30,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from olmo_jax.trainer.config import POLICIES
+
 # halt_reason / skip_reason bits
 LOSS_NONFINITE, GRAD_NONFINITE, LOSS_SPIKE, GRAD_SPIKE, TOO_MANY = 1, 2, 4, 8, 16
-POLICIES = ("skip", "halt")
 
 
 class TrainingHalted(RuntimeError):

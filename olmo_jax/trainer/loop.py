@@ -21,14 +21,13 @@ import time
 from pathlib import Path
 
 import jax
-import ml_collections
 import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from olmo_jax import config as config_lib
 from olmo_jax import distributed
 from olmo_jax import metrics as metrics_lib
+from olmo_jax.config import RunConfig
 from olmo_jax.data import build_data
 from olmo_jax.data.build import Data
 from olmo_jax.errors import CheckpointError, ConfigError
@@ -40,6 +39,7 @@ from olmo_jax.trainer import guard as guard_lib
 from olmo_jax.trainer import preflight
 from olmo_jax.trainer import run_dir as run_dir_lib
 from olmo_jax.trainer.checkpoints import RunCheckpoints, truncate_metrics
+from olmo_jax.trainer.config import TrainerConfig
 from olmo_jax.trainer.evaluation import Evaluation
 from olmo_jax.trainer.hooks import Checkpointing, ExpertCounts, HaltCheck, Hook, MetricsLine, Throughput
 from olmo_jax.trainer.logger import ProgressBar
@@ -98,7 +98,7 @@ def _with_shardings(tree, shardings):
 @dataclasses.dataclass
 class _Run:
     """What train() builds from the config before compiling anything."""
-    cfg: ml_collections.ConfigDict
+    cfg: RunConfig
     console: Console
     main: bool  # process 0: prints and writes metrics
     run_dir: Path
@@ -115,7 +115,7 @@ class _Run:
     eval_fn: object
 
     @property
-    def t(self) -> ml_collections.ConfigDict:
+    def t(self) -> TrainerConfig:
         return self.cfg.trainer
 
     @property
@@ -123,8 +123,8 @@ class _Run:
         return self.t.hard_stop or self.t.max_steps
 
 
-def _model_config(cfg, data) -> TransformerConfig:
-    model_cfg = config_lib.model_config(cfg, data.vocab_size)
+def _model_config(cfg: RunConfig, data) -> TransformerConfig:
+    model_cfg = cfg.model_config(data.vocab_size)
     if data.vocab_size > model_cfg.vocab_size:
         raise ConfigError(
             f"model.vocab_size={model_cfg.vocab_size} is smaller than the data's vocabulary "
@@ -133,14 +133,14 @@ def _model_config(cfg, data) -> TransformerConfig:
     return model_cfg
 
 
-def _build(cfg: ml_collections.ConfigDict, console: Console, main: bool) -> _Run:
-    """Data, model, plan, optimizer, checkpoints and the (uncompiled) step functions."""
-    config_lib.validate(cfg)
+def _build(cfg: RunConfig, console: Console, main: bool) -> _Run:
+    """Data, model, plan, optimizer, checkpoints and the (uncompiled) step functions, from
+    the validated sections (config.validate)."""
     t_cfg = cfg.trainer
     run_dir = run_dir_lib.prepare(cfg)  # writable; no different run in it (trainer.overwrite)
     data = build_data(cfg.data, t_cfg.seq_len, t_cfg.global_batch_size, t_cfg.seed, t_cfg.cache_dir)
     config_model_cfg = _model_config(cfg, data)  # as configured: what checkpoints record
-    plan = build_plan(cfg, config_model_cfg)  # mesh, strategy, dispatcher (olmo_jax/parallel)
+    plan = build_plan(cfg.parallel, t_cfg, config_model_cfg, optim=cfg.optim)  # mesh, strategy, dispatcher
     model_cfg = plan.model_cfg  # kernels resolved for the mesh: the model is built with it
     tx, schedule = build_optimizer(cfg.optim, t_cfg.max_steps)
     guard_cfg = guard_lib.GuardConfig.from_trainer(t_cfg)
@@ -148,7 +148,7 @@ def _build(cfg: ml_collections.ConfigDict, console: Console, main: bool) -> _Run
                                               guard_cfg=guard_cfg)
     shardings = plan.state_shardings(abstract, tx)
     opt_bytes = plan.optimizer_bytes(abstract, tx)
-    checkpoints = RunCheckpoints(cfg, run_dir, config_model_cfg, console)
+    checkpoints = RunCheckpoints(t_cfg, cfg.to_dict(), run_dir, config_model_cfg, console)
     checkpoints.verify()  # the checkpoint to start from fits, before compiling
     step_fn = plan.jit_train_step(
         guard_lib.guarded(make_train_step(
@@ -238,7 +238,7 @@ def _open_stream_and_sinks(run: _Run, start: int):
                 if stream.step != start:
                     raise CheckpointError(
                         f"checkpoint step {start}: its data_iter state is at step {stream.step}")
-        sinks = build_sinks(run.cfg, run.run_dir, run.model_cfg.n_dense_layers,
+        sinks = build_sinks(run.t, run.cfg.to_dict(), run.run_dir, run.model_cfg.n_dense_layers,
                             run.checkpoints.resumed_from, run.main)
     except BaseException:
         if stream is not None:
@@ -341,7 +341,8 @@ def _sample(run: _Run, state) -> str:
     return tokenizer.decode(sample_ids)
 
 
-def train(cfg: ml_collections.ConfigDict, console: Console | None = None) -> Summary:
+def train(cfg: RunConfig, console: Console | None = None) -> Summary:
+    """Trains the run of the validated config `cfg` (config.validate of a ConfigDict)."""
     main = distributed.is_main()
     console = console or Console(quiet=not main)
     run = _build(cfg, console, main)

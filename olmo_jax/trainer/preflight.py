@@ -17,6 +17,7 @@ import os
 
 import jax
 
+from olmo_jax.config import RunConfig
 from olmo_jax.errors import ConfigError
 
 GB = 2**30
@@ -54,7 +55,7 @@ def available_bytes(limit_gb: float, devices=None) -> tuple[int, str]:
     return ram // n, f"physical RAM {ram / GB:.1f} GiB / {n} local CPU devices"
 
 
-def _knobs(cfg) -> str:
+def _knobs(cfg: RunConfig) -> str:
     m, t, p = cfg.model, cfg.trainer, cfg.parallel
     knobs = []
     if m.remat != "block":
@@ -71,8 +72,9 @@ def _knobs(cfg) -> str:
     return "; ".join(knobs)
 
 
-def check(compiled, cfg, devices=None) -> tuple[MemoryEstimate, int, str]:
-    """(estimate, available bytes, their source); raises ConfigError when it cannot fit."""
+def check(compiled, cfg: RunConfig, devices=None) -> tuple[MemoryEstimate, int, str]:
+    """(estimate, available bytes, their source) of the step `compiled` for the run's
+    sections `cfg`; raises ConfigError when it cannot fit."""
     estimate = MemoryEstimate.of(compiled)
     limit_gb = cfg.trainer.memory_limit_gb
     available, source = available_bytes(limit_gb, devices)

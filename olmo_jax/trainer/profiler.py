@@ -13,22 +13,7 @@ from pathlib import Path
 
 import jax
 
-from olmo_jax.errors import ConfigError
-
-
-def profile_window(spec: str) -> tuple[int, int] | None:
-    """trainer.profile_steps 'START:END' -> (START, END): the steps START..END-1 (numbered
-    as in metrics.jsonl, the first step is 1) are traced; '' -> None."""
-    if not spec.strip():
-        return None
-    fix = "write it as START:END with 1 <= START < END, e.g. trainer.profile_steps=10:13"
-    try:
-        a, b = (int(x) for x in spec.split(":"))
-    except ValueError:
-        raise ConfigError(f"trainer.profile_steps={spec!r} is not START:END; {fix}") from None
-    if not 1 <= a < b:
-        raise ConfigError(f"trainer.profile_steps={spec!r}: need 1 <= START < END; {fix}")
-    return a, b
+from olmo_jax.trainer.config import profile_window
 
 
 class StepProfiler:

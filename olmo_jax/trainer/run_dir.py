@@ -22,8 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import ml_collections
-
+from olmo_jax.config import RunConfig
 from olmo_jax.errors import ConfigError
 from olmo_jax.trainer.checkpoints import FREE_MODEL_FIELDS, FREE_MOE_FIELDS
 
@@ -63,7 +62,8 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def as_json(cfg: ml_collections.ConfigDict) -> dict:
+def as_json(cfg: RunConfig) -> dict:
+    """The config as config.json holds it."""
     return json.loads(json.dumps(cfg.to_dict(), default=str))
 
 
@@ -74,7 +74,7 @@ def differences(saved: dict, current: dict) -> list[tuple[str, object, object]]:
     return [(k, a[k], b[k]) for k in a if k in b and a[k] != b[k] and not _is_free(k)]
 
 
-def prepare(cfg: ml_collections.ConfigDict) -> Path:
+def prepare(cfg: RunConfig) -> Path:
     """Creates trainer.run_dir, checks it is writable and that it does not hold a run with a
     different config (unless trainer.overwrite). Returns the folder."""
     run_dir = Path(cfg.trainer.run_dir).expanduser()
@@ -110,7 +110,7 @@ def prepare(cfg: ml_collections.ConfigDict) -> Path:
     return run_dir
 
 
-def write_config(run_dir: Path, cfg: ml_collections.ConfigDict) -> None:
+def write_config(run_dir: Path, cfg: RunConfig) -> None:
     """Writes config.json (atomically); with trainer.overwrite, a different config.json
     already there is kept as config.replaced-<time>.json."""
     path = run_dir / CONFIG_FILE

@@ -21,7 +21,6 @@ W&B run is continued by id (its id is kept in {run_dir}/wandb/run_id).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import secrets
 import string
@@ -29,39 +28,10 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-import ml_collections
 import numpy as np
 
-from olmo_jax.errors import ConfigError
+from olmo_jax.trainer.config import TrainerConfig, WandbConfig, loggers
 from olmo_jax.trainer.logger import ExpertCountsLog, MetricsLog
-
-LOGGERS = ("jsonl", "tensorboard", "wandb")  # trainer.loggers
-_LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}  # logger -> module (extra)
-WANDB_MODES = ("online", "offline", "disabled")  # trainer.wandb.mode
-
-
-def loggers(spec: str) -> tuple[str, ...]:
-    """The metric sinks named by trainer.loggers (comma-separated), checked: known,
-    installed, jsonl kept."""
-    names = tuple(dict.fromkeys(x.strip() for x in spec.split(",") if x.strip()))
-    for name in names:
-        if name not in LOGGERS:
-            raise ConfigError(
-                f"trainer.loggers={spec!r}: unknown logger {name!r}; choose from {', '.join(LOGGERS)}"
-            )
-    if "jsonl" not in names:
-        raise ConfigError(
-            f"trainer.loggers={spec!r} must include jsonl: metrics.jsonl is what resuming, "
-            "the report and the summary read; e.g. trainer.loggers=jsonl,tensorboard"
-        )
-    for name in names:
-        module = _LOGGER_PACKAGES.get(name)
-        if module and importlib.util.find_spec(module) is None:
-            raise ConfigError(
-                f"trainer.loggers includes {name}, but the {module} package is not installed; "
-                f"pip install 'olmo-jax[{name}]' (or remove {name} from trainer.loggers)"
-            )
-    return names
 
 
 class MetricSink(Protocol):
@@ -165,10 +135,9 @@ def _new_run_id() -> str:
 class WandbSink:
     """One W&B run per run_dir (continued by id on resume), in {run_dir}/wandb."""
 
-    def __init__(self, run_dir: Path, cfg: ml_collections.ConfigDict, resumed: bool):
+    def __init__(self, run_dir: Path, w: WandbConfig, run_config: dict, resumed: bool):
         import wandb
 
-        w = cfg.trainer.wandb
         root = Path(run_dir) / "wandb"
         root.mkdir(parents=True, exist_ok=True)
         id_file = root / "run_id"
@@ -179,7 +148,7 @@ class WandbSink:
             mode=w.mode, dir=str(run_dir), id=run_id, resume="allow",
             project=w.project, entity=w.entity or None, name=w.name or Path(run_dir).name,
             group=w.group or None, tags=[t.strip() for t in w.tags.split(",") if t.strip()] or None,
-            config=cfg.to_dict(),
+            config=run_config,
             settings=wandb.Settings(console="off", silent=True, x_disable_stats=True),
         )
 
@@ -223,20 +192,21 @@ class Sinks:
             sink.close()
 
 
-def build_sinks(cfg: ml_collections.ConfigDict, run_dir: Path, first_block: int,
+def build_sinks(trainer: TrainerConfig, run_config: dict, run_dir: Path, first_block: int,
                 resume_step: int | None, main: bool) -> Sinks:
-    """The sinks of trainer.loggers (none when `main` is False: process 0 alone writes).
+    """The sinks of trainer.loggers (none when `main` is False: process 0 alone writes),
+    each recording `run_config` (RunConfig.to_dict()) where it keeps the run's config.
     `resume_step`: the checkpoint step this launch resumed from (None: a fresh run)."""
     if not main:
         return Sinks([])
-    names = loggers(cfg.trainer.loggers)
+    names = loggers(trainer.loggers)
     resumed = resume_step is not None
     sinks: list[MetricSink] = [JsonlSink(run_dir, first_block, append=resumed)]
     try:
         if "tensorboard" in names:
-            sinks.append(TensorBoardSink(Path(run_dir) / "tensorboard", cfg.to_dict(), resume_step))
-        if "wandb" in names and cfg.trainer.wandb.mode != "disabled":
-            sinks.append(WandbSink(run_dir, cfg, resumed))
+            sinks.append(TensorBoardSink(Path(run_dir) / "tensorboard", run_config, resume_step))
+        if "wandb" in names and trainer.wandb.mode != "disabled":
+            sinks.append(WandbSink(run_dir, trainer.wandb, run_config, resumed))
     except BaseException:
         Sinks(sinks).close()
         raise

@@ -32,7 +32,7 @@ def hf_cases(tmp_path_factory) -> Path:
         model = jax_born_model(case, seed=100 + i)
         ckpts = m.Checkpoints(out / name / "orbax", async_save=False)
         config = {
-            "config": hf.run_config(model.config).to_dict(),
+            "config": hf.run_config(model.config),
             "model": m.model_config_to_dict(model.config),
         }
         ckpts.save(

@@ -36,9 +36,10 @@ def main() -> None:
         return rename(self, target)
 
     path_type.rename = hanging_rename
+    from olmo_jax import config as config_lib
     from olmo_jax.trainer.loop import train
 
-    train(ml_collections.ConfigDict(json.loads(Path(config_path).read_text())))
+    train(config_lib.validate(ml_collections.ConfigDict(json.loads(Path(config_path).read_text()))))
 
 
 if __name__ == "__main__":

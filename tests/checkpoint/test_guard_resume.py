@@ -8,7 +8,7 @@ import numpy as np
 from rich.console import Console
 
 from olmo_jax.checkpoint import manager as m
-from olmo_jax.config import model_config
+from olmo_jax.config import validate
 from olmo_jax.data import build_data
 from olmo_jax.optim import build_optimizer
 from olmo_jax.parallel.strategy import build_plan
@@ -19,11 +19,11 @@ from tests.run_config import run_config
 
 
 def _setup(run):
-    cfg = run_config(run)
+    cfg = validate(run_config(run))
     t = cfg.trainer
     data = build_data(cfg.data, t.seq_len, t.global_batch_size, t.seed, t.cache_dir)
-    model_cfg = model_config(cfg, data.vocab_size)
-    plan = build_plan(cfg, model_cfg)
+    model_cfg = cfg.model_config(data.vocab_size)
+    plan = build_plan(cfg.parallel, t, model_cfg, optim=cfg.optim)
     tx = build_optimizer(cfg.optim, t.max_steps)[0]
     gcfg = GuardConfig.from_trainer(t)
     _, abstract = abstract_train_state(model_cfg, tx, dispatcher=plan.dispatcher, guard_cfg=gcfg)
@@ -34,7 +34,7 @@ def _setup(run):
 
 
 def _resume(cfg, model_cfg, data, tx, abstract, shardings, run):
-    ckpts = RunCheckpoints(cfg, run, model_cfg, Console(quiet=True))
+    ckpts = RunCheckpoints(cfg.trainer, cfg.to_dict(), run, model_cfg, Console(quiet=True))
     try:
         return ckpts.start(abstract, shardings, tx, data.train, run / "metrics.jsonl", init=None)
     finally:

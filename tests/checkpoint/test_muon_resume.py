@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from olmo_jax import config as config_lib
 from olmo_jax.trainer.loop import train
 from tests.run_config import run_config
 
@@ -26,11 +27,11 @@ def _records(run_dir: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_muon_resume_is_bitwise(tmp_path, compile_cache):
-    straight = train(_cfg(tmp_path / "straight"))
+    straight = train(config_lib.validate(_cfg(tmp_path / "straight")))
     run = tmp_path / "run"
-    train(_cfg(run, hard_stop=4))
+    train(config_lib.validate(_cfg(run, hard_stop=4)))
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["4"]
-    resumed = train(_cfg(run))
+    resumed = train(config_lib.validate(_cfg(run)))
     a, b = _records(tmp_path / "straight"), _records(run)
     assert [r["step"] for r in b] == list(range(1, 9))
     for x, y in zip(a, b, strict=True):

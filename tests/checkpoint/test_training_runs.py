@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from olmo_jax import config as config_lib
 from olmo_jax.checkpoint import hf
 from olmo_jax.data import build_data
 from olmo_jax.errors import CheckpointError
@@ -54,7 +55,9 @@ def set_trainer(cfg, run_dir: Path, **trainer):
 
 
 def run_config(run_dir: Path, **trainer):
-    return set_trainer(hf.run_config(case_config("base")), run_dir, **trainer)
+    cfg = config_lib.default_config()
+    cfg.update(hf.run_config(case_config("base")))
+    return set_trainer(cfg, run_dir, **trainer)
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -93,11 +96,11 @@ def run_child_until_saving(run: Path, step: int, compile_cache: Path, tmp_path: 
 
 @pytest.mark.slow
 def test_resume_is_bitwise_and_survives_kill_mid_save(tmp_path, compile_cache):
-    straight = train(run_config(tmp_path / "straight"))
+    straight = train(config_lib.validate(run_config(tmp_path / "straight")))
     straight_records = records(tmp_path / "straight")
 
     run = tmp_path / "run"
-    train(run_config(run, hard_stop=10))
+    train(config_lib.validate(run_config(run, hard_stop=10)))
     ckpts = run / "checkpoints"
     assert sorted(os.listdir(ckpts)) == ["10", "5"]
     assert [r["step"] for r in records(run)] == list(range(1, 11))
@@ -114,7 +117,7 @@ def test_resume_is_bitwise_and_survives_kill_mid_save(tmp_path, compile_cache):
     killed_steps = [r["step"] for r in records(run)]
     assert killed_steps[:10] == list(range(1, 11)) and max(killed_steps) >= 15
 
-    resumed = train(run_config(run))  # resumes from 10, the incomplete 15 ignored
+    resumed = train(config_lib.validate(run_config(run)))  # resumes from 10, the incomplete 15 ignored
     got = records(run)
     assert [r["step"] for r in got] == list(range(1, 21))  # appended, no duplicates
     for a, b in zip(straight_records, got, strict=True):
@@ -134,7 +137,7 @@ def test_resume_is_bitwise_and_survives_kill_mid_save(tmp_path, compile_cache):
     assert sorted(os.listdir(tmp_path / "straight" / "checkpoints"), key=int) == ["10", "15", "20"]
 
     with pytest.raises(CheckpointError, match="trainer.resume=False"):
-        train(run_config(run, resume=False))
+        train(config_lib.validate(run_config(run, resume=False)))
 
 
 @pytest.mark.slow
@@ -145,10 +148,10 @@ def test_init_from_a_converted_hf_model(hf_cases, tmp_path, compile_cache):
     assert converted.model == run_config(tmp_path).model  # config.py = the converted model
     cfg = set_trainer(converted, tmp_path / "run", hard_stop=2)
 
-    train(cfg)
+    train(config_lib.validate(cfg))
     first = records(tmp_path / "run")[0]
     t = cfg.trainer
-    batch = build_data(cfg.data, t.seq_len, t.global_batch_size, t.seed, t.cache_dir).train.batch(0)
+    batch = build_data(config_lib.parse(cfg).data, t.seq_len, t.global_batch_size, t.seed, t.cache_dir).train.batch(0)
     model = hf.load_model(hf_cases / "base" / "hf")
     parts = forward_losses(
         model.graphdef, model.params, model.model_state, jnp.asarray(batch), model.config
@@ -161,4 +164,4 @@ def test_init_from_a_converted_hf_model(hf_cases, tmp_path, compile_cache):
     other = set_trainer(runpy.run_path(str(config_py))["get_config"](), tmp_path / "other")
     other.model.rope_theta = 500000.0
     with pytest.raises(CheckpointError, match=r"model\.rope_theta=10000\.0 but this run has"):
-        train(other)
+        train(config_lib.validate(other))

@@ -21,6 +21,7 @@ import time
 
 import pytest
 
+from olmo_jax import config as config_lib
 from olmo_jax.distributed import EXIT_PEER_LOST
 from olmo_jax.trainer.loop import train
 from tests.distributed.launcher import CONFIG, ROOT, Run, logged_steps, wait_for_step
@@ -73,7 +74,7 @@ def test_two_processes_match_one_through_preemption_resume_and_a_dead_peer(tmp_p
     assert tb_steps in (steps, steps[:-1]), tb_steps  # process 0 may die before flushing the last
     cfg = runpy.run_path(str(ROOT / CONFIG))["get_config"]()
     cfg.trainer.run_dir, cfg.trainer.hard_stop = str(tmp_path / "reference"), last
-    train(cfg)  # one process, 8 devices, uninterrupted
+    train(config_lib.validate(cfg))  # one process, 8 devices, uninterrupted
     reference = logged_steps(tmp_path / "reference")
     for got, ref in zip(records, reference, strict=True):
         for key in ("loss", "grad_norm"):

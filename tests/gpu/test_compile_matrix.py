@@ -2,7 +2,7 @@
 combination of GPU, expert dispatch, grouped-matmul implementation and expert precision
 either compiles on the GPU path it names or is refused while the plan is built.
 
-The step is `python -m olmo_jax.train`'s: `compile_train_step(cfg, devices,
+The step is `python -m olmo_jax.train`'s: `compile_train_step(run, devices,
 trainer_step=True)` builds the plan, the abstract state (with the bad-step guard's
 counters), the guarded train step and `plan.jit_train_step`, lowers it on
 ShapeDtypeStructs carrying the state's shardings and compiles it. One compile option
@@ -206,8 +206,8 @@ def test_cell(cell):
     expected = REFUSED.get((cell.kind, cell.gmm))
     t0 = time.perf_counter()
     try:  # phase 1: the only place a cell may be refused
-        config_lib.validate(cfg)
-        build_plan(cfg, model_config(cfg), devices=devices)
+        run = config_lib.validate(cfg)
+        build_plan(run.parallel, run.trainer, model_config(run), optim=run.optim, devices=devices)
         refusal = None
     except ValueError as e:  # ConfigError is one
         refusal = e
@@ -219,7 +219,7 @@ def test_cell(cell):
         assert expected in str(refusal), f"the refusal must name {expected}: {refusal}"
         return
     try:  # phase 2: trace, lower, compile
-        step = compile_train_step(cfg, devices, trainer_step=True, options=COMPILE_OPTIONS)
+        step = compile_train_step(config_lib.validate(cfg), devices, trainer_step=True, options=COMPILE_OPTIONS)
     except Exception as e:
         results.record(cell.id, "FAILED", time.perf_counter() - t0, note=_first_line(e))
         raise
@@ -238,7 +238,7 @@ def test_xla_attention_core_leaves_score_buffers():
     cell = Cell("h200", 1, "local", "ragged_dot", "bf16")
     cfg = cell_config(cell)
     cfg.model.attention_impl = "xla"
-    step = compile_train_step(cfg, targets.abstract_devices("h200", 1), trainer_step=True,
+    step = compile_train_step(config_lib.validate(cfg), targets.abstract_devices("h200", 1), trainer_step=True,
                               options=COMPILE_OPTIONS)
     assert not gpu_hlo.cudnn_attention(step.module)
     scores = hlo_cost.score_buffers(step.module, SEQ_LEN)

@@ -175,9 +175,9 @@ def _run_cfg(data, expert):
 
 
 def _build_plan(run_cfg, model_cfg, devices):
-    from olmo_jax.parallel.strategy import build_plan
+    from tests.sections import plan_for
 
-    return build_plan(run_cfg, model_cfg, devices=devices)
+    return plan_for(run_cfg, model_cfg, devices=devices)
 
 
 def test_the_plan_resolves_the_kernels_once_for_its_mesh():

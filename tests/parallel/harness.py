@@ -24,9 +24,9 @@ import optax
 from olmo_jax.config import default_config, model_config
 from olmo_jax.model.abstract import abstract_model
 from olmo_jax.optim import build_optimizer
-from olmo_jax.parallel.strategy import build_plan
 from olmo_jax.trainer.state import init_state
 from olmo_jax.trainer.step import make_train_step
+from tests.sections import plan_for
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 VOCAB, BATCH, SEQ, STEPS = 64, 8, 16, 5
@@ -178,7 +178,7 @@ def plan_run(data, expert, dispatch="rowwise", strategy="ddp", zero1=True, grad_
     cfg = make_cfg(data, expert, dispatch, strategy, zero1, grad_accum, capacity_factor,
                    batch=batch, layers=layers, pipe=pipe, width=width, optim=optim)
     model_cfg = with_capacity(dataclasses.replace(model_cfg, remat=remat), cfg)
-    plan = build_plan(cfg, model_cfg)
+    plan = plan_for(cfg, model_cfg)
     model_cfg = plan.model_cfg  # kernels resolved for the mesh
     graphdef = abstract_model(model_cfg, plan.dispatcher)[0]
     shardings = plan.state_shardings(state, tx)

@@ -24,9 +24,9 @@ from olmo_jax.kernels import platform, vma
 from olmo_jax.kernels.grouped_matmul import gmm, tgmm
 from olmo_jax.model.abstract import abstract_model
 from olmo_jax.parallel.expert.ragged_a2a import ragged_all_to_all
-from olmo_jax.parallel.strategy import build_plan
 from olmo_jax.trainer.step import make_train_step
 from tests.parallel.harness import batches, host_state, make_cfg, with_capacity
+from tests.sections import plan_for
 
 EP = 4
 
@@ -108,7 +108,7 @@ def _cuda_lowered_step(dispatch: str) -> str:
     cfg = make_cfg(2, 4, dispatch)
     model_cfg = with_capacity(model_cfg, cfg)
     with platform.cross_lowering():
-        plan = build_plan(cfg, model_cfg)
+        plan = plan_for(cfg, model_cfg)
         model_cfg = plan.model_cfg  # kernels resolved for the H100
         graphdef = abstract_model(model_cfg, plan.dispatcher)[0]
         shardings = plan.state_shardings(state, tx)
@@ -126,7 +126,7 @@ def _cpu_lowered_step(dispatch: str) -> str:
     model_cfg, tx, schedule, _, state = host_state()
     cfg = make_cfg(2, 4, dispatch)
     model_cfg = with_capacity(model_cfg, cfg)
-    plan = build_plan(cfg, model_cfg)
+    plan = plan_for(cfg, model_cfg)
     graphdef = abstract_model(model_cfg, plan.dispatcher)[0]
     shardings = plan.state_shardings(state, tx)
     step = plan.jit_train_step(make_train_step(graphdef, model_cfg, tx, schedule, 1,

@@ -27,7 +27,6 @@ import pytest
 
 from olmo_jax.model.params import CAST_AT_USE, compute_copy_dtype, path_name
 from olmo_jax.parallel import zero
-from olmo_jax.parallel.strategy import build_plan
 from olmo_jax.trainer.step import make_grads_fn
 from tests.parallel.harness import (
     Pipe,
@@ -40,6 +39,7 @@ from tests.parallel.harness import (
     with_capacity,
 )
 from tests.parallel.test_parallel_invariance import _leaves, _total
+from tests.sections import plan_for
 
 BF16 = "bfloat16"
 PIPE_LAYERS, PIPE_BATCH = (10, 1), 16
@@ -88,7 +88,7 @@ def _layouts(case):
     else:
         cfg = make_cfg(2, 4, strategy="fsdp" if case == "fsdp" else "ddp")
     model_cfg, _, _, _, state = host_state(layers=layers, dtype=BF16)
-    plan = build_plan(cfg, with_capacity(model_cfg, cfg))
+    plan = plan_for(cfg, with_capacity(model_cfg, cfg))
     out = []
     lays = jax.tree.leaves(plan.layouts, is_leaf=lambda v: isinstance(v, zero.ParamLayout))
     for (path, x), lay in zip(jax.tree_util.tree_leaves_with_path(state.params), lays, strict=True):

@@ -7,12 +7,12 @@ from olmo_jax.errors import ConfigError
 from olmo_jax.model.config import MoEConfig
 from olmo_jax.parallel.expert import ROWWISE_CAPACITY_FACTOR
 from olmo_jax.parallel.mesh import mesh_shape
-from olmo_jax.parallel.strategy import build_plan
 from tests.parallel.harness import make_cfg
+from tests.sections import plan_for
 
 
 def _plan(cfg):
-    return build_plan(cfg, model_config(cfg))
+    return plan_for(cfg, model_config(cfg))
 
 
 def test_mesh_fill_and_product_errors():
@@ -51,9 +51,9 @@ def test_other_refusals():
     with pytest.raises(ConfigError, match="model.moe.capacity_factor=1.0 sizes capacity buffers, "
                                           "but parallel.dispatch=ragged is dropless"):
         _plan(cfg)
-    cfg = make_cfg(data=8, expert=1, strategy="zero3")
+    cfg = make_cfg(data=8, expert=1, strategy="zero3")  # the schema's check (build_plan takes it checked)
     with pytest.raises(ConfigError, match="parallel.strategy='zero3': choose one of ddp, fsdp"):
-        _plan(cfg)
+        validate(cfg)
     with pytest.raises(ConfigError, match="lb_granularity='rank': choose global, local or instance"):
         MoEConfig(lb_granularity="rank").validate()
 

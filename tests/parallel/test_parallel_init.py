@@ -6,14 +6,14 @@ import jax
 import numpy as np
 import pytest
 
-from olmo_jax.parallel.strategy import build_plan
 from olmo_jax.trainer.state import init_state
 from tests.parallel.harness import batches, host_state, make_cfg, with_capacity
+from tests.sections import plan_for
 
 
 def test_initial_parameters_do_not_depend_on_dispatcher_or_placement():
     model_cfg, tx, _, _, state = host_state()
-    plan = build_plan(make_cfg(2, 4, "ragged"), model_cfg)
+    plan = plan_for(make_cfg(2, 4, "ragged"), model_cfg)
     _, with_dispatcher = init_state(model_cfg, tx, 0, dispatcher=plan.dispatcher)
     placed = jax.device_put(with_dispatcher, plan.state_shardings(with_dispatcher, tx))
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(placed.params), strict=True):
@@ -24,7 +24,7 @@ def test_initial_parameters_do_not_depend_on_dispatcher_or_placement():
 @pytest.mark.parametrize("grad_accum", [1, 2])
 def test_microbatch_i_is_the_same_sequences_on_every_mesh(mesh, grad_accum):
     cfg = make_cfg(*mesh, grad_accum=grad_accum, batch=16)
-    plan = build_plan(cfg, with_capacity(host_state()[0], cfg))
+    plan = plan_for(cfg, with_capacity(host_state()[0], cfg))
     batch = batches(batch=16)[0]
     placed = plan.place_batch(batch)
     micro = 16 // grad_accum

@@ -10,15 +10,15 @@ import numpy as np
 
 from olmo_jax.model.abstract import abstract_model
 from olmo_jax.objective import forward_losses
-from olmo_jax.parallel.strategy import build_plan
 from tests.parallel.harness import FAST_COMPILE, batches, host_state, make_cfg
+from tests.sections import plan_for
 
 
 def test_local_granularity_is_the_mean_of_per_rank_losses():
     model_cfg, tx, _, graphdef, state = host_state()
     local_cfg = model_cfg.replace(moe=dataclasses.replace(model_cfg.moe, lb_granularity="local"))
     batch = batches()[0]  # 8 sequences: one per rank on 8 devices
-    plan = build_plan(make_cfg(2, 4, "allgather"), local_cfg)
+    plan = plan_for(make_cfg(2, 4, "allgather"), local_cfg)
     graphdef_ep = abstract_model(local_cfg, plan.dispatcher)[0]
     lb_of = plan.shard_eval(lambda p, ms, b: forward_losses(graphdef_ep, p, ms, b, local_cfg,
                                                             parallel=plan).lb_loss)

@@ -8,7 +8,6 @@ import pytest
 
 from olmo_jax.errors import ConfigError
 from olmo_jax.model.params import path_name
-from olmo_jax.parallel.strategy import build_plan
 from olmo_jax.planner import comms
 from tests.parallel.harness import (
     Pipe,
@@ -21,11 +20,12 @@ from tests.parallel.harness import (
     with_capacity,
 )
 from tests.parallel.test_parallel_invariance import assert_matches_reference
+from tests.sections import plan_for
 
 
 def _plan(data, expert, zero1=True):
     cfg = make_cfg(data, expert, zero1=zero1, optim="muon")
-    return build_plan(cfg, with_capacity(host_state(optim="muon")[0], cfg))
+    return plan_for(cfg, with_capacity(host_state(optim="muon")[0], cfg))
 
 
 @pytest.mark.parametrize("data,expert,zero1", [(2, 4, True), (8, 1, True), (4, 2, False)])
@@ -99,4 +99,4 @@ def test_compiled_muon_collectives_are_the_ownership_plans():
 def test_muon_with_a_pipeline_is_refused():
     cfg = make_cfg(2, 2, pipe=Pipe(2), layers=(2, 0), optim="muon")
     with pytest.raises(ConfigError, match="optim.name=muon.*parallel.pipe=2"):
-        build_plan(cfg, host_state(optim="muon")[0])
+        plan_for(cfg, host_state(optim="muon")[0])

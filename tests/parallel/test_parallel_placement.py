@@ -16,9 +16,9 @@ import jax.numpy as jnp
 from olmo_jax.config import model_config
 from olmo_jax.model.abstract import abstract_model
 from olmo_jax.optim import build_optimizer
-from olmo_jax.parallel.strategy import build_plan
 from olmo_jax.trainer.state import TrainState
 from tests.parallel.harness import make_cfg
+from tests.sections import plan_for
 
 GOLDEN = Path(__file__).parent / "golden" / "placement.txt"
 CASES = [("ddp", True), ("ddp", False), ("fsdp", True)]
@@ -34,7 +34,7 @@ def placement_text() -> str:
         state = TrainState(jax.ShapeDtypeStruct((), jnp.int32), params,
                            jax.eval_shape(tx.init, params), model_state,
                            jax.ShapeDtypeStruct((2,), jnp.uint32))
-        plan = build_plan(cfg, model_cfg, params)
+        plan = plan_for(cfg, model_cfg, abstract_params=params)
         out.append(f"[strategy={strategy} zero1={zero1} mesh pipe=1 data=2 expert=4]")
         out += plan.placement(state, tx)
     return "\n".join(out) + "\n"

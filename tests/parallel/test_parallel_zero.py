@@ -9,14 +9,14 @@ import jax
 import pytest
 
 from olmo_jax.parallel import zero
-from olmo_jax.parallel.strategy import build_plan
 from olmo_jax.planner import comms
 from tests.parallel.harness import host_state, make_cfg, plan_run, with_capacity
+from tests.sections import plan_for
 
 
 def _plan(data, expert, zero1=True):
     cfg = make_cfg(data, expert, zero1=zero1)
-    return build_plan(cfg, with_capacity(host_state()[0], cfg))
+    return plan_for(cfg, with_capacity(host_state()[0], cfg))
 
 
 def _adamw(opt_state):

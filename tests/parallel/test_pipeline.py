@@ -27,7 +27,6 @@ from olmo_jax.config import model_config
 from olmo_jax.model.abstract import abstract_model
 from olmo_jax.objective import PipelineRunner, Plan
 from olmo_jax.optim import build_optimizer
-from olmo_jax.parallel.strategy import build_plan
 from olmo_jax.trainer.state import abstract_train_state
 from olmo_jax.trainer.step import make_eval_step, make_grads_fn
 from tests.parallel.harness import (
@@ -42,6 +41,7 @@ from tests.parallel.harness import (
     with_capacity,
 )
 from tests.parallel.test_parallel_invariance import assert_matches_reference
+from tests.sections import plan_for
 
 LAYERS = (10, 1)  # one dense-first block, then 9 MoE blocks (uneven over 2 and 4 stages)
 BATCH = 16
@@ -85,7 +85,7 @@ def test_pipeline_matches_single_device(case):
 def test_pipeline_eval_matches_single_device():
     model_cfg, _, _, graphdef, state = host_state(layers=LAYERS)
     cfg = make_cfg(2, 2, batch=BATCH, layers=LAYERS, pipe=Pipe(2, "1f1b", 4))
-    plan = build_plan(cfg, with_capacity(model_cfg, cfg))
+    plan = plan_for(cfg, with_capacity(model_cfg, cfg))
     assert isinstance(plan, Plan) and isinstance(plan.pipeline, PipelineRunner)
     pipe_eval = jax.jit(make_eval_step(abstract_model(model_cfg, plan.dispatcher)[0], model_cfg,
                                        parallel=plan))
@@ -105,7 +105,7 @@ def _compiled_pipeline_grads(cfg, model_cfg, microbatches: int, seq: int, stages
     """(the pipelined gradient step compiled from ShapeDtypeStructs on `stages` devices,
     the abstract train state): one `seq`-token sequence per microbatch; the plan built from
     `plan_model_cfg` (default `model_cfg`)."""
-    plan = build_plan(cfg, plan_model_cfg or model_cfg, devices=jax.devices()[:stages])
+    plan = plan_for(cfg, plan_model_cfg or model_cfg, devices=jax.devices()[:stages])
     tx, _ = build_optimizer(cfg.optim, 10)
     graphdef, abstract = abstract_train_state(model_cfg, tx, plan.dispatcher)
     shardings = plan.state_shardings(abstract, tx)

@@ -17,8 +17,8 @@ from olmo_jax.errors import ConfigError
 from olmo_jax.parallel import rules
 from olmo_jax.parallel.pipeline import chunking, schedule
 from olmo_jax.parallel.pipeline.schedule import BWD, FWD, IDLE, NO_SLOT
-from olmo_jax.parallel.strategy import build_plan
 from tests.parallel.harness import Pipe, make_cfg
+from tests.sections import plan_for
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES = [("gpipe", P, 1, M) for P in (2, 4, 8) for M in (1, 2, 4, 8, 16)]
@@ -196,7 +196,7 @@ def test_chunking_uneven_layers():
 
 
 def _plan(cfg):
-    return build_plan(cfg, model_config(cfg))
+    return plan_for(cfg, model_config(cfg))
 
 
 def test_pipeline_config_refusals():

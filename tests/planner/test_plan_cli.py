@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from olmo_jax import config as config_lib
 from olmo_jax import metrics
 from olmo_jax.config import default_config, model_config
 from olmo_jax.parallel.expert import ROWWISE_CAPACITY_FACTOR
@@ -75,12 +76,12 @@ def test_fsdp_variants_of_a_pipelined_config_fold_the_pipeline():
     cfg = default_config()
     cfg.parallel.pipe, cfg.parallel.data, cfg.parallel.expert = 4, 2, 8
     cfg.parallel.microbatches, cfg.trainer.grad_accum = 8, 2
-    (_, ddp), (label, fsdp), (_, capacity) = comparison_variants(cfg)
+    (_, ddp), (label, fsdp), (_, capacity) = comparison_variants(config_lib.parse(cfg))
     assert ddp == {"parallel.strategy": "ddp"} and label == "fsdp, pipe into data"
     assert fsdp["parallel.pipe"] == 1 and fsdp["parallel.data"] == 8  # same 64 devices
     assert fsdp["parallel.microbatches"] == 1 and fsdp["trainer.grad_accum"] == 16
     assert capacity == fsdp | {"model.moe.capacity_factor": ROWWISE_CAPACITY_FACTOR}  # rowwise's
     cfg.parallel.data = -1
-    assert comparison_variants(cfg)[1][1]["parallel.data"] == -1
+    assert comparison_variants(config_lib.parse(cfg))[1][1]["parallel.data"] == -1
     cfg.parallel.pipe = 1
-    assert comparison_variants(cfg)[1] == ("fsdp", {"parallel.strategy": "fsdp"})
+    assert comparison_variants(config_lib.parse(cfg))[1] == ("fsdp", {"parallel.strategy": "fsdp"})

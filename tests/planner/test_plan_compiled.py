@@ -10,6 +10,7 @@ test_plan_pipeline.py)."""
 import jax
 import pytest
 
+from olmo_jax import config as config_lib
 from olmo_jax.config import default_config
 from olmo_jax.model.moe import sizing
 from olmo_jax.parallel.expert import rowwise_capacity_factor
@@ -34,7 +35,7 @@ def small_config():
 
 @pytest.fixture(scope="module")
 def plan():
-    step = compile_train_step(small_config(), jax.devices())
+    step = compile_train_step(config_lib.validate(small_config()), jax.devices())
     return report.build(step, hardware.device_spec("h100"))
 
 

@@ -6,6 +6,7 @@ Newton-Schulz FLOPs per device, and the plan prints the optimizer's time and byt
 import jax
 import pytest
 
+from olmo_jax import config as config_lib
 from olmo_jax.planner import hardware, report
 from olmo_jax.planner.compile import compile_train_step
 from tests.planner.test_plan_compiled import small_config
@@ -15,7 +16,7 @@ from tests.planner.test_plan_compiled import small_config
 def plan():
     cfg = small_config()
     cfg.optim.name = "muon"
-    return report.build(compile_train_step(cfg, jax.devices()), hardware.device_spec("h200"))
+    return report.build(compile_train_step(config_lib.validate(cfg), jax.devices()), hardware.device_spec("h200"))
 
 
 def test_optimizer_collectives_and_flops_are_the_ownership_plans(plan):

@@ -11,6 +11,7 @@ backward slower than a forward."""
 import jax
 import pytest
 
+from olmo_jax import config as config_lib
 from olmo_jax.config import default_config
 from olmo_jax.parallel.pipeline import schedule as sched_lib
 from olmo_jax.parallel.pipeline import textbook_bubble
@@ -36,7 +37,7 @@ def pipelined_config():
 
 @pytest.fixture(scope="module")
 def plan():
-    step = compile_train_step(pipelined_config(), jax.devices())
+    step = compile_train_step(config_lib.validate(pipelined_config()), jax.devices())
     return report.build(step, hardware.device_spec("h100"))
 
 

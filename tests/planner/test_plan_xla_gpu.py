@@ -17,13 +17,14 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
+from olmo_jax import config as config_lib
 from olmo_jax.config import default_config, model_config
 from olmo_jax.errors import ConfigError
 from olmo_jax.model.abstract import abstract_model
 from olmo_jax.model.moe import sizing
 from olmo_jax.parallel import zero
-from olmo_jax.parallel.strategy import build_plan
 from olmo_jax.planner import command, hardware, xla_gpu
+from tests.sections import plan_for
 
 BATCH, SEQ = 8, 64
 EXPERTS, D = 8, 64
@@ -48,7 +49,7 @@ def small_config():
 def out():
     if xla_gpu.gpu_python() is None and not xla_gpu.has_cuda_plugin():
         pytest.skip(NO_XLA_GPU)
-    return command.run(small_config(), 4, "h200", False, "small")
+    return command.run(config_lib.validate(small_config()), 4, "h200", False, "small")
 
 
 def test_the_plan_is_xla_gpus(out):
@@ -103,7 +104,7 @@ def test_without_xla_gpu_the_cpu_fallback_is_labelled(monkeypatch):
     assert where.how == "cpu" and "XLA:CPU FALLBACK" in where.note and "make gpu-venv" in where.note
     assert xla_gpu.where("cpu").how == "cpu" and not xla_gpu.where("cpu").note
     with pytest.raises(ConfigError, match="--compiler=xla_gpu: no XLA:GPU here"):
-        command.run(small_config(), 4, "b300", False, compiler="xla_gpu")
+        command.run(config_lib.validate(small_config()), 4, "b300", False, compiler="xla_gpu")
 
 
 def _split_compute_bytes(cfg, n_devices):
@@ -111,7 +112,7 @@ def _split_compute_bytes(cfg, n_devices):
     copies of every parameter ZeRO-1 splits, from the plan's layouts on n CPU devices."""
     model_cfg = model_config(cfg)
     params = abstract_model(model_cfg)[1]
-    plan = build_plan(cfg, model_cfg, devices=jax.devices()[:n_devices])
+    plan = plan_for(cfg, model_cfg, devices=jax.devices()[:n_devices])
     copy = f32 = 0
     lays = jax.tree.leaves(plan.layouts, is_leaf=lambda v: isinstance(v, zero.ParamLayout))
     for x, lay in zip(jax.tree.leaves(params), lays, strict=True):

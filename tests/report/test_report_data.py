@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec
 
+from olmo_jax import config as config_lib
 from olmo_jax.model.config import MoEConfig
 from olmo_jax.optim import build_optimizer
 from olmo_jax.parallel import zero
@@ -28,9 +29,9 @@ from tests.report.fixtures import BLOCKS, EXPERTS, NAN_STEP, STEPS, report_confi
 
 @pytest.fixture(scope="module")
 def plan_and_mesh():
-    cfg = report_config()
+    cfg = config_lib.parse(report_config())
     model_cfg = sources.model_config(cfg)
-    plan = build_plan(cfg, model_cfg)
+    plan = build_plan(cfg.parallel, cfg.trainer, model_cfg, optim=cfg.optim)
     return cfg, model_cfg, plan, placement.mesh_section(cfg, model_cfg, plan)
 
 
@@ -176,11 +177,11 @@ def test_bad_inputs_get_clear_errors(tmp_path, capsys):
 
 
 def test_device_count_rules():
-    cfg = report_config()
+    cfg = config_lib.parse(report_config())
     assert sources.device_count(cfg, None, 0) == 8
     assert sources.device_count(cfg, {"pipe": 1, "data": 4, "expert": 4}, 0) == 16
     assert sources.device_count(cfg, None, 32) == 32
-    cfg.parallel.data = -1
+    cfg = cfg.with_values({"parallel.data": -1})
     assert sources.device_count(cfg, None, 0) == 0  # fill: whatever devices there are
 
 
@@ -210,8 +211,7 @@ def test_pipeline_section_is_the_trainers_schedule_table(tmp_path):
 
 def test_pipeline_section_without_a_pipeline_is_one_stage(plan_and_mesh):
     _, model_cfg, plan, _ = plan_and_mesh
-    cfg = report_config()
-    cfg.trainer.grad_accum = 2
+    cfg = config_lib.parse(report_config()).with_values({"trainer.grad_accum": 2})
     d = pipeline_view.pipeline_section(cfg, model_cfg, plan)["data"]
     assert d["schedule"] == "no pipeline" and d["stages"] == 1 and d["bubble"] == 0.0
     assert "parallel.pipe=1" in d["note"] and "grad_accum=2" in d["note"]

@@ -24,6 +24,7 @@ import time
 import numpy as np
 import pytest
 
+from olmo_jax import config as config_lib
 from olmo_jax.errors import ConfigError
 from olmo_jax.train import run_training
 from olmo_jax.trainer import loop
@@ -99,14 +100,14 @@ def test_sigterm_and_sigint_save_exit_and_resume_bitwise(tmp_path, compile_cache
     # What the run must restore: Python's default, or SIG_IGN when this process started as a
     # background job (a shell's `cmd &` ignores SIGINT in the job, and children inherit it).
     before = signal.getsignal(signal.SIGINT)
-    summary = loop.train(cfg)
+    summary = loop.train(config_lib.validate(cfg))
     assert summary.preempted and summary.steps == int_step and checkpoints(run)[-1] == int_step
     assert signal.getsignal(signal.SIGINT) is before  # restored
     monkeypatch.undo()
 
     end = int_step + 2
-    loop.train(run_config(run, hard_stop=end))
-    loop.train(run_config(tmp_path / "straight", hard_stop=end))
+    loop.train(config_lib.validate(run_config(run, hard_stop=end)))
+    loop.train(config_lib.validate(run_config(tmp_path / "straight", hard_stop=end)))
     got, want = records(run), records(tmp_path / "straight")
     assert [r["step"] for r in got] == list(range(1, end + 1))
     for a, b in zip(got, want, strict=True):
@@ -118,7 +119,7 @@ def test_nonfinite_steps_are_skipped_then_halt(tmp_path, compile_cache, monkeypa
     poison(monkeypatch, {2, *range(4, 14)})  # step 2, then 10 in a row: trainer.max_skipped=10
     cfg = run_config(tmp_path / "run", save_every=3)
     with pytest.raises(TrainingHalted) as err:
-        loop.train(cfg)
+        loop.train(config_lib.validate(cfg))
     msg = str(err.value)
     assert "training halted at step 13: 10 steps in a row were skipped" in msg, msg
     assert "loss is non-finite and grad_norm is finite" in msg and "step 12 in" in msg
@@ -147,7 +148,7 @@ def test_nan_policy_halt_keeps_the_last_checkpoint(tmp_path, compile_cache, monk
 def test_preflight_refuses_a_step_that_does_not_fit(tmp_path, compile_cache, capsys):
     cfg = run_config(tmp_path / "run", memory_limit_gb=1e-4)
     with pytest.raises(ConfigError, match=r"the train step needs an estimated .* GiB per device"):
-        loop.train(cfg)
+        loop.train(config_lib.validate(cfg))
     assert run_training(cfg) == 2
     err = capsys.readouterr().err
     assert "GiB are available (trainer.memory_limit_gb=0.0001)" in err

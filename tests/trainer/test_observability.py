@@ -23,6 +23,7 @@ import pytest
 from rich.console import Console
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from olmo_jax import config as config_lib
 from olmo_jax.checkpoint import hf
 from olmo_jax.data import ByteTokenizer, build_data, write_token_file
 from olmo_jax.objective import forward_losses
@@ -56,7 +57,7 @@ def test_a_run_with_every_sink_the_profiler_and_named_eval_sets(tmp_path):
                           text_token_file(tmp_path / "b.npy", "shlex.py")]),
     }
     out = io.StringIO()
-    train(cfg, console=Console(file=out, width=400))
+    train(config_lib.validate(cfg), console=Console(file=out, width=400))
     run_dir = Path(t.run_dir)
     banner = out.getvalue()
     assert "eval_loss on the default split:" in banner and "data.eval_fraction" in banner, banner
@@ -103,7 +104,7 @@ def test_a_run_with_every_sink_the_profiler_and_named_eval_sets(tmp_path):
 
     # The named set's last eval loss = one device, float32, no sharding, the saved model.
     model = hf.load_checkpoint(run_dir)
-    data = build_data(cfg.data, t.seq_len, t.global_batch_size, t.seed, t.cache_dir)
+    data = build_data(config_lib.parse(cfg).data, t.seq_len, t.global_batch_size, t.seed, t.cache_dir)
     batch = jnp.asarray(data.eval_sets["text"].batch(0))
     parts = forward_losses(model.graphdef, model.params, model.model_state, batch, model.config)
     expected = float(parts.ce_sum / parts.n_tokens)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from olmo_jax import config as config_lib
 from olmo_jax.errors import ConfigError
 from olmo_jax.trainer import preflight
 from tests.run_config import get_config
@@ -39,10 +40,10 @@ def test_limits_and_refusal():
     assert available == ram // len(jax.local_devices()) and "physical RAM" in source
     compiled = _compiled()
     cfg.trainer.memory_limit_gb = 1.0
-    estimate, available, _ = preflight.check(compiled, cfg)
+    estimate, available, _ = preflight.check(compiled, config_lib.validate(cfg))
     assert available == 2**30 and estimate.total < available
     cfg.trainer.memory_limit_gb = 1e-6
     with pytest.raises(ConfigError, match=r"needs an estimated .* GiB are available \(trainer.memory_limit_gb=1e-06\)"):
-        preflight.check(compiled, cfg)
+        preflight.check(compiled, config_lib.validate(cfg))
     cfg.trainer.memory_limit_gb = -1.0  # no check
-    preflight.check(compiled, cfg)
+    preflight.check(compiled, config_lib.validate(cfg))

@@ -15,9 +15,9 @@ from olmo_jax.model import MoEConfig, TransformerConfig
 from olmo_jax.model.moe.bias_balancing import bias_update
 from olmo_jax.model.moe.router import RouterBias, route
 from olmo_jax.objective import SINGLE_DEVICE, Plan, forward_losses
-from olmo_jax.parallel.strategy import build_plan
 from olmo_jax.trainer.state import init_state
 from olmo_jax.trainer.step import make_train_step
+from tests.sections import plan_for
 
 RATE = 0.01
 
@@ -102,7 +102,7 @@ def _data_parallel_plan(model_cfg, data, grad_accum, global_batch):
     c = default_config()
     c.parallel.data, c.parallel.expert = data, 1
     c.trainer.global_batch_size, c.trainer.grad_accum = global_batch, grad_accum
-    return build_plan(c, model_cfg, devices=jax.devices()[:data])
+    return plan_for(c, model_cfg, devices=jax.devices()[:data])
 
 
 def test_counts_are_summed_over_micro_batches_and_shards():

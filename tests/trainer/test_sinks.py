@@ -26,8 +26,11 @@ def _no_network(monkeypatch):
 def sink_config(run_dir, loggers="jsonl,tensorboard,wandb"):
     cfg = default_config()
     cfg.trainer.run_dir, cfg.trainer.loggers = str(run_dir), loggers
-    validate(cfg)
-    return cfg
+    return validate(cfg)
+
+
+def sinks_of(cfg, run_dir, *args, **kw):
+    return build_sinks(cfg.trainer, cfg.to_dict(), run_dir, *args, **kw)
 
 
 def fake_records(steps, offset=0.0):
@@ -46,7 +49,7 @@ def tensorboard(run_dir) -> EventAccumulator:
 
 def test_every_sink_gets_the_same_steps_values_counts_and_config(tmp_path):
     cfg = sink_config(tmp_path)
-    sinks = build_sinks(cfg, tmp_path, first_block=1, resume_step=None, main=True)
+    sinks = sinks_of(cfg, tmp_path, first_block=1, resume_step=None, main=True)
     records = fake_records(range(1, 7))
     counts = {3: np.array([[10, 0, 5, 1], [4, 4, 4, 4]]), 6: np.array([[1, 2, 3, 10], [0, 0, 16, 0]])}
     for r in records:
@@ -84,11 +87,11 @@ def test_every_sink_gets_the_same_steps_values_counts_and_config(tmp_path):
 
 def test_resumed_tensorboard_drops_steps_after_the_checkpoint(tmp_path):
     cfg = sink_config(tmp_path, "jsonl,tensorboard")
-    first = build_sinks(cfg, tmp_path, 1, None, main=True)
+    first = sinks_of(cfg, tmp_path, 1, None, main=True)
     for r in fake_records(range(1, 9)):  # the lost process got to step 8
         first.scalars(r["step"], r)
     first.close()
-    resumed = build_sinks(cfg, tmp_path, 1, resume_step=5, main=True)  # resumed from checkpoint 5
+    resumed = sinks_of(cfg, tmp_path, 1, resume_step=5, main=True)  # resumed from checkpoint 5
     again = fake_records(range(6, 11), offset=100.0)
     for r in again:
         resumed.scalars(r["step"], r)
@@ -100,7 +103,7 @@ def test_resumed_tensorboard_drops_steps_after_the_checkpoint(tmp_path):
 
 
 def test_only_process_zero_writes(tmp_path):
-    sinks = build_sinks(sink_config(tmp_path), tmp_path, 1, None, main=False)
+    sinks = sinks_of(sink_config(tmp_path), tmp_path, 1, None, main=False)
     sinks.scalars(1, fake_records([1])[0])
     sinks.expert_counts(1, [1], np.ones((1, 4)))
     sinks.close()
@@ -126,9 +129,8 @@ def test_a_missing_library_names_the_extra(tmp_path, monkeypatch):
 
 
 def test_wandb_disabled_writes_no_run(tmp_path):
-    cfg = sink_config(tmp_path)
-    cfg.trainer.wandb.mode = "disabled"
-    sinks = build_sinks(cfg, tmp_path, 1, None, main=True)
+    cfg = sink_config(tmp_path).with_values({"trainer.wandb.mode": "disabled"})
+    sinks = sinks_of(cfg, tmp_path, 1, None, main=True)
     sinks.scalars(1, fake_records([1])[0])
     sinks.close()
     assert not (tmp_path / "wandb").exists() and (tmp_path / "tensorboard").is_dir()

@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from olmo_jax import config as config_lib
 from olmo_jax.config import default_config
 from olmo_jax.trainer.loop import train
 
@@ -37,8 +38,8 @@ def _records(summary):
 
 
 def test_pipelined_run_matches_the_unpipelined_run(tmp_path):
-    piped = _records(train(_config(tmp_path / "pipe", pipe=True)))
-    plain = _records(train(_config(tmp_path / "plain", pipe=False)))
+    piped = _records(train(config_lib.validate(_config(tmp_path / "pipe", pipe=True))))
+    plain = _records(train(config_lib.validate(_config(tmp_path / "plain", pipe=False))))
     assert [r["step"] for r in piped] == [1, 2, 3]
     bubble = (2 - 1) / (2 + 2 - 1)
     assert all(r["pipeline_bubble"] == pytest.approx(bubble) and r["step_time_s"] > 0 for r in piped)

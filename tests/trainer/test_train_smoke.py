@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from olmo_jax import config as config_lib
 from olmo_jax.config import default_config
 from olmo_jax.report import page, sources
 from olmo_jax.trainer.loop import train
@@ -36,7 +37,7 @@ def smoke_config(tmp_path, steps=20):
 
 
 def test_twenty_steps_loss_decreases(tmp_path):
-    summary = train(smoke_config(tmp_path))
+    summary = train(config_lib.validate(smoke_config(tmp_path)))
     records = [json.loads(line) for line in open(summary.metrics_path)]
     assert [r["step"] for r in records] == list(range(1, 21))
     assert FIELDS <= set(records[0]), set(records[0])

@@ -26,6 +26,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from olmo_jax import config as config_lib  # noqa: E402
 from olmo_jax.data import build_data  # noqa: E402
 
 
@@ -54,7 +55,7 @@ def main():
     a = p.parse_args()
     cfg = runpy.run_path(str(ROOT / a.config))["get_config"]()
     t = cfg.trainer
-    data = build_data(cfg.data, t.seq_len, t.global_batch_size, t.seed, t.cache_dir)
+    data = build_data(config_lib.parse(cfg).data, t.seq_len, t.global_batch_size, t.seed, t.cache_dir)
     ids = data.train.window_ids
     print(f"{len(ids)} training windows, batch {t.global_batch_size} x {t.seq_len + 1} tokens")
     Old = baseline_loader_class(a.baseline)

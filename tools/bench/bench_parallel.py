@@ -27,6 +27,7 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from olmo_jax import config as config_lib  # noqa: E402
 from olmo_jax.config import default_config, model_config  # noqa: E402
 from olmo_jax.model.abstract import abstract_model  # noqa: E402
 from olmo_jax.optim import build_optimizer  # noqa: E402
@@ -93,7 +94,8 @@ def measure(args) -> dict:
         cfg.parallel.strategy, cfg.parallel.dispatch = strategy, dispatch
         model_cfg = model_cfg.replace(moe=dataclasses.replace(model_cfg.moe,
                                                               capacity_factor=local_cf))
-        plan = build_plan(cfg, model_cfg)
+        run = config_lib.parse(cfg)
+        plan = build_plan(run.parallel, run.trainer, model_cfg, optim=run.optim)
         graphdef = abstract_model(model_cfg, plan.dispatcher)[0]
         shardings = plan.state_shardings(host, tx)
         step = plan.jit_train_step(

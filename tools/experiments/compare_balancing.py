@@ -24,6 +24,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from olmo_jax import config as config_lib
 from olmo_jax.trainer.loop import train
 
 
@@ -73,7 +74,7 @@ def main() -> None:
             cfg.model.moe[k] = v
         overrides = ", ".join(f"model.moe.{k}={v}" for k, v in moe_overrides.items())
         console.rule(f"{name}: {overrides}")
-        summary = train(cfg, console)
+        summary = train(config_lib.validate(cfg), console)
         results[name] = summarize(Path(summary.metrics_path))
 
     table = Table(title=f"{args.config}, {args.steps} steps (tail = last quarter of logged steps)")

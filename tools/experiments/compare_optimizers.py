@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(name: str, lr: float, steps: int, batch: int, out: Path) -> dict:
+    from olmo_jax import config as config_lib
     from olmo_jax.trainer.loop import train
 
     cfg = runpy.run_path(str(ROOT / "configs" / "tiny.py"))["get_config"]()
@@ -35,7 +36,7 @@ def run(name: str, lr: float, steps: int, batch: int, out: Path) -> dict:
     t.global_batch_size = batch or t.global_batch_size
     t.save_every, t.run_dir = steps, str(out / f"{name}_{lr:g}")
     shutil.rmtree(t.run_dir, ignore_errors=True)
-    summary = train(cfg)
+    summary = train(config_lib.validate(cfg))
     lines = (Path(t.run_dir) / "metrics.jsonl").read_text().splitlines()
     loss = np.array([r["loss"] for r in map(json.loads, lines) if "loss" in r])
     window = np.convolve(loss, np.ones(10) / 10, mode="valid")

@@ -46,11 +46,11 @@ def _train(gmm_impl: str, steps: int, dry: bool) -> dict:
     cfg = common.config(dry)
     cfg.model.moe.gmm_impl = gmm_impl
     cfg.trainer.max_steps = steps + 1
-    config_lib.validate(cfg)
-    t = cfg.trainer
-    plan = build_plan(cfg, config_lib.model_config(cfg), devices=jax.devices()[:1])
+    run = config_lib.validate(cfg)
+    t = run.trainer
+    plan = build_plan(run.parallel, t, run.model_config(), optim=run.optim, devices=jax.devices()[:1])
     model_cfg = plan.model_cfg  # gmm_impl resolved for the GPU (plan.kernels)
-    tx, schedule = build_optimizer(cfg.optim, t.max_steps)
+    tx, schedule = build_optimizer(run.optim, t.max_steps)
     guard_cfg = guard_lib.GuardConfig.from_trainer(t)
     graphdef, abstract = abstract_train_state(model_cfg, tx, dispatcher=plan.dispatcher, guard_cfg=guard_cfg)
     shardings = plan.state_shardings(abstract, tx)
@@ -64,7 +64,7 @@ def _train(gmm_impl: str, steps: int, dry: bool) -> dict:
     compiled = step_fn.lower(specs, jax.ShapeDtypeStruct(batch_shape, np.int32,
                                                           sharding=plan.batch_sharding())).compile()
     compile_s = time.perf_counter() - t0
-    memory = preflight.check(compiled, cfg)
+    memory = preflight.check(compiled, run)
     state = jax.jit(lambda: init_state(model_cfg, tx, t.seed, dispatcher=plan.dispatcher,
                                        guard_cfg=guard_cfg)[1], out_shardings=shardings)()
     batches = [jax.device_put(np.random.default_rng(i).integers(0, model_cfg.vocab_size, batch_shape,

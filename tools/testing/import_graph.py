@@ -33,7 +33,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("optim",),
     ("parallel",),
     ("data", "distributed", "metrics"),
-    ("trainer.settings",),
+    ("trainer.config",),
     ("config",),
     ("checkpoint",),
     ("trainer",),
@@ -44,10 +44,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 # A unit made of several modules or packages (names relative to olmo_jax); any other
 # unit is the module or package of its name. Imports inside one unit are free.
-UNITS: dict[str, tuple[str, ...]] = {
-    "trainer.settings": ("trainer.config", "trainer.guard", "trainer.logger", "trainer.profiler",
-                         "trainer.sinks"),
-}
+UNITS: dict[str, tuple[str, ...]] = {}
 ROW = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 
 

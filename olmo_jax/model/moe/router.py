@@ -51,11 +51,6 @@ from olmo_jax import shapes
 from olmo_jax.model.config import MoEConfig
 from olmo_jax.model.params import normal_param
 
-GATINGS = ("softmax", "sigmoid", "topk_softmax")  # model.moe.gating (gate_scores)
-# model.moe.routing_mode (route): learned | random (OLMo-core: U(0,1) scores replace the
-# gate) | random_choice (random experts, learned weights) | uniform (round-robin)
-ROUTING_MODES = ("learned", "random", "random_choice", "uniform")
-
 
 class Routing(NamedTuple):
     logits_SE: jax.Array  # float32 router logits

@@ -27,7 +27,7 @@ from olmo_jax.model.config import TransformerConfig
 from olmo_jax.objective import Plan
 from olmo_jax.parallel.pipeline import layout, run, schedule
 from olmo_jax.parallel.pipeline.layout import Chunking, StageLayout, chunking
-from olmo_jax.parallel.pipeline.schedule import SCHEDULES, Schedule, textbook_bubble
+from olmo_jax.parallel.pipeline.schedule import PIPELINE_SCHEDULES, Schedule, textbook_bubble
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -91,5 +91,5 @@ def check_unpipelined(parallel_cfg) -> None:
             f"parallel.virtual_stages={p.virtual_stages} needs parallel.pipe > 1")
 
 
-__all__ = ["SCHEDULES", "Chunking", "Pipeline", "Schedule", "StageLayout", "build_pipeline",
+__all__ = ["PIPELINE_SCHEDULES", "Chunking", "Pipeline", "Schedule", "StageLayout", "build_pipeline",
            "check_unpipelined", "chunking", "textbook_bubble"]

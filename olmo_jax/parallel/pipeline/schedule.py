@@ -46,7 +46,7 @@ import dataclasses
 
 import numpy as np
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 IDLE, FWD, BWD = 0, 1, 2
 NO_SLOT = -1
 
@@ -113,8 +113,8 @@ def textbook_bubble(kind: str, stages: int, microbatches: int, virtual: int = 1)
 
 def check(kind: str, stages: int, virtual: int, microbatches: int) -> None:
     """Raises ValueError naming the config field for a schedule that cannot run."""
-    if kind not in SCHEDULES:
-        raise ValueError(f"parallel.pipeline_schedule={kind!r}: choose one of {', '.join(SCHEDULES)}")
+    if kind not in PIPELINE_SCHEDULES:
+        raise ValueError(f"parallel.pipeline_schedule={kind!r}: choose one of {', '.join(PIPELINE_SCHEDULES)}")
     if stages < 1 or virtual < 1 or microbatches < 1:
         raise ValueError(
             f"parallel.pipe={stages}, parallel.virtual_stages={virtual} and "
