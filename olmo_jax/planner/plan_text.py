@@ -3,7 +3,8 @@ planner/plan_build.py `Plan` section by section (FLOPs per token, formula vs com
 why they differ; memory per device; collectives per step; the overlap as the compiler
 scheduled the step; the optimizer's share; the projected step, next to what OLMo-core
 measured for the same model shape), and `format_comparison` several plans side by side.
-Every number shown is the plan's; this module only formats them.
+The numbers are the plan's (and REFERENCE's, what OLMo-core measured); this module adds
+only their ratios and units, and the notes on why compiled and formula FLOPs differ.
 """
 
 from __future__ import annotations
