@@ -56,13 +56,14 @@ def main(argv: list[str]) -> None:
     if n < 1:
         cli.fail(f"--devices={n} must be >= 1")
     from olmo_jax.planner import hardware
-    from olmo_jax.planner.command import run  # jax's backend starts inside run, with n devices
+    from olmo_jax.planner.api import plan_config  # jax's backend starts inside it, with n devices
 
     if _KIND.value not in hardware.KINDS:
         cli.fail(f"--device-kind={_KIND.value}: choose one of {', '.join(hardware.KINDS)}")
     path = cli.config_filename()
     try:
-        out = run(run_cfg, n, _KIND.value, _COMPARE.value, path, compiler=_COMPILER.value)
+        out = plan_config(run_cfg, n, _KIND.value, compare=_COMPARE.value, compiler=_COMPILER.value,
+                          config_path=path)
     except (ConfigError, DataError, RuntimeError) as e:  # RuntimeError: the XLA:GPU worker's
         cli.fail(str(e))
     print(out["text"])

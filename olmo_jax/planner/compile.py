@@ -26,7 +26,7 @@ choices (ragged_dot, Pallas kernels, scaled_matmul) are still visible by name.
 On fake CPU devices a planner compile for a GPU kind (`kind`: one of olmo_jax.targets'
 kinds, or None) is the XLA:CPU fallback of a GPU's program, so `model.attention_impl=auto`
 compiles the xla attention core there (a GPU's choice in float32; where the GPU runs
-cuDNN's, report.py takes the core's [T, S] buffers off), not the CPU's FFI kernel
+cuDNN's, plan_build.py takes the core's [T, S] buffers off), not the CPU's FFI kernel
 (olmo_jax/kernels/cpu_attention.py), which `kind="cpu"` and the trainer's step keep.
 
 A pipelined step's module is counted with each pipeline branch run as often as the

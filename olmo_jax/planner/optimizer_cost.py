@@ -62,19 +62,3 @@ def optimizer_cost(step, cost: ProgramCost, colls, spec: hardware.DeviceSpec,
         float(sum(c.jax_bytes_per_run for c in mine)), mine,
         own.ns_flops_per_device(o.muon_ns_steps) if own is not None else 0,
         own.matrices_per_rank() if own is not None else {})
-
-
-def format_section(oc: OptimizerCost) -> list[str]:
-    lines = [f"Optimizer per device ({oc.name}; the train step's update, per step)",
-             f"  state        {oc.state_bytes / 2**20:,.2f} MiB stored",
-             f"  update       {oc.dot_flops / 1e9:,.3f} GFLOP in matmuls, "
-             f"{oc.other_flops / 1e9:,.3f} GFLOP elementwise; {oc.hbm_bytes / 2**20:,.1f} MiB "
-             f"HBM traffic; {oc.compute_s * 1e3:,.3f} ms roofline (float32)",
-             f"  collectives  {oc.collective_bytes / 2**20:,.3f} MiB, "
-             f"{oc.link_s * 1e3:,.3f} ms on the links; total {oc.step_s * 1e3:,.3f} ms"]
-    if oc.name == "muon":
-        lines.append(f"  Newton-Schulz  {oc.ns_flops_planned / 1e9:,.3f} GFLOP per device by the "
-                     "ownership plan (parallel/muon_owners.py)")
-        for axes, counts in oc.matrices_per_rank.items():
-            lines.append(f"  owners over {' x '.join(axes)}: matrices per rank {counts}")
-    return lines

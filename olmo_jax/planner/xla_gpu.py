@@ -88,7 +88,7 @@ def where(kind: str, compiler: str = "auto") -> Where:
 
 def run_in_gpu_venv(python: str, cfg, n_devices: int, kind: str, compare: bool,
                     config_path: str = "") -> dict:
-    """command.run's {"text", "json"} for `cfg`, planned on XLA:GPU by the GPU venv's
+    """api.plan_config's {"text", "json"} for `cfg`, planned on XLA:GPU by the GPU venv's
     `python` (its worker: olmo_jax/planner/command.py)."""
     from olmo_jax.errors import ConfigError, DataError
 

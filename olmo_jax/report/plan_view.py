@@ -4,22 +4,22 @@ category) and "collectives" (bytes per collective per step, per device).
 Both are the planner's numbers (`python -m olmo_jax.plan`), not a second estimate: the
 config's real train step is AOT-compiled for the plan's mesh on abstract inputs, by
 XLA:GPU for a GPU device kind where the planner can (else XLA:CPU on the plan's fake CPU
-devices, labelled; `planner.command.run`, planner/xla_gpu.py), `planner.report.build` reads
-it, and this module
-only regroups the plan's JSON (`Plan.to_json()`, what `python -m olmo_jax.plan --json`
-writes) into what the page draws: the argument bytes by part of the train state, the
-buffers live at the peak (XLA's buffer live ranges) by what they hold, the compiled
-memory analysis, and `comms.summary` rows of the compiled collectives with the projected
-step time, nothing overlapped / as the compiler scheduled it / fully overlapped. Every device runs
-the same SPMD program, so its memory is every device's; with a pipeline the stages take
-different branches of it, and the planner gives the collectives' runs and bytes as the
-mean over the stages.
+devices, labelled; the planner's API `planner.api.plan_config`, planner/xla_gpu.py),
+`planner.plan_build.build` reads it, and this module only regroups the plan's JSON
+(`Plan.to_json()`, what `python -m olmo_jax.plan --json` writes) into what the page
+draws: the argument bytes by part of the train state, the buffers live at the peak
+(XLA's buffer live ranges) by what they hold, the compiled memory analysis, and
+`comms.summary` rows of the compiled collectives with the projected step time, nothing
+overlapped / as the compiler scheduled it / fully overlapped. Every device runs the same
+SPMD program, so its memory is every device's; with a pipeline the stages take different
+branches of it, and the planner gives the collectives' runs and bytes as the mean over
+the stages.
 """
 
 from __future__ import annotations
 
-from olmo_jax.planner import command as plan_command
 from olmo_jax.planner import hardware
+from olmo_jax.planner.api import plan_config
 
 PEAK_PARTS = 8  # the planner's JSON lists the largest groups live at the peak
 
@@ -40,7 +40,7 @@ def compile_plan(cfg, plan, device_kind: str) -> tuple[dict, hardware.DeviceSpec
     """The planner's plan of `cfg` on the devices of `plan`'s mesh (its JSON) and the
     device kind's spec."""
     devices = list(plan.mesh.devices.flat)
-    out = plan_command.run(cfg, len(devices), device_kind, False, devices=devices)
+    out = plan_config(cfg, len(devices), device_kind, devices=devices)
     return out["json"]["plan"], hardware.device_spec(device_kind, len(devices))
 
 

@@ -15,7 +15,7 @@ from olmo_jax import config as config_lib
 from olmo_jax import metrics
 from olmo_jax.config import default_config, model_config
 from olmo_jax.parallel.expert import ROWWISE_CAPACITY_FACTOR
-from olmo_jax.planner.command import comparison_variants
+from olmo_jax.planner.api import comparison_variants
 
 ROOT = Path(__file__).resolve().parents[2]
 OVERRIDES = ["--config.model.d_model=32", "--config.model.n_layers=2",

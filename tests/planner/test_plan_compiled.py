@@ -14,7 +14,7 @@ from olmo_jax import config as config_lib
 from olmo_jax.config import default_config
 from olmo_jax.model.moe import sizing
 from olmo_jax.parallel.expert import rowwise_capacity_factor
-from olmo_jax.planner import hardware, hlo_cost, report
+from olmo_jax.planner import hardware, hlo_cost, plan_build, plan_text
 from olmo_jax.planner.compile import compile_train_step
 
 BATCH, SEQ, GA = 16, 32, 2
@@ -36,11 +36,11 @@ def small_config():
 @pytest.fixture(scope="module")
 def plan():
     step = compile_train_step(config_lib.validate(small_config()), jax.devices())
-    return report.build(step, hardware.device_spec("h100"))
+    return plan_build.build(step, hardware.device_spec("h100"))
 
 
 def test_compiled_matmul_flops_match_the_formula(plan):
-    print(report.format_plan(plan))
+    print(plan_text.format_plan(plan))
     f, h = plan.formula, plan.hlo
     for term in ("attention_proj", "router", "shared_experts", "dense_mlp", "lm_head"):
         assert h[term] == pytest.approx(f[term], rel=1e-6), term

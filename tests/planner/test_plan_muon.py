@@ -7,7 +7,7 @@ import jax
 import pytest
 
 from olmo_jax import config as config_lib
-from olmo_jax.planner import hardware, report
+from olmo_jax.planner import hardware, plan_build, plan_text
 from olmo_jax.planner.compile import compile_train_step
 from tests.planner.test_plan_compiled import small_config
 
@@ -16,11 +16,11 @@ from tests.planner.test_plan_compiled import small_config
 def plan():
     cfg = small_config()
     cfg.optim.name = "muon"
-    return report.build(compile_train_step(config_lib.validate(cfg), jax.devices()), hardware.device_spec("h200"))
+    return plan_build.build(compile_train_step(config_lib.validate(cfg), jax.devices()), hardware.device_spec("h200"))
 
 
 def test_optimizer_collectives_and_flops_are_the_ownership_plans(plan):
-    text = report.format_plan(plan)
+    text = plan_text.format_plan(plan)
     print(text)
     oc, own = plan.optimizer, plan.step.plan.muon
     got = sorted((c.kind, c.purpose, c.bytes) for c in oc.colls)

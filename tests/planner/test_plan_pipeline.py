@@ -15,7 +15,7 @@ from olmo_jax import config as config_lib
 from olmo_jax.config import default_config
 from olmo_jax.parallel.pipeline import schedule as sched_lib
 from olmo_jax.parallel.pipeline import textbook_bubble
-from olmo_jax.planner import hardware, pipeline_cost, report
+from olmo_jax.planner import hardware, pipeline_cost, plan_build, plan_text
 from olmo_jax.planner.compile import compile_train_step
 
 P, V, M, BATCH, SEQ = 2, 2, 4, 16, 32
@@ -38,11 +38,11 @@ def pipelined_config():
 @pytest.fixture(scope="module")
 def plan():
     step = compile_train_step(config_lib.validate(pipelined_config()), jax.devices())
-    return report.build(step, hardware.device_spec("h100"))
+    return plan_build.build(step, hardware.device_spec("h100"))
 
 
 def test_branches_are_counted_as_the_schedule_runs_them(plan):
-    print(report.format_plan(plan))
+    print(plan_text.format_plan(plan))
     f, h = plan.formula, plan.hlo
     # Stage 0's embedding + dense block and the last stage's head run once per microbatch
     # (not at every tick of every stage): exactly the formula.
@@ -75,7 +75,7 @@ def test_pipeline_collectives_are_in_the_table(plan):
     x_bytes = rows * SEQ * 32 * 4
     per_tick = sum(c.jax_bytes for c in sends)
     assert 2 * x_bytes <= per_tick < 3 * x_bytes
-    text = report.format_plan(plan)
+    text = plan_text.format_plan(plan)
     assert "pipe_send" in text and "bubble" in text
 
 
@@ -107,7 +107,7 @@ def test_as_scheduled_replays_the_branches_as_the_schedule_weights_them(plan):
     assert all(r.async_runs == 0 for r in sc.rows)
     assert pc.bubble_scheduled_s == pytest.approx(pc.bubble_s, rel=1e-9)
     assert p.scheduled_s == pytest.approx(p.step_s, rel=1e-9)
-    assert "XLA:CPU runs every collective synchronously" in report.format_plan(plan)
+    assert "XLA:CPU runs every collective synchronously" in plan_text.format_plan(plan)
 
 
 @pytest.mark.parametrize("kind,stages,virtual,micro", [("1f1b", 4, 1, 8), ("gpipe", 2, 1, 3),

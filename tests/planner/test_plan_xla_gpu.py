@@ -1,5 +1,5 @@
 """The planner on XLA:GPU: a small bf16 config planned for 4 abstract H200s through
-`planner.command.run` from this (CPU-only) interpreter, which runs the planner in the GPU
+`planner.api.plan_config` from this (CPU-only) interpreter, which runs the planner in the GPU
 compile venv (planner/xla_gpu.py; skipped, saying so, where none exists: `make test`
 builds .venv-gpu first). The plan is XLA:GPU's: cuDNN fused attention, whose FLOPs are
 the causal triangle x 7 score GEMMs (2 forward, 5 in the flash backward) against the
@@ -23,7 +23,7 @@ from olmo_jax.errors import ConfigError
 from olmo_jax.model.abstract import abstract_model
 from olmo_jax.model.moe import sizing
 from olmo_jax.parallel import zero
-from olmo_jax.planner import command, hardware, xla_gpu
+from olmo_jax.planner import api, hardware, xla_gpu
 from tests.sections import plan_for
 
 BATCH, SEQ = 8, 64
@@ -49,7 +49,7 @@ def small_config():
 def out():
     if xla_gpu.gpu_python() is None and not xla_gpu.has_cuda_plugin():
         pytest.skip(NO_XLA_GPU)
-    return command.run(config_lib.validate(small_config()), 4, "h200", False, "small")
+    return api.plan_config(config_lib.validate(small_config()), 4, "h200", config_path="small")
 
 
 def test_the_plan_is_xla_gpus(out):
@@ -104,7 +104,7 @@ def test_without_xla_gpu_the_cpu_fallback_is_labelled(monkeypatch):
     assert where.how == "cpu" and "XLA:CPU FALLBACK" in where.note and "make gpu-venv" in where.note
     assert xla_gpu.where("cpu").how == "cpu" and not xla_gpu.where("cpu").note
     with pytest.raises(ConfigError, match="--compiler=xla_gpu: no XLA:GPU here"):
-        command.run(config_lib.validate(small_config()), 4, "b300", False, compiler="xla_gpu")
+        api.plan_config(config_lib.validate(small_config()), 4, "b300", compiler="xla_gpu")
 
 
 def _split_compute_bytes(cfg, n_devices):

@@ -221,7 +221,7 @@ def test_pipeline_section_without_a_pipeline_is_one_stage(plan_and_mesh):
 
 
 def test_plan_sections_regroup_the_planners_json():
-    pj = {  # the keys of planner.report.Plan.to_json() the report reads
+    pj = {  # the keys of planner.plan_build.Plan.to_json() the report reads
         "devices": 4, "mesh": {"pipe": 2, "data": 1, "expert": 2},
         "argument_parts": {"params": 300, "opt_state": 600, "model_state": 0, "step, rng": 12, "batch": 40},
         "argument_bytes": 952, "temp_bytes": 5000, "peak_bytes": 4000,

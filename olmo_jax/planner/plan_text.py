@@ -1,52 +1,19 @@
-"""A run's plan from its compiled step: parameters, FLOPs (formula vs compiled HLO, term by
-term), memory per device, collectives per step and the projected step time, as one
-`Plan` (numbers) and its text rendering; and several plans side by side.
-
-The program is XLA:GPU's for a GPU device kind wherever the planner could compile for
-it (planner/xla_gpu.py), else XLA:CPU's, labelled as the fallback it is (`Plan.compiler`).
-The attention core is counted as the GPU runs it (`attention_impl`: model.attention_impl
-resolved for the device kind): cuDNN's fused kernel keeps the [T, S] score matrices on
-chip, the xla core materializes them. An XLA:GPU program shows which it compiled; of an
-XLA:CPU program (always the xla core) the planner subtracts the scores' bytes, from the
-HBM traffic and from the peak it compares with the HBM, where the GPU would fuse them.
-
-The step time comes three ways (roofline.Projection): nothing overlapped, as the
-compiler scheduled it (the program replayed in its instruction order, planner/overlap.py,
-with its own "Overlap" section: per collective what is asynchronous, what runs between
-its start and done, and what stays exposed), and collectives fully overlapped.
-
-Per-token HLO figures are per-device program FLOPs x devices / tokens per step (every
-device runs the same program on its share of the batch). In a pipelined step the stages
-take different branches of that program: per-device figures are the mean over the stages
-(planner/pipeline_cost.py), and the projected step adds the schedule's idle time.
+"""A plan as text (`python -m olmo_jax.plan`): `format_plan` renders one
+planner/plan_build.py `Plan` section by section (FLOPs per token, formula vs compiled and
+why they differ; memory per device; collectives per step; the overlap as the compiler
+scheduled the step; the optimizer's share; the projected step, next to what OLMo-core
+measured for the same model shape), and `format_comparison` several plans side by side.
+The numbers are the plan's (and REFERENCE's, what OLMo-core measured); this module adds
+only their ratios and units, and the notes on why compiled and formula FLOPs differ.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 from olmo_jax import metrics, targets
-from olmo_jax.kernels import platform, select
 from olmo_jax.model.attention import query_chunks
-from olmo_jax.model.moe import sizing
-from olmo_jax.parallel.expert import buffer_rows, rowwise_capacity_factor
-from olmo_jax.parallel.mesh import batch_shards
-from olmo_jax.planner import comms, gpu_hlo, hardware, hlo_cost, memory, overlap, pipeline_cost, roofline
-from olmo_jax.planner import optimizer_cost as optimizer_lib
-from olmo_jax.planner.compile import CompiledStep
-from olmo_jax.trainer import preflight
-
-TERMS = {  # formula term -> label
-    "attention_proj": "attention q/k/v/o",
-    "attention_scores": "attention scores",
-    "router": "router",
-    "routed_experts": "routed experts",
-    "shared_experts": "shared experts",
-    "dense_mlp": "dense MLP",
-    "lm_head": "LM head",
-}
-# The terms that are matmuls against parameters (everything but the attention scores).
-PARAM_TERMS = tuple(t for t in TERMS if t != "attention_scores")
+from olmo_jax.planner import comms, hardware, hlo_cost, pipeline_cost
+from olmo_jax.planner.optimizer_cost import OptimizerCost
+from olmo_jax.planner.plan_build import TERMS, Plan, cpu_attention_kernel, tokens_per_step
 
 # What the reference measured (OLMo-core 3, docs/reference.md), keyed by the model's shape
 # (d_model, n_layers, num_experts, top_k, seq_len).
@@ -55,228 +22,6 @@ REFERENCE = {
     (6144, 63, 128, 4, 8192): ("1.2T on 512 GPUs with EP8 x PP8", "b300", None, 858e12),
 }
 
-
-@dataclasses.dataclass
-class Plan:
-    step: CompiledStep
-    spec: hardware.DeviceSpec
-    label: str  # e.g. "ddp + rowwise"
-    formula: dict[str, float]  # FLOPs per token by term
-    hlo: dict[str, float]  # dot FLOPs per token by term (+ "other"), recomputation excluded
-    recomputed: dict[str, float]  # dot FLOPs per token the backward pass recomputes (remat)
-    cost: hlo_cost.ProgramCost
-    xla_flops_once: float  # XLA's cost analysis, loop bodies counted once (per device)
-    walk_flops_once: float  # this walk, loop bodies counted once
-    buffer_factor: float | None  # expected routed-expert buffer rows / routed rows
-    buffer_note: str
-    colls: list[comms.Collective]
-    args: dict[str, int]
-    peak_bytes: int
-    peak: list[memory.PeakGroup]
-    projection: roofline.Projection
-    notes: list[str]
-    pipeline: pipeline_cost.PipelineCost | None = None  # parallel.pipe > 1
-    layer_factor: dict[str, float] = dataclasses.field(default_factory=dict)  # layer_factors
-    optimizer: optimizer_lib.OptimizerCost | None = None  # the update's share, per device
-    attention_impl: str = "xla"  # the attention core on the device kind (module docstring)
-    scores_bytes: int = 0  # of peak_bytes: [T, S] score matrices of the xla core
-    scheduled: overlap.Scheduled | None = None  # the step replayed as the compiler scheduled it
-
-    @property
-    def compiler(self) -> str:
-        """XLA:GPU, or XLA:CPU: the fallback for a GPU kind (module docstring)."""
-        return self.step.compiler
-
-    @property
-    def fused_scores(self) -> bool:
-        """The compiled program holds score matrices a GPU's fused attention would not."""
-        return self.step.compiler == "XLA:CPU" and self.attention_impl == "cudnn"
-
-    @property
-    def counted_peak_bytes(self) -> int:
-        """The peak the HBM is compared with: without score matrices the GPU fuses."""
-        return self.peak_bytes - (self.scores_bytes if self.fused_scores else 0)
-
-    @property
-    def allocated_bytes(self) -> int:
-        """What XLA allocates per device for the step (trainer/preflight.py's estimate)."""
-        return preflight.MemoryEstimate.of(self.step.compiled).total
-
-    @property
-    def matmul_ratio(self) -> float:
-        """HLO / formula for the parameter matmuls, the routed experts' buffer padding and
-        a pipeline's padding layers taken out (the number that should be 1)."""
-        expect = {t: self.layer_factor.get(t, 1.0) for t in PARAM_TERMS}
-        expect["routed_experts"] *= self.buffer_factor or 1.0
-        hlo = sum(self.hlo.get(t, 0.0) / expect[t] for t in PARAM_TERMS)
-        return hlo / sum(self.formula[t] for t in PARAM_TERMS)
-
-    def to_json(self) -> dict:
-        s, p = self.step, self.projection
-        mem = s.compiled.memory_analysis()
-        return {
-            "label": self.label, "devices": s.n_devices, "mesh": dict(s.plan.mesh.shape),
-            "device_kind": self.spec.kind, "params": metrics.param_counts(s.model_cfg),
-            "flops_per_token_formula": self.formula, "flops_per_token_hlo": self.hlo,
-            "flops_per_token_recomputed": self.recomputed,
-            "matmul_ratio": self.matmul_ratio, "buffer_factor": self.buffer_factor,
-            "layer_factor": self.layer_factor,
-            "xla_flops_once": self.xla_flops_once, "walk_flops_once": self.walk_flops_once,
-            "argument_bytes": mem.argument_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes,
-            "argument_parts": self.args, "peak_bytes": self.peak_bytes,
-            "peak_bytes_counted": self.counted_peak_bytes, "scores_bytes": self.scores_bytes,
-            "allocated_bytes": self.allocated_bytes,
-            "compiler": self.compiler, "attention_impl": self.attention_impl,
-            "matmul_efficiency": self.spec.matmul_efficiency,
-            "link_efficiency": self.spec.link_efficiency,
-            "peak": [dataclasses.asdict(g) for g in self.peak[:8]],
-            "collectives": comms.summary(self.colls),
-            "collective_bytes": comms.total_bytes(self.colls),
-            "collective_jax_bytes": sum(c.jax_bytes_per_run for c in self.colls),
-            "compute_s": p.compute_s, "roofline_s": p.roofline_s, "link_s": p.link_s,
-            "hbm_bytes": p.hbm_bytes, "step_s": p.step_s, "overlapped_s": p.overlapped_s,
-            "tokens_per_s_per_device": p.tokens_per_s(), "mfu": p.mfu(),
-            "tokens_per_s_per_device_overlapped": p.tokens_per_s(True),
-            "mfu_overlapped": p.mfu(True), "scheduled_s": p.scheduled_s,
-            "tokens_per_s_per_device_scheduled": p.tokens_per_s(overlap="scheduled"),
-            "mfu_scheduled": p.mfu(overlap="scheduled"),
-            "overlap": self.scheduled.to_json() if self.scheduled is not None else None,
-            "lower_s": s.lower_s, "compile_s": s.compile_s,
-            "notes": self.notes,
-            "pipeline": self.pipeline.to_json() if self.pipeline is not None else None,
-            "optimizer": self.optimizer.to_json() if self.optimizer is not None else None,
-        }
-
-
-def tokens_per_step(step: CompiledStep) -> int:
-    t = step.cfg.trainer
-    return t.global_batch_size * t.seq_len
-
-
-def expert_buffer_factor(step: CompiledStep) -> tuple[float | None, str]:
-    """Rows the compiled expert matmuls run over, per routed (token, choice) row, from the
-    dispatcher's own sizing functions, and what sets it."""
-    m, plan, t = step.model_cfg.moe, step.plan, step.cfg.trainer
-    S = t.global_batch_size // (t.grad_accum * plan.microbatches) // batch_shards(plan.mesh) * t.seq_len
-    E, N = m.num_experts, S * m.top_k
-    ep = plan.mesh.shape["expert"]
-    impl = plan.kernels.gmm  # model.moe.gmm_impl as the plan resolved it
-    if not step.model_cfg.n_moe_layers:
-        return None, "no MoE layers"
-    rows = buffer_rows(plan.dispatch, S, m, plan.kernels.run_padding, ep)  # the dispatcher's sizing
-    if plan.dispatch == "rowwise":
-        cf = rowwise_capacity_factor(m.capacity_factor)
-        return rows / N, f"rowwise receive slots (capacity factor {cf})"
-    if plan.dispatch in ("ragged", "allgather"):
-        if impl != "einsum":
-            return None, f"{plan.dispatch} buffers sized for the worst case ({impl})"
-        return rows / N, (f"{plan.dispatch} receive buffer sized for the worst case (every "
-                          f"assignment of the {ep} senders to one rank)")
-    if m.capacity_factor > 0:
-        return rows / N, f"capacity buffers (model.moe.capacity_factor={m.capacity_factor})"
-    if impl == "einsum":
-        return (rows / N, f"blocked dropless layout, blocks of {sizing.block_size(N, E)} rows, "
-                          "sized for the worst padding")
-    if impl == "tiled":
-        return None, ("gmm_impl=tiled: per-expert GEMM loops whose trip counts are the routing's "
-                      "(at most 7 padding rows per expert); the HLO counts each loop body once")
-    if impl == "blas":
-        return None, "gmm_impl=blas: one BLAS SGEMM per expert over its routed rows (an FFI call)"
-    return None, f"gmm_impl={impl} (on CPU ragged_dot expands to a dense product over experts)"
-
-
-def layer_factors(step: CompiledStep) -> dict[str, float]:
-    """Compiled / formula factors of the layer terms from a pipeline's padding layers: its
-    K chunks run c layer slots each, K x c >= the MoE blocks (the extra slots are masked
-    identity layers, computed and discarded). Empty without padding."""
-    p, c = step.plan.pipeline, step.model_cfg
-    if p is None or p.chunks.chunks * p.chunks.slots == c.n_moe_layers:
-        return {}
-    slots = p.chunks.chunks * p.chunks.slots
-    moe = slots / c.n_moe_layers
-    attention = (c.n_dense_layers + slots) / c.n_layers
-    return {"attention_proj": attention, "attention_scores": attention, "router": moe,
-            "routed_experts": moe, "shared_experts": moe}
-
-
-def attention_impl(step: CompiledStep, kind: str) -> str:
-    """The attention core on device kind `kind`: what an XLA:GPU program compiled (cuDNN's
-    custom calls or not); for a CPU, what its program runs (the blas FFI kernel or not);
-    else (a GPU kind planned on XLA:CPU) model.attention_impl resolved for that GPU by the
-    kernel table (olmo_jax/kernels/select.py)."""
-    if step.gpu_kind is not None:
-        return "cudnn" if gpu_hlo.cudnn_attention(step.module) else "xla"
-    if kind not in targets.KINDS:
-        return "blas" if cpu_attention_kernel(step) else "xla"
-    g = targets.spec(kind)
-    target = platform.Target("gpu", g.capability, g.num_sms, abstract=True)
-    return select.resolve_attention_impl(step.model_cfg.attention_impl, target,
-                                         step.model_cfg.compute_dtype)
-
-
-def cpu_attention_kernel(step: CompiledStep) -> bool:
-    """The program runs the CPU attention FFI kernel (attention_impl=blas)."""
-    return any(gpu_hlo.call_target(i) in gpu_hlo.CPU_ATTENTION for i in step.module.instructions)
-
-
-def scores_bytes(peak: list[memory.PeakGroup]) -> int:
-    return sum(g.bytes for g in peak if g.label.startswith("attention_scores"))
-
-
-def build(step: CompiledStep, spec: hardware.DeviceSpec, label: str = "",
-          notes: list[str] | None = None) -> Plan:
-    n, tokens = step.n_devices, tokens_per_step(step)
-    per_token = n / tokens
-    cost = hlo_cost.program_cost(step.module)
-    formula = metrics.flops_per_token_parts(step.model_cfg, step.cfg.trainer.seq_len)
-    def by_term(flops: dict[str, float]) -> dict[str, float]:
-        out = {hlo_cost.SCOPE_TERM.get(k, k): v * per_token for k, v in flops.items()}
-        return {t: out.get(t, 0.0) for t in (*TERMS, hlo_cost.OTHER)}
-
-    recomputed = by_term(cost.recomputed_dot_flops)
-    hlo = {t: v - recomputed[t] for t, v in by_term(cost.dot_flops).items()}
-    ca = step.compiled.cost_analysis()  # None from a deviceless XLA:GPU compile
-    ca = (ca[0] if isinstance(ca, list) else ca) or {}
-    factor, note = expert_buffer_factor(step)
-    colls = [c for c in comms.collectives(step.module) if c.group_size > 1]  # 1: no traffic
-    dtype, mesh = step.cfg.model.dtype, dict(step.plan.mesh.shape)
-    model_flops = metrics.flops_per_token(step.model_cfg, step.cfg.trainer.seq_len) * tokens / n
-    impl = attention_impl(step, spec.kind)
-    accounting = roofline.Accounting.for_program(step.gpu_kind is not None, impl == "cudnn")
-    pipe = None
-    if step.plan.pipeline is not None:
-        pipe = pipeline_cost.cost(step.module, step.plan.pipeline.schedule, step.plan.grad_accum,
-                                  spec, dtype, mesh, accounting)
-    scheduled = overlap.simulate(step.module, cost.ops, spec, dtype, mesh, accounting)
-    proj = roofline.project(cost.ops, roofline.link_uses(colls), spec, dtype, mesh, tokens / n,
-                            model_flops, pipe.bubble_s if pipe else 0.0,
-                            pipe.bubble_overlapped_s if pipe else 0.0, accounting,
-                            scheduled.step_s, pipe.bubble_scheduled_s if pipe else 0.0)
-    shapes = memory.param_shapes(step.state.params, step.plan)
-    peak_bytes, peak = memory.peak_groups(step.live_range, step.module, shapes,
-                                          step.buffer_assignment)
-    notes = list(notes or [])
-    if (step.gpu_kind is not None and step.plan.kernels.gmm == "ragged_dot" and formula["routed_experts"]
-            and (x := hlo["routed_experts"] / formula["routed_experts"] / (factor or 1.0)) > 1.5):
-        notes.append(f"XLA:GPU compiles jax.lax.ragged_dot (model.moe.gmm_impl="
-                     f"{step.model_cfg.moe.gmm_impl} resolves to ragged_dot here) as a dense "
-                     f"masked product over the expert groups: the routed experts' matmuls run "
-                     f"x{x:.1f} their rows' FLOPs; --config.model.moe.gmm_impl=einsum runs "
-                     "batched / blocked GEMMs instead")
-    if uncounted := gpu_hlo.uncounted_kernels(step.module):
-        notes.append(f"{len(uncounted)} Mosaic GPU kernel call(s) declare no cost estimate: "
-                     "their FLOPs are not in the compiled counts or the roofline")
-    return Plan(step, spec, label or f"{step.plan.strategy} + {step.plan.dispatch}", formula,
-                hlo, recomputed, cost, float(ca.get("flops", 0.0)),
-                hlo_cost.program_cost(step.module, loops_once=True).flops, factor, note, colls,
-                memory.argument_bytes(step.state, step.shardings, step.batch), peak_bytes, peak,
-                proj, notes, pipe, layer_factors(step),
-                optimizer_lib.optimizer_cost(step, cost, colls, spec, accounting), impl,
-                0 if step.gpu_kind is not None and impl == "cudnn" else scores_bytes(peak),
-                scheduled)
-
-
-# ---- text ------------------------------------------------------------------------------
 
 def _g(x: float, unit: float = 1e9) -> str:
     return f"{x / unit:,.3f}"
@@ -493,6 +238,22 @@ def _overlap_section(plan: Plan) -> list[str]:
     return lines
 
 
+def _optimizer_section(oc: OptimizerCost) -> list[str]:
+    lines = [f"Optimizer per device ({oc.name}; the train step's update, per step)",
+             f"  state        {oc.state_bytes / 2**20:,.2f} MiB stored",
+             f"  update       {oc.dot_flops / 1e9:,.3f} GFLOP in matmuls, "
+             f"{oc.other_flops / 1e9:,.3f} GFLOP elementwise; {oc.hbm_bytes / 2**20:,.1f} MiB "
+             f"HBM traffic; {oc.compute_s * 1e3:,.3f} ms roofline (float32)",
+             f"  collectives  {oc.collective_bytes / 2**20:,.3f} MiB, "
+             f"{oc.link_s * 1e3:,.3f} ms on the links; total {oc.step_s * 1e3:,.3f} ms"]
+    if oc.name == "muon":
+        lines.append(f"  Newton-Schulz  {oc.ns_flops_planned / 1e9:,.3f} GFLOP per device by the "
+                     "ownership plan (parallel/muon_owners.py)")
+        for axes, counts in oc.matrices_per_rank.items():
+            lines.append(f"  owners over {' x '.join(axes)}: matrices per rank {counts}")
+    return lines
+
+
 def _bubble_lines(plan: Plan) -> list[str]:
     pc = plan.pipeline
     if pc is None:
@@ -593,7 +354,7 @@ def format_plan(plan: Plan, config_path: str = "") -> str:
     sections = [head, _flops_section(plan), _memory_section(plan),
                 _collectives_section(plan), _overlap_section(plan), _projection_section(plan)]
     if plan.optimizer is not None:
-        sections.insert(5, optimizer_lib.format_section(plan.optimizer))
+        sections.insert(5, _optimizer_section(plan.optimizer))
     return "\n\n".join("\n".join(sec) for sec in sections)
 
 
