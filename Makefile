@@ -1,4 +1,4 @@
-# Two entry points for a fresh machine: `make train` and `make test`.
+# Two entry points for a fresh machine: `make train` and `make test` (`make check`: the inner loop).
 # Both create .venv (Python >= 3.12, found by tools/setup/find_python.sh) when missing.
 SHELL := /bin/bash
 VENV := .venv
@@ -30,7 +30,7 @@ export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 EDITABLE := $(if $(shell command -v flock),flock .editable-install.lock)
 VENV_JOBS := $(if $(EDITABLE),-j4,-j1)
 
-.PHONY: train test docs venv oracle jax011 gpu-venv gpu-wheels chromium lint clean
+.PHONY: train test check docs venv oracle jax011 gpu-venv gpu-wheels chromium lint clean
 
 venv: $(VENV)/.installed
 
@@ -112,6 +112,9 @@ chromium:
 # The suite in .venv (CPU), the jax 0.11.2 subset in .venv-jax011, then tests/gpu in
 # .venv-gpu (README: "Compiling for GPUs without one"). The venvs install in parallel
 # (1:46 instead of 3:30 from a fresh clone), each one's output printed when it is done.
+# Each pytest run compiles through its own persistent compilation cache, a fresh folder
+# shared by its workers and their child processes (tests/conftest.py; OLMO_JAX_TEST_CACHE=0
+# turns it off), so the jax 0.11.2 and GPU runs never read the main run's programs.
 test:
 	@$(MAKE) --no-print-directory $(VENV_JOBS) --output-sync=target venv oracle jax011 gpu-venv chromium || { \
 	  echo "error: a venv could not be installed (see pip's message above): the tests cannot run" >&2; \
@@ -129,6 +132,11 @@ test:
 # The docs site (mkdocs.yml) into the git-ignored site/; --strict fails on a broken link or anchor.
 docs: venv
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
+# The inner loop (meant to take < 8 min on 2 cores once the venvs are installed): lint, then
+# the main suite's fast tier, every test not marked `slow` (tests/conftest.py SLOW).
+check: lint
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --ignore=tests/gpu -m "not slow" $(PYTEST_ARGS)
 
 lint: venv
 	$(PY) -m ruff check olmo_jax tests tools configs

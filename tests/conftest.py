@@ -1,15 +1,24 @@
 """Test-wide settings: float32 matmuls at full precision, 8 fake CPU devices (set by
 `make test` through XLA_FLAGS; set here too so a bare `pytest` behaves the same).
 
-`compile_cache`: JAX's persistent compilation cache, on only while a module that asks for
-it runs (compile-time tests elsewhere must not hit it), in one folder for the whole
-session: train runs of one program in several modules, and the child processes they
-start (`compile_cache_env`), compile it once.
+JAX's persistent compilation cache is on for the whole run: one folder per pytest run
+(OLMO_JAX_TEST_CACHE; when unset, the run's first process makes a fresh temporary folder
+and removes it at the end), shared by the xdist workers and the child processes tests
+start (they inherit the JAX_* variables set here), so a program that several tests or
+modules compile (e.g. a train step in-process and in a launched run) compiles once. A new
+folder per run keeps a run from reading programs another checkout or jax version wrote
+(`make test` runs its jax 0.11.2 and GPU stages as separate runs). OLMO_JAX_TEST_CACHE=0
+turns it off; a test or module marked `no_compile_cache` (one that measures compiling)
+runs with it off. `compile_cache` is the run's folder, for tests that hand it to child
+processes (`compile_cache_env`).
 
 Shape annotations (`olmo_jax.shapes.check`) are checked at trace time in every test, and
 in the child processes tests start (they inherit OLMO_JAX_SHAPE_CHECKS)."""
 
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("OLMO_JAX_SHAPE_CHECKS", "1")  # read when olmo_jax.shapes is imported
@@ -20,28 +29,99 @@ from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-CACHE_OPTIONS = (
-    "jax_compilation_cache_dir",
-    "jax_persistent_cache_min_compile_time_secs",
-    "jax_persistent_cache_min_entry_size_bytes",
+REPO = Path(__file__).resolve().parents[1]
+# The slow tier: `make test` runs everything, `make check` the rest (-m "not slow"). Files
+# (or file::test ids) whose tests launch an oracle (torch, OLMo-core, Chromium, the GPU
+# compile venv), run gpu_check end to end, or compile several mesh-sized train steps, on
+# top of the tests marked @pytest.mark.slow where they are defined. The fast tier keeps at
+# least one test file of every package (model, parallel, kernels, trainer, checkpoint,
+# data, planner, report, config) and the golden loss curve.
+SLOW = (
+    "tests/olmo_core/test_data_semantics.py",
+    "tests/olmo_core/test_loss.py",
+    "tests/olmo_core/test_model_parity.py",
+    "tests/olmo_core/test_reference_numbers.py",
+    "tests/olmo_core/test_router_parity.py",
+    "tests/checkpoint/test_hf_parity.py",
+    "tests/parallel/test_gpu_paths.py",
+    "tests/parallel/test_parallel_bf16.py",
+    "tests/parallel/test_parallel_invariance.py",
+    "tests/parallel/test_pipeline.py",
+    "tests/planner/test_plan_compiled.py",
+    "tests/planner/test_plan_xla_gpu.py",
+    "tests/report/test_report_browser.py",
+    "tests/tools/test_gpu_check.py",
+    "tests/trainer/test_train_pipeline.py",
 )
+
+CACHE_ENV = "OLMO_JAX_TEST_CACHE"
+_CACHE_OWNER_ENV = "OLMO_JAX_TEST_CACHE_OWNER"  # the pid that made the folder removes it
+
+
+def _run_cache() -> str | None:
+    """The run's cache folder (made here in the run's first process, inherited by the
+    xdist workers and child processes through the environment); None when turned off."""
+    folder = os.environ.get(CACHE_ENV)
+    if folder is None:
+        folder = os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="olmo_jax_test_cache_")
+        os.environ[_CACHE_OWNER_ENV] = str(os.getpid())
+    return None if folder in ("", "0") else folder
+
+
+RUN_CACHE = _run_cache()
+CACHE_OPTIONS = {  # jax.config name -> the environment variable child processes read
+    "jax_compilation_cache_dir": "JAX_COMPILATION_CACHE_DIR",
+    "jax_persistent_cache_min_compile_time_secs": "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+    "jax_persistent_cache_min_entry_size_bytes": "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES",
+}
+if RUN_CACHE:
+    for (k, env), v in zip(CACHE_OPTIONS.items(), (RUN_CACHE, 0.0, 0), strict=True):
+        jax.config.update(k, v)
+        os.environ[env] = str(v)  # the child processes tests start
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "no_compile_cache: runs with the persistent compilation cache off "
+        "(tests that measure compiling)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks the SLOW files and tests `slow`; a SLOW entry naming a missing file is an error
+    (a renamed file must not drop silently into the fast tier)."""
+    missing = [p for p in SLOW if not (REPO / p.split("::")[0]).is_file()]
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py SLOW names missing files: {missing}")
+    for item in items:
+        if any(item.nodeid == p or item.nodeid.startswith((p + "::", p + "[")) for p in SLOW):
+            item.add_marker(pytest.mark.slow)
+
+
+def pytest_unconfigure(config):
+    if RUN_CACHE and os.environ.get(_CACHE_OWNER_ENV) == str(os.getpid()):
+        shutil.rmtree(RUN_CACHE, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _no_compile_cache(request, monkeypatch):
+    """The cache off (in this process and for its children) in tests marked no_compile_cache."""
+    if not RUN_CACHE or request.node.get_closest_marker("no_compile_cache") is None:
+        yield
+        return
+    for env in CACHE_OPTIONS.values():
+        monkeypatch.delenv(env, raising=False)
+    jax.config.update("jax_compilation_cache_dir", None)
+    compilation_cache.reset_cache()  # re-read the options (checked once per process)
+    yield
+    jax.config.update("jax_compilation_cache_dir", RUN_CACHE)
+    compilation_cache.reset_cache()
 
 
 @pytest.fixture(scope="session")
-def compile_cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("jax_cache")
-
-
-@pytest.fixture(scope="module")
-def compile_cache(compile_cache_dir):
-    old = {k: getattr(jax.config, k) for k in CACHE_OPTIONS}
-    for k, v in zip(CACHE_OPTIONS, (str(compile_cache_dir), 0.0, 0), strict=True):
-        jax.config.update(k, v)
-    compilation_cache.reset_cache()  # re-read the options (checked once per process)
-    yield compile_cache_dir
-    for k, v in old.items():
-        jax.config.update(k, v)
-    compilation_cache.reset_cache()
+def compile_cache(tmp_path_factory):
+    """The run's compilation cache folder (a session folder of its own when the run's cache
+    is off), for tests that pass it to child processes (compile_cache_env)."""
+    return Path(RUN_CACHE) if RUN_CACHE else tmp_path_factory.mktemp("jax_cache")
 
 
 def compile_cache_env(cache) -> dict:
