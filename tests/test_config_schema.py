@@ -16,6 +16,7 @@ from olmo_jax.checkpoint import hf
 from olmo_jax.config import SECTIONS, default_config, get_path, has_path, parse, set_path, validate
 from olmo_jax.errors import ConfigError
 from olmo_jax.kernels import GMM_IMPLS
+from olmo_jax.kernels.select import MXFP8_GEMM_IMPLS, NORM_IMPLS
 from olmo_jax.labels import INSTANCES
 from olmo_jax.model.config import (
     ATTENTION_IMPLS,
@@ -40,7 +41,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "olmo_jax"
 # Every choice field of the run config and the list (from its module) that validates it.
 CHOICES = {
     "model.dtype": COMPUTE_DTYPES, "model.remat": REMATS, "model.attention_precision": PRECISIONS,
-    "model.attention_impl": ATTENTION_IMPLS, "model.moe.gating": GATINGS,
+    "model.attention_impl": ATTENTION_IMPLS, "model.norm_impl": NORM_IMPLS,
+    "model.mxfp8_gemm_impl": MXFP8_GEMM_IMPLS, "model.moe.gating": GATINGS,
     "model.moe.routing_mode": ROUTING_MODES, "model.moe.gmm_impl": GMM_IMPLS,
     "model.moe.precision": PRECISIONS, "model.moe.lb_loss_type": LB_LOSS_TYPES,
     "model.moe.lb_granularity": LB_GRANULARITIES, "parallel.strategy": STRATEGIES,

@@ -6,8 +6,9 @@ the choice of kernels by target and config.
     mxfp8_quant.py     MXFP8 quantize / dequantize / packed payload; fused row+column
                        quantize kernel; reference: the jnp functions
     platform.py        device capability, interpret mode (running the kernels on a CPU)
-    select.py          the kernel choice: model.moe.gmm_impl and model.attention_impl
-                       resolved for a target (`resolve_kernels`), its one table
+    select.py          the kernel choice: model.moe.gmm_impl, model.attention_impl,
+                       model.norm_impl and model.mxfp8_gemm_impl resolved for a target
+                       (`resolve_kernels`), its one table
     cpu_ffi.py         the CPU FFI kernels' one library (C++ built on first use, numpy's
                        OpenBLAS handed in; cpu_blas.h/.cc: the SGEMM and the thread pool)
     cpu_gmm.py/.cc     the routed SwiGLU over expert runs as an XLA FFI call into numpy's

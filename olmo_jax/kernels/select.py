@@ -1,9 +1,10 @@
-"""The kernel choice: which expert grouped matmul (`model.moe.gmm_impl`) and which attention
-core (`model.attention_impl`) a model runs on a target, decided once, here.
+"""The kernel choice: which expert grouped matmul (`model.moe.gmm_impl`), attention core
+(`model.attention_impl`), RMSNorm (`model.norm_impl`) and MXFP8 GEMM
+(`model.mxfp8_gemm_impl`) a model runs on a target, decided once, here.
 
 `resolve_kernels(model_cfg, target)` is pure: the Target is passed in (the parallel plan
 passes its mesh's, `parallel.strategy.build_plan`, which stores the result as
-`plan.kernels` and builds the model from `plan.model_cfg`, whose two fields hold the
+`plan.kernels` and builds the model from `plan.model_cfg`, whose four fields hold the
 resolved names). Nothing here reads a context variable or `jax.default_backend()`.
 
 The table (the only description of it; other docstrings point here):
@@ -34,6 +35,23 @@ model.attention_impl (ATTENTION_IMPLS), for compute dtype `dtype`:
   cudnn (GPU, 16-bit) and blas (CPU, float32, builds) are refused elsewhere; xla runs
   everywhere.
 
+model.norm_impl (NORM_IMPLS), the RMSNorm of model/norm.py:
+  auto:   blas on a CPU target where the CPU FFI library builds (kernels/cpu_norm.cc: the
+          norm and its backward one FFI call each; it runs the norms whose input and [D]
+          weight are float32, the others, e.g. QK-norm's [N, H] weights or bfloat16
+          activations, run the jnp reference); xla (the jnp reference) elsewhere.
+  blas is refused on a non-CPU target or where the library does not build; xla runs
+  everywhere.
+
+model.mxfp8_gemm_impl (MXFP8_GEMM_IMPLS), the quantized GEMMs of model/mxfp8_gemm.py
+(model.attention_precision=mxfp8, model.moe.precision=mxfp8):
+  auto:   scaled_matmul on a GPU with block-scaled MMA (Blackwell, sm_100+: cuDNN's
+          block-scaled GEMM, `jax.nn.scaled_matmul`, for the dense, batched and blocked
+          layouts; the ragged layouts always dequantize); dequantize elsewhere (the
+          operands dequantized, exact in float32, and the product run in the compute dtype).
+  scaled_matmul is refused, where a GEMM runs in MXFP8, on a target without block-scaled
+  MMA; dequantize runs everywhere.
+
 The dropless expert buffer's row layout follows from the grouped matmul (`run_padding`,
 KernelChoice.run_padding): each expert's run is padded to blocks of rows for the blocked
 einsum ("blocks", model/moe/sizing.block_size), to the tiled loop's tile ("tiles",
@@ -56,6 +74,10 @@ GmmImpl = Literal["auto", "blas", "tiled", "pallas", "ragged_dot", "einsum"]  # 
 GMM_IMPLS = get_args(GmmImpl)
 AttentionImpl = Literal["auto", "cudnn", "blas", "xla"]  # model.attention_impl
 ATTENTION_IMPLS = get_args(AttentionImpl)
+NormImpl = Literal["auto", "blas", "xla"]  # model.norm_impl
+NORM_IMPLS = get_args(NormImpl)
+Mxfp8GemmImpl = Literal["auto", "scaled_matmul", "dequantize"]  # model.mxfp8_gemm_impl
+MXFP8_GEMM_IMPLS = get_args(Mxfp8GemmImpl)
 RUN_PADDINGS = ("blocks", "tiles", "none")
 # The Pallas grouped matmul tiles d_model and the expert hidden size in blocks of 64 (the
 # weight-gradient kernel's wgmma M is one of them).
@@ -69,12 +91,15 @@ class KernelChoice:
     gmm: str  # a concrete model.moe.gmm_impl: blas | tiled | pallas | ragged_dot | einsum
     attention: str  # a concrete model.attention_impl: cudnn | blas | xla
     run_padding: str  # RUN_PADDINGS: how the dropless expert buffer pads each expert's run
+    norm: str  # a concrete model.norm_impl: blas | xla
+    mxfp8_gemm: str  # a concrete model.mxfp8_gemm_impl: scaled_matmul | dequantize
 
     def apply(self, model_cfg):
-        """`model_cfg` (a TransformerConfig) with moe.gmm_impl and attention_impl replaced by
-        the resolved names."""
+        """`model_cfg` (a TransformerConfig) with moe.gmm_impl, attention_impl, norm_impl and
+        mxfp8_gemm_impl replaced by the resolved names."""
         return dataclasses.replace(
-            model_cfg, attention_impl=self.attention,
+            model_cfg, attention_impl=self.attention, norm_impl=self.norm,
+            mxfp8_gemm_impl=self.mxfp8_gemm,
             moe=dataclasses.replace(model_cfg.moe, gmm_impl=self.gmm))
 
 
@@ -187,6 +212,35 @@ def resolve_attention_impl(impl: str, target: platform.Target, dtype) -> str:
     return impl
 
 
+def resolve_norm_impl(impl: str, target: platform.Target) -> str:
+    """`model.norm_impl` on `target`: blas or xla (module docstring: the table). An explicit
+    blas where it cannot run is refused naming the field."""
+    if impl == "auto":
+        return "blas" if target.platform == "cpu" and _cpu_ffi_missing() is None else "xla"
+    if impl == "blas":
+        why = (f"the target is {target.describe()}" if target.platform != "cpu"
+               else _cpu_ffi_missing())
+        if why:
+            raise ValueError(f"model.norm_impl=blas runs a CPU kernel, but {why}; "
+                             f"use model.norm_impl=auto or xla")
+    return impl
+
+
+def resolve_mxfp8_gemm_impl(impl: str, target: platform.Target, used: bool = True) -> str:
+    """`model.mxfp8_gemm_impl` on `target`: scaled_matmul or dequantize (module docstring:
+    the table). `used`: some GEMM runs in MXFP8; an explicit scaled_matmul on a target
+    without block-scaled MMA is refused (naming the field) only then."""
+    if impl == "auto":
+        return "scaled_matmul" if _block_scaled_mma(target) else "dequantize"
+    if impl == "scaled_matmul" and used and not _block_scaled_mma(target):
+        raise ValueError(
+            f"model.mxfp8_gemm_impl=scaled_matmul runs cuDNN's block-scaled GEMM on an NVIDIA "
+            f"GPU with block-scaled MMA (Blackwell, sm_100+); the target is "
+            f"{target.describe()}. Use model.mxfp8_gemm_impl=auto or dequantize"
+        )
+    return impl
+
+
 def run_padding(gmm: str) -> str:
     """How the dropless expert buffer pads each expert's run for the resolved grouped
     matmul `gmm` (RUN_PADDINGS; module docstring)."""
@@ -212,4 +266,8 @@ def resolve_kernels(model_cfg, target: platform.Target, interpret: bool = False)
     else:  # no experts: nothing to refuse
         gmm = m.gmm_impl if m.gmm_impl != "auto" else resolve_gmm_impl(
             "auto", target, dtype, m.precision)
-    return KernelChoice(gmm, attention, run_padding(gmm))
+    norm = resolve_norm_impl(model_cfg.norm_impl, target)
+    mxfp8 = "mxfp8" in (model_cfg.attention_precision, m.precision if model_cfg.n_moe_layers
+                        else "bf16")
+    mxfp8_gemm = resolve_mxfp8_gemm_impl(model_cfg.mxfp8_gemm_impl, target, mxfp8)
+    return KernelChoice(gmm, attention, run_padding(gmm), norm, mxfp8_gemm)

@@ -168,20 +168,23 @@ class Attention(nnx.Module):
         self.o_proj = normal_param(rngs.params(), (N, H, D), ("q_heads", "head_dim", "embed"), std)
         self.qk_norm_span = ("head" if cfg.head_qk_norm else "all") if cfg.qk_norm else None
         if cfg.qk_norm and cfg.head_qk_norm:  # OLMo-core's use_head_qk_norm: per head
-            self.q_norm = RMSNorm((H,), ("head_dim",), cfg.norm_eps)
-            self.k_norm = RMSNorm((H,), ("head_dim",), cfg.norm_eps)
+            self.q_norm = RMSNorm((H,), ("head_dim",), cfg.norm_eps, cfg.norm_impl)
+            self.k_norm = RMSNorm((H,), ("head_dim",), cfg.norm_eps, cfg.norm_impl)
         elif cfg.qk_norm:
-            self.q_norm = RMSNorm((N, H), ("q_heads", "head_dim"), cfg.norm_eps)
-            self.k_norm = RMSNorm((K, H), ("kv_heads", "head_dim"), cfg.norm_eps)
+            self.q_norm = RMSNorm((N, H), ("q_heads", "head_dim"), cfg.norm_eps, cfg.norm_impl)
+            self.k_norm = RMSNorm((K, H), ("kv_heads", "head_dim"), cfg.norm_eps, cfg.norm_impl)
         else:
             self.q_norm = self.k_norm = None
         self.clip_qkv = cfg.clip_qkv
         self.dtype = cfg.compute_dtype
         self.mxfp8_proj = cfg.attention_precision == "mxfp8"  # projection GEMMs in MXFP8
         self.impl = cfg.attention_impl  # resolved by the plan (module docstring)
+        self.mxfp8_impl = cfg.mxfp8_gemm_impl  # likewise (model/mxfp8_gemm.py)
 
     def _proj(self, spec: str, x, w):
-        return mxfp8_gemm.einsum(spec, x, w) if self.mxfp8_proj else jnp.einsum(spec, x, w)
+        if self.mxfp8_proj:
+            return mxfp8_gemm.einsum(spec, x, w, impl=self.mxfp8_impl)
+        return jnp.einsum(spec, x, w)
 
     @shapes.check("-> B T D")
     def __call__(self, x_BTD: jax.Array, cos_TH: jax.Array, sin_TH: jax.Array) -> jax.Array:

@@ -19,7 +19,16 @@ from typing import Literal, get_args
 import jax.numpy as jnp
 
 from olmo_jax.errors import ConfigError, check_choice
-from olmo_jax.kernels.select import ATTENTION_IMPLS, GMM_IMPLS, AttentionImpl, GmmImpl
+from olmo_jax.kernels.select import (
+    ATTENTION_IMPLS,
+    GMM_IMPLS,
+    MXFP8_GEMM_IMPLS,
+    NORM_IMPLS,
+    AttentionImpl,
+    GmmImpl,
+    Mxfp8GemmImpl,
+    NormImpl,
+)
 from olmo_jax.model.moe.losses import LB_GRANULARITIES, LB_LOSS_TYPES
 from olmo_jax.model.mxfp8_gemm import PRECISIONS
 
@@ -30,8 +39,9 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 # float16 activations and gradients would underflow; model.dtype refuses it.
 COMPUTE_DTYPES = ("float32", "bfloat16")
 # Choices implemented by transformer.py and moe/router.py, declared with the schema that
-# checks them. The kernel choices (model.attention_impl, model.moe.gmm_impl) are the lower
-# kernels layer's table, olmo_jax/kernels/select.py, imported above.
+# checks them. The kernel choices (model.attention_impl, model.moe.gmm_impl,
+# model.norm_impl, model.mxfp8_gemm_impl) are the lower kernels layer's table,
+# olmo_jax/kernels/select.py, imported above.
 # model.remat: none | block (each block's activations recomputed in the backward pass,
 # transformer.run_blocks) | attention (the attention sub-layer only, transformer.Block)
 Remat = Literal["none", "block", "attention"]
@@ -233,6 +243,11 @@ class TransformerConfig:
     # ATTENTION_IMPLS, the softmax(q k^T) v core (model/attention.py): auto | cudnn | blas |
     # xla; which runs where: olmo_jax/kernels/select.py
     attention_impl: AttentionImpl = "auto"
+    # NORM_IMPLS, the RMSNorm (model/norm.py): auto | blas (the CPU FFI kernel) | xla
+    norm_impl: NormImpl = "auto"
+    # MXFP8_GEMM_IMPLS, the MXFP8 GEMMs (model/mxfp8_gemm.py): auto | scaled_matmul (cuDNN's
+    # block-scaled GEMM, Blackwell) | dequantize; which runs where: olmo_jax/kernels/select.py
+    mxfp8_gemm_impl: Mxfp8GemmImpl = "auto"
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     @property
@@ -296,6 +311,8 @@ class TransformerConfig:
         check_choice(f"{prefix}.remat", self.remat, REMATS, one_of=False)
         check_choice(f"{prefix}.attention_precision", self.attention_precision, PRECISIONS, one_of=False)
         check_choice(f"{prefix}.attention_impl", self.attention_impl, ATTENTION_IMPLS)
+        check_choice(f"{prefix}.norm_impl", self.norm_impl, NORM_IMPLS)
+        check_choice(f"{prefix}.mxfp8_gemm_impl", self.mxfp8_gemm_impl, MXFP8_GEMM_IMPLS)
         widths = (self.d_model, self.n_heads * self.head_size, self.kv_heads * self.head_size)
         if self.attention_precision == "mxfp8" and any(w % 32 for w in widths):
             raise ConfigError(

@@ -19,10 +19,13 @@ below need only f:
               along the rows when `quantize_wgrad`
 Each weight is quantized both ways in one pass in the forward (`quantize_weight`); the
 backward keeps its N-quantized copy (fp8) instead of the bf16 weight.
-`mx_nt` runs one quantized GEMM: on Blackwell (block-scaled MMA) `jax.nn.scaled_matmul`
-(cuDNN) for the dense, batched and blocked layouts; elsewhere, and for the ragged
-layouts, an emulation that dequantizes (exact in float32) and runs f in the compute dtype,
-so both agree up to accumulation order.
+`mx_nt` runs one quantized GEMM as `impl` says (`model.mxfp8_gemm_impl`; which runs where:
+the table of olmo_jax/kernels/select.py; a model built from a parallel plan holds the
+name resolved for its mesh, one used without a plan resolves "auto" for its default
+device): scaled_matmul, `jax.nn.scaled_matmul` (cuDNN's block-scaled GEMM, Blackwell) for
+the dense, batched and blocked layouts; dequantize, and for the ragged layouts always, an
+emulation that dequantizes (exact in float32) and runs f in the compute dtype, so both
+agree up to accumulation order.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from olmo_jax.kernels import mxfp8_quant as mx
-from olmo_jax.kernels import platform, vma
+from olmo_jax.kernels import select, vma
 from olmo_jax.kernels.vma import cotangent_like
 
 # GEMM precisions: model.attention_precision, model.moe.precision and the dispatch payload
@@ -145,14 +148,24 @@ def round_trip(x, axis: int, rounding: str):
     return dequantize(q, s, axis, x.dtype, x.shape[axis])
 
 
-def use_scaled_matmul(layout: Layout) -> bool:
-    return layout.scaled_matmul and platform.block_scaled_mma_supported()
+def gemm_impl(impl: str) -> str:
+    """The MXFP8 GEMM the model runs: `impl`, or for "auto" (no plan resolved it) the
+    table's choice for the default device (module docstring)."""
+    if impl != "auto":
+        return impl
+    return select.resolve_mxfp8_gemm_impl("auto", select.local_target())
 
 
-def mx_nt(layout: Layout, a_q, a_s, bt_q, bt_s, dtype):
+def use_scaled_matmul(layout: Layout, impl: str = "auto") -> bool:
+    """`layout`'s GEMMs run on jax.nn.scaled_matmul for model.mxfp8_gemm_impl=`impl`."""
+    return layout.scaled_matmul and gemm_impl(impl) == "scaled_matmul"
+
+
+def mx_nt(layout: Layout, a_q, a_s, bt_q, bt_s, dtype, impl: str = "auto"):
     """One MXFP8 GEMM: rows a [..., K] and weights given transposed, bt [.., N, K], both
-    quantized along K (their last dim). Returns layout.product(a, bt^T) in `dtype`."""
-    if use_scaled_matmul(layout):
+    quantized along K (their last dim). Returns layout.product(a, bt^T) in `dtype`;
+    `impl`: model.mxfp8_gemm_impl (module docstring)."""
+    if use_scaled_matmul(layout, impl):
         if isinstance(layout, Blocked):
             bt_q, bt_s = bt_q[layout.block_expert_U], bt_s[layout.block_expert_U]
         if isinstance(layout, Dense):
@@ -195,16 +208,16 @@ def quantize_weight(w, rounding: str) -> WeightQ:
     )
 
 
-def forward(layout: Layout, a, wq: WeightQ, rounding):
+def forward(layout: Layout, a, wq: WeightQ, rounding, impl: str = "auto"):
     """(y, (a_q, a_s)): the forward GEMM and a's quantized form (saved for backward)."""
     a_q, a_s = mx.quantize(a, -1, rounding)
-    return mx_nt(layout, a_q, a_s, wq.fwd_q, wq.fwd_s, a.dtype), (a_q, a_s)
+    return mx_nt(layout, a_q, a_s, wq.fwd_q, wq.fwd_s, a.dtype, impl), (a_q, a_s)
 
 
-def dgrad(layout: Layout, dy, wq: WeightQ, rounding):
+def dgrad(layout: Layout, dy, wq: WeightQ, rounding, impl: str = "auto"):
     """dL/da of f(a, w): Q(dy along N) times Q(w along N)^T."""
     dy_q, dy_s = mx.quantize(dy, -1, rounding)
-    return mx_nt(layout, dy_q, dy_s, wq.dgrad_q, wq.dgrad_s, dy.dtype)
+    return mx_nt(layout, dy_q, dy_s, wq.dgrad_q, wq.dgrad_s, dy.dtype, impl)
 
 
 def wgrad(layout: Layout, a, dy, wq: WeightQ, rounding, quantize_wgrad: bool):
@@ -226,23 +239,24 @@ def wgrad(layout: Layout, a, dy, wq: WeightQ, rounding, quantize_wgrad: bool):
 # ----------------------------------------------------------------------------- dense
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def dense(x_MK, w_KN, rounding: str = "rceil", quantize_wgrad: bool = False):
-    """x @ w in MXFP8 (forward and input gradient), weight gradient in x's dtype."""
-    return _dense_fwd(x_MK, w_KN, rounding, quantize_wgrad)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def dense(x_MK, w_KN, rounding: str = "rceil", quantize_wgrad: bool = False, impl: str = "auto"):
+    """x @ w in MXFP8 (forward and input gradient), weight gradient in x's dtype; `impl`:
+    model.mxfp8_gemm_impl (module docstring)."""
+    return _dense_fwd(x_MK, w_KN, rounding, quantize_wgrad, impl)[0]
 
 
-def _dense_fwd(x_MK, w_KN, rounding, quantize_wgrad):
+def _dense_fwd(x_MK, w_KN, rounding, quantize_wgrad, impl):
     wq = quantize_weight(w_KN, rounding)
-    y, (x_q, x_s) = forward(DENSE, x_MK, wq, rounding)
+    y, (x_q, x_s) = forward(DENSE, x_MK, wq, rounding, impl)
     return y, (x_q, x_s, wq._replace(fwd_q=None, fwd_s=None))
 
 
-def _dense_bwd(rounding, quantize_wgrad, res, dy):
+def _dense_bwd(rounding, quantize_wgrad, impl, res, dy):
     x_q, x_s, wq = res
     dt = dy.dtype
     x = mx.dequantize(x_q, x_s, -1, dt)
-    dx = dgrad(DENSE, dy, wq, rounding)
+    dx = dgrad(DENSE, dy, wq, rounding, impl)
     dw = wgrad(DENSE, x, dy, wq, rounding, quantize_wgrad)
     return dx, dw
 
@@ -269,12 +283,14 @@ def _einsum_plan(spec: str):
     return len(batch), len(contracted)
 
 
-def einsum(spec: str, x, w, rounding: str = "rceil", quantize_wgrad: bool = False):
-    """An einsum that is one matmul after reshaping (e.g. "btd,dnh->btnh"), in MXFP8."""
+def einsum(spec: str, x, w, rounding: str = "rceil", quantize_wgrad: bool = False,
+           impl: str = "auto"):
+    """An einsum that is one matmul after reshaping (e.g. "btd,dnh->btnh"), in MXFP8;
+    `impl`: model.mxfp8_gemm_impl (module docstring)."""
     nb, nc = _einsum_plan(spec)
     batch, contracted, rest = x.shape[:nb], w.shape[:nc], w.shape[nc:]
     k = 1
     for d in contracted:
         k *= d
-    y = dense(x.reshape(-1, k), w.reshape(k, -1), rounding, quantize_wgrad)
+    y = dense(x.reshape(-1, k), w.reshape(k, -1), rounding, quantize_wgrad, impl)
     return y.reshape(*batch, *rest)

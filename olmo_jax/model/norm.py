@@ -1,10 +1,12 @@
 """RMSNorm, computed in float32 and cast back (the Hugging Face OLMoE definition).
 
-On a CPU target in float32 with a [D] weight, where the CPU FFI kernels build
-(olmo_jax/kernels/cpu_ffi.py), the norm and its backward are one FFI call each
-(kernels/cpu_norm.cc, the same math): XLA:CPU otherwise materializes the weight's broadcast
-and runs the reductions and element-wise work as separate passes. Elsewhere (GPUs, other
-dtypes, QK-norm's [N, H] weights) the jnp functions below, the reference.
+`impl` is `model.norm_impl` (which runs where: the table of olmo_jax/kernels/select.py; a
+model built from a parallel plan holds the name resolved for its mesh, one used without a
+plan resolves "auto" for its default device). With blas, a norm whose input and [D] weight
+are float32 and its backward are one FFI call each (kernels/cpu_norm.cc, the same math):
+XLA:CPU otherwise materializes the weight's broadcast and runs the reductions and
+element-wise work as separate passes. Otherwise (xla, other dtypes, QK-norm's [N, H]
+weights) the jnp functions below, the reference.
 """
 
 from __future__ import annotations
@@ -16,22 +18,31 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from olmo_jax.kernels import cpu_ffi, platform
+from olmo_jax.kernels import cpu_ffi, select
 from olmo_jax.kernels.vma import cotangent_like
 from olmo_jax.model.params import ones_param
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """x * rsqrt(mean(x^2) + eps) over all trailing axes that `weight` spans, times weight."""
-    if _cpu_kernel(x, weight):
+def norm_impl(impl: str) -> str:
+    """The norm the model runs: `impl`, or for "auto" (no plan resolved it) the table's
+    choice for the default device (module docstring)."""
+    if impl != "auto":
+        return impl
+    return select.resolve_norm_impl("auto", select.local_target())
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, impl: str = "auto") -> jax.Array:
+    """x * rsqrt(mean(x^2) + eps) over all trailing axes that `weight` spans, times weight;
+    `impl`: model.norm_impl (module docstring)."""
+    if _cpu_kernel(x, weight, impl):
         return _rms_norm_cpu(x, weight, eps)
     return _rms_norm(x, weight, eps)
 
 
-def _cpu_kernel(x, weight) -> bool:
+def _cpu_kernel(x, weight, impl: str) -> bool:
     f32 = jnp.dtype(jnp.float32)
     return (weight.ndim == 1 and jnp.dtype(x.dtype) == f32 and jnp.dtype(weight.dtype) == f32
-            and platform.current_target().platform == "cpu" and cpu_ffi.available() is None)
+            and norm_impl(impl) == "blas")
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -91,11 +102,14 @@ _rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 class RMSNorm(nnx.Module):
     """Normalizes over trailing axes of shape `shape` (one axis for the residual stream,
-    (heads, head_dim) for QK-norm, which Hugging Face OLMoE applies across all heads)."""
+    (heads, head_dim) for QK-norm, which Hugging Face OLMoE applies across all heads);
+    `impl`: model.norm_impl (module docstring)."""
 
-    def __init__(self, shape: tuple[int, ...], axes: tuple[str | None, ...], eps: float):
+    def __init__(self, shape: tuple[int, ...], axes: tuple[str | None, ...], eps: float,
+                 impl: str = "auto"):
         self.weight = ones_param(shape, axes)
         self.eps = eps
+        self.impl = impl
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_norm(x, self.weight[...], self.eps)
+        return rms_norm(x, self.weight[...], self.eps, self.impl)

@@ -38,12 +38,12 @@ class Block(nnx.Module):
     def __init__(self, cfg: TransformerConfig, moe: bool, *, rngs: nnx.Rngs, dispatcher=None):
         D = cfg.d_model
         self.layout = cfg.block_norm
-        self.attn_norm = RMSNorm((D,), ("embed",), cfg.norm_eps)
+        self.attn_norm = RMSNorm((D,), ("embed",), cfg.norm_eps, cfg.norm_impl)
         self.attn = Attention(cfg, rngs=rngs)
-        self.ffn_norm = RMSNorm((D,), ("embed",), cfg.norm_eps)
+        self.ffn_norm = RMSNorm((D,), ("embed",), cfg.norm_eps, cfg.norm_impl)
         peri = cfg.block_norm == "peri"
-        self.attn_post_norm = RMSNorm((D,), ("embed",), cfg.norm_eps) if peri else None
-        self.ffn_post_norm = RMSNorm((D,), ("embed",), cfg.norm_eps) if peri else None
+        self.attn_post_norm = RMSNorm((D,), ("embed",), cfg.norm_eps, cfg.norm_impl) if peri else None
+        self.ffn_post_norm = RMSNorm((D,), ("embed",), cfg.norm_eps, cfg.norm_impl) if peri else None
         if moe:
             self.ffn = MoELayer(cfg, rngs=rngs, dispatcher=dispatcher)
         else:
@@ -127,14 +127,16 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         V, D = cfg.vocab_size, cfg.d_model
         self.embedding = normal_param(rngs.params(), (V, D), ("vocab", "embed"), cfg.init_std)
-        self.embedding_norm = RMSNorm((D,), ("embed",), cfg.norm_eps) if cfg.embedding_norm else None
+        self.embedding_norm = (
+            RMSNorm((D,), ("embed",), cfg.norm_eps, cfg.norm_impl) if cfg.embedding_norm else None
+        )
         self.dense_blocks = (
             _stacked_blocks(cfg, cfg.n_dense_layers, False, rngs, None) if cfg.n_dense_layers else None
         )
         self.moe_blocks = (
             _stacked_blocks(cfg, cfg.n_moe_layers, True, rngs, dispatcher) if cfg.n_moe_layers else None
         )
-        self.final_norm = RMSNorm((D,), ("embed",), cfg.norm_eps)
+        self.final_norm = RMSNorm((D,), ("embed",), cfg.norm_eps, cfg.norm_impl)
         self.lm_head = (
             None if cfg.tie_embeddings
             else normal_param(rngs.params(), (D, V), ("embed", "vocab"), cfg.init_std)

@@ -75,7 +75,7 @@ class ParallelPlan:
     muon: muon_lib.Ownership | None = None  # optim.name=muon: who orthogonalizes what
     # The kernels resolved for the mesh's target (olmo_jax/kernels/select.py), and the
     # model config the steps are built with: the one given, with those names in
-    # moe.gmm_impl and attention_impl.
+    # moe.gmm_impl, attention_impl, norm_impl and mxfp8_gemm_impl.
     kernels: KernelChoice | None = None
     model_cfg: TransformerConfig | None = None
 

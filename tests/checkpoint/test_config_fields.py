@@ -52,3 +52,26 @@ def test_a_saved_model_config_without_the_layout_fields_reads_as_the_pre_norm_mo
     assert (read.block_norm, read.head_qk_norm, read.embedding_scale, read.embedding_norm,
             read.lm_z_loss_coef) == ("pre", False, 0.0, False, 0.0)
     assert dataclasses.replace(read, **{k: getattr(today, k) for k in ABSENT_FIELD_MEANING}) == today
+
+
+def test_the_kernel_choices_are_free_and_a_config_saved_without_them_reads_as_auto():
+    """model.attention_impl, norm_impl, mxfp8_gemm_impl and moe.gmm_impl choose kernels,
+    not what the weights mean: a checkpoint resumes with other values, and one saved
+    before norm_impl and mxfp8_gemm_impl existed reads them as auto."""
+    import dataclasses
+
+    from olmo_jax.checkpoint.manager import model_config_from_dict, model_config_to_dict
+    from olmo_jax.model.config import TransformerConfig
+    from olmo_jax.trainer.checkpoints import architecture_difference
+    from olmo_jax.trainer.run_dir import _is_free
+
+    today = TransformerConfig(d_model=32, n_heads=4)
+    new = ("norm_impl", "mxfp8_gemm_impl")
+    old = {k: v for k, v in model_config_to_dict(today).items() if k not in new}
+    read = model_config_from_dict(old)
+    assert (read.norm_impl, read.mxfp8_gemm_impl) == ("auto", "auto") and read == today
+    run = today.replace(attention_impl="xla", norm_impl="xla", mxfp8_gemm_impl="dequantize",
+                        moe=dataclasses.replace(today.moe, gmm_impl="einsum"))
+    assert architecture_difference(read, run) is None
+    assert architecture_difference(read, today.replace(n_heads=2)) == ("model.n_heads", 4, 2)
+    assert all(_is_free(f"model.{name}") for name in ("attention_impl", *new, "moe.gmm_impl"))

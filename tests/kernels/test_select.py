@@ -1,5 +1,6 @@
-"""The kernel choice (olmo_jax/kernels/select.py): model.moe.gmm_impl and
-model.attention_impl resolved for an explicit target, once, by the parallel plan; the
+"""The kernel choice (olmo_jax/kernels/select.py): model.moe.gmm_impl,
+model.attention_impl, model.norm_impl and model.mxfp8_gemm_impl resolved for an explicit
+target, once, by the parallel plan; the
 config fields of the kernels and MXFP8 (clear errors naming the field and the fix); and
 no model module choosing a kernel from a context variable."""
 
@@ -15,7 +16,14 @@ import pytest
 from olmo_jax import targets
 from olmo_jax.errors import ConfigError
 from olmo_jax.kernels import platform, select
-from olmo_jax.kernels.select import KernelChoice, resolve_attention_impl, resolve_gmm_impl, resolve_kernels
+from olmo_jax.kernels.select import (
+    KernelChoice,
+    resolve_attention_impl,
+    resolve_gmm_impl,
+    resolve_kernels,
+    resolve_mxfp8_gemm_impl,
+    resolve_norm_impl,
+)
 from olmo_jax.model.config import MoEConfig, TransformerConfig
 
 CPU = platform.Target("cpu")
@@ -120,9 +128,33 @@ def test_attention_impl_is_chosen_for_the_target():
         TransformerConfig(attention_impl="flash").validate()
 
 
-def _model(dtype="bfloat16", precision="bf16", gmm="auto", attention="auto", d_model=128):
+def test_norm_impl_is_chosen_for_the_target():
+    assert resolve_norm_impl("auto", CPU) == "blas"  # the CPU FFI library builds here
+    assert resolve_norm_impl("auto", _kind("h200")) == "xla"
+    assert resolve_norm_impl("xla", CPU) == "xla"
+    with pytest.raises(ValueError, match=r"model.norm_impl=blas .* the target is a GPU.*norm_impl=auto"):
+        resolve_norm_impl("blas", _kind("b300"))
+    with pytest.raises(ConfigError, match="model.norm_impl='fused': choose one of auto, blas, xla"):
+        TransformerConfig(norm_impl="fused").validate()
+
+
+def test_mxfp8_gemm_impl_is_chosen_for_the_target():
+    assert resolve_mxfp8_gemm_impl("auto", CPU) == "dequantize"
+    assert resolve_mxfp8_gemm_impl("auto", _kind("h200")) == "dequantize"  # no block-scaled MMA
+    assert resolve_mxfp8_gemm_impl("auto", _kind("b300")) == "scaled_matmul"
+    assert resolve_mxfp8_gemm_impl("auto", _gpu((10, 3))) == "scaled_matmul"
+    assert resolve_mxfp8_gemm_impl("dequantize", _kind("b300")) == "dequantize"
+    with pytest.raises(ValueError, match=r"mxfp8_gemm_impl=scaled_matmul .* compute capability \(9, 0\)"):
+        resolve_mxfp8_gemm_impl("scaled_matmul", _kind("h200"))
+    assert resolve_mxfp8_gemm_impl("scaled_matmul", CPU, used=False) == "scaled_matmul"
+    with pytest.raises(ConfigError, match="model.mxfp8_gemm_impl='cublas'"):
+        TransformerConfig(mxfp8_gemm_impl="cublas").validate()
+
+
+def _model(dtype="bfloat16", precision="bf16", gmm="auto", attention="auto", d_model=128,
+           norm="auto", mxfp8_gemm="auto"):
     return TransformerConfig(d_model=d_model, n_heads=4, n_layers=2, dtype=dtype,
-                             attention_impl=attention,
+                             attention_impl=attention, norm_impl=norm, mxfp8_gemm_impl=mxfp8_gemm,
                              moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=256,
                                            gmm_impl=gmm, precision=precision))
 
@@ -130,27 +162,31 @@ def _model(dtype="bfloat16", precision="bf16", gmm="auto", attention="auto", d_m
 @pytest.mark.parametrize(
     "kind,dtype,precision,want",
     [
-        ("cpu", "float32", "bf16", KernelChoice("blas", "blas", "none")),
-        ("cpu", "bfloat16", "bf16", KernelChoice("tiled", "xla", "tiles")),
-        ("cpu", "float32", "mxfp8", KernelChoice("einsum", "blas", "blocks")),
-        ("h200", "bfloat16", "bf16", KernelChoice("pallas", "cudnn", "none")),
-        ("h200", "float32", "bf16", KernelChoice("ragged_dot", "xla", "none")),
-        ("h200", "bfloat16", "mxfp8", KernelChoice("pallas", "cudnn", "none")),
-        ("b300", "bfloat16", "bf16", KernelChoice("ragged_dot", "cudnn", "none")),
-        ("b300", "bfloat16", "mxfp8", KernelChoice("einsum", "cudnn", "blocks")),
+        ("cpu", "float32", "bf16", KernelChoice("blas", "blas", "none", "blas", "dequantize")),
+        ("cpu", "bfloat16", "bf16", KernelChoice("tiled", "xla", "tiles", "blas", "dequantize")),
+        ("cpu", "float32", "mxfp8", KernelChoice("einsum", "blas", "blocks", "blas", "dequantize")),
+        ("h200", "bfloat16", "bf16", KernelChoice("pallas", "cudnn", "none", "xla", "dequantize")),
+        ("h200", "float32", "bf16", KernelChoice("ragged_dot", "xla", "none", "xla", "dequantize")),
+        ("h200", "bfloat16", "mxfp8", KernelChoice("pallas", "cudnn", "none", "xla", "dequantize")),
+        ("b300", "bfloat16", "bf16", KernelChoice("ragged_dot", "cudnn", "none", "xla",
+                                                  "scaled_matmul")),
+        ("b300", "bfloat16", "mxfp8", KernelChoice("einsum", "cudnn", "blocks", "xla",
+                                                   "scaled_matmul")),
     ],
 )
 def test_the_table_for_cpu_h200_and_b300(kind, dtype, precision, want):
-    """resolve_kernels: both choices and the buffer layout they need, for one target."""
+    """resolve_kernels: every choice and the buffer layout they need, for one target."""
     target = CPU if kind == "cpu" else _kind(kind)
     assert resolve_kernels(_model(dtype, precision), target) == want
 
 
 def test_a_choice_applied_to_a_model_config_names_the_kernels():
     cfg = _model()
-    resolved = KernelChoice("pallas", "cudnn", "none").apply(cfg)
-    assert (resolved.moe.gmm_impl, resolved.attention_impl) == ("pallas", "cudnn")
-    assert dataclasses.replace(resolved, attention_impl="auto",
+    resolved = KernelChoice("pallas", "cudnn", "none", "xla", "dequantize").apply(cfg)
+    assert (resolved.moe.gmm_impl, resolved.attention_impl, resolved.norm_impl,
+            resolved.mxfp8_gemm_impl) == ("pallas", "cudnn", "xla", "dequantize")
+    assert dataclasses.replace(resolved, attention_impl="auto", norm_impl="auto",
+                               mxfp8_gemm_impl="auto",
                                moe=dataclasses.replace(resolved.moe, gmm_impl="auto")) == cfg
     # the resolved config resolves to itself on the same target
     assert resolve_kernels(resolved, _kind("h200")) == resolve_kernels(cfg, _kind("h200"))
@@ -163,6 +199,18 @@ def test_dense_models_refuse_no_expert_kernel():
     assert resolve_kernels(dense, CPU).gmm == "pallas"
     with pytest.raises(ValueError, match="gmm_impl=pallas"):
         resolve_kernels(_model(gmm="pallas"), CPU)
+
+
+def test_scaled_matmul_is_refused_only_where_a_gemm_runs_in_mxfp8():
+    """model.mxfp8_gemm_impl=scaled_matmul on a Hopper: kept while no GEMM is MXFP8,
+    refused (naming the field) when the experts or the attention projections are."""
+    assert resolve_kernels(_model(mxfp8_gemm="scaled_matmul"), _kind("h200")).mxfp8_gemm == \
+        "scaled_matmul"
+    with pytest.raises(ValueError, match="model.mxfp8_gemm_impl=scaled_matmul"):
+        resolve_kernels(_model(precision="mxfp8", mxfp8_gemm="scaled_matmul"), _kind("h200"))
+    attn = dataclasses.replace(_model(mxfp8_gemm="scaled_matmul"), attention_precision="mxfp8")
+    with pytest.raises(ValueError, match="model.mxfp8_gemm_impl=scaled_matmul"):
+        resolve_kernels(attn, _kind("h200"))
 
 
 def _run_cfg(data, expert):
@@ -186,13 +234,16 @@ def test_the_plan_resolves_the_kernels_once_for_its_mesh():
     model_cfg = dataclasses.replace(_model("float32"), moe=dataclasses.replace(
         _model().moe, capacity_factor=0.0))
     plan = _build_plan(_run_cfg(2, 4), model_cfg, jax.devices()[:8])
-    assert plan.kernels == resolve_kernels(model_cfg, CPU) == KernelChoice("blas", "blas", "none")
+    assert plan.kernels == resolve_kernels(model_cfg, CPU) == KernelChoice(
+        "blas", "blas", "none", "blas", "dequantize")
     assert plan.model_cfg == plan.kernels.apply(model_cfg)
-    assert (plan.model_cfg.moe.gmm_impl, plan.model_cfg.attention_impl) == ("blas", "blas")
+    assert (plan.model_cfg.moe.gmm_impl, plan.model_cfg.attention_impl,
+            plan.model_cfg.norm_impl, plan.model_cfg.mxfp8_gemm_impl) == (
+        "blas", "blas", "blas", "dequantize")
 
     with platform.cross_lowering():
         gpu_plan = _build_plan(_run_cfg(1, 1), _model("bfloat16"), jax.devices()[:1])
-    assert gpu_plan.kernels == KernelChoice("pallas", "cudnn", "none")
+    assert gpu_plan.kernels == KernelChoice("pallas", "cudnn", "none", "xla", "dequantize")
     assert gpu_plan.model_cfg.moe.gmm_impl == "pallas"
 
 
@@ -201,11 +252,16 @@ def test_the_plan_refuses_an_explicit_kernel_naming_the_field():
         _build_plan(_run_cfg(1, 1), _model(gmm="pallas"), jax.devices()[:1])
     with pytest.raises(ConfigError, match=r"model.attention_impl=cudnn"):
         _build_plan(_run_cfg(1, 1), _model(attention="cudnn"), jax.devices()[:1])
+    with pytest.raises(ConfigError, match=r"model.mxfp8_gemm_impl=scaled_matmul"):
+        _build_plan(_run_cfg(1, 1), _model(precision="mxfp8", mxfp8_gemm="scaled_matmul"),
+                    jax.devices()[:1])
 
 
 def test_a_model_without_a_plan_resolves_auto_for_its_default_device():
     from olmo_jax.model.attention import attention_impl
     from olmo_jax.model.moe.layer import gmm_impl
+    from olmo_jax.model.mxfp8_gemm import gemm_impl
+    from olmo_jax.model.norm import norm_impl
 
     assert select.local_target() == platform.target_of(jax.devices()[:1]) == CPU
     assert attention_impl("auto", jnp.float32) == resolve_attention_impl("auto", CPU, jnp.float32)
@@ -213,18 +269,21 @@ def test_a_model_without_a_plan_resolves_auto_for_its_default_device():
     moe = MoEConfig(num_experts=8, top_k=2, expert_hidden=256)
     assert gmm_impl(moe, jnp.bfloat16, 128) == "tiled"
     assert gmm_impl(dataclasses.replace(moe, gmm_impl="einsum"), jnp.bfloat16, 128) == "einsum"
+    assert norm_impl("auto") == resolve_norm_impl("auto", CPU) == "blas"
+    assert norm_impl("xla") == "xla"
+    assert gemm_impl("auto") == "dequantize"
+    assert gemm_impl("scaled_matmul") == "scaled_matmul"
     # the context the parallel plan traces its steps in does not change the model's choice
-    with platform.targeting(_kind("h200")):
+    with platform.targeting(_kind("b300")):
         assert gmm_impl(moe, jnp.bfloat16, 128) == "tiled"
         assert attention_impl("auto", jnp.bfloat16) == "xla"
+        assert norm_impl("auto") == "blas"
+        assert gemm_impl("auto") == "dequantize"
 
 
 # What reads the target from a context variable (olmo_jax/kernels/platform.py).
 _CONTEXT_READS = {"current_target", "targeting", "gpu_capability", "pallas_gmm_supported",
-                  "ContextVar", "contextvars", "default_backend"}
-# Model modules still reading the target for a choice of their own, outside the
-# gmm_impl / attention_impl table: the CPU RMSNorm FFI kernel and the block-scaled MMA.
-_NOT_YET = {"norm.py": {"current_target"}, "mxfp8_gemm.py": {"block_scaled_mma_supported"}}
+                  "block_scaled_mma_supported", "ContextVar", "contextvars", "default_backend"}
 
 
 def _names(path: Path) -> set[str]:
@@ -244,13 +303,12 @@ def test_no_model_module_chooses_a_kernel_from_a_context_variable():
     root = Path(select.__file__).resolve().parents[1] / "model"
     found = {}
     for path in sorted(root.rglob("*.py")):
-        hits = _names(path) & (_CONTEXT_READS | {"block_scaled_mma_supported"})
-        hits -= _NOT_YET.get(path.name if path.parent == root else "", set())
+        hits = _names(path) & _CONTEXT_READS
         if hits:
             found[str(path.relative_to(root))] = sorted(hits)
     assert not found, f"model modules reading the target from a context variable: {found}"
-    assert _names(root / "attention.py") & {"platform"} == set()
-    assert _names(root / "moe" / "layer.py") & {"platform"} == set()
+    for path in sorted(root.rglob("*.py")):  # the model imports no platform at all
+        assert "platform" not in _names(path), path
 
 
 class _Weights(NamedTuple):

@@ -132,11 +132,11 @@ def test_dense_einsum_matches_reference():
         mxfp8_gemm.einsum("btd,ndh->btnh", x, jnp.swapaxes(w, 0, 1))
 
 
-def test_scaled_matmul_call_matches_emulation(monkeypatch):
-    """The Blackwell branch of mx_nt (jax.nn.scaled_matmul: operands as [B, M, K] and
-    [B, N, K], e8m0 scales) computed here by jax's own CPU fallback, against the
-    emulation, for the dense, batched and blocked layouts: checks the operand layout
-    handed to cuDNN."""
+def test_scaled_matmul_call_matches_emulation():
+    """The Blackwell branch of mx_nt (model.mxfp8_gemm_impl=scaled_matmul:
+    jax.nn.scaled_matmul, operands as [B, M, K] and [B, N, K], e8m0 scales) computed here
+    by jax's own CPU fallback, against the emulation (dequantize), for the dense, batched
+    and blocked layouts: checks the operand layout handed to cuDNN."""
     k = jax.random.split(jax.random.key(4), 6)
     cases = {
         "dense": (jax.random.normal(k[0], (24, 64)), jax.random.normal(k[1], (64, 32)),
@@ -147,18 +147,19 @@ def test_scaled_matmul_call_matches_emulation(monkeypatch):
                     mxfp8_gemm.Blocked(jnp.array([1, 3, 1]))),
     }
 
-    def all_layouts(cases):
+    def all_layouts(cases, impl):
         out = {}
         for name, (a, w, layout) in cases.items():
             a_q, a_s = mx.quantize(a, -1)
             wq = mxfp8_gemm.quantize_weight(w, "rceil")
-            out[name] = mxfp8_gemm.mx_nt(layout, a_q, a_s, wq.fwd_q, wq.fwd_s, f32)
+            out[name] = mxfp8_gemm.mx_nt(layout, a_q, a_s, wq.fwd_q, wq.fwd_s, f32, impl)
         return out
 
-    emulated = jax.jit(all_layouts)(cases)
-    monkeypatch.setattr(platform, "block_scaled_mma_supported", lambda: True)
-    assert all(mxfp8_gemm.use_scaled_matmul(layout) for _, _, layout in cases.values())
-    scaled = jax.jit(all_layouts)(cases)
+    emulated = jax.jit(lambda c: all_layouts(c, "dequantize"))(cases)
+    assert not any(mxfp8_gemm.use_scaled_matmul(layout) for _, _, layout in cases.values())
+    assert all(mxfp8_gemm.use_scaled_matmul(layout, "scaled_matmul")
+               for _, _, layout in cases.values())
+    scaled = jax.jit(lambda c: all_layouts(c, "scaled_matmul"))(cases)
     for layout in cases:
         _tight(scaled[layout], emulated[layout])
 
@@ -244,3 +245,29 @@ def test_swiglu_unit_inside_shard_map(weights):
     args = [jax.device_put(a, NamedSharding(mesh, spec)) for a in (x, *weights, dy)]
     for a, b in zip(jax.jit(sharded)(*args), jax.jit(grads)(x, *weights, dy), strict=True):
         _tight(a, b)
+
+
+def _mxfp8_model_jaxpr(mxfp8_gemm_impl: str) -> str:
+    """The jaxpr of a one-layer MXFP8 model (attention projections and blocked experts in
+    MXFP8) built from a config whose model.mxfp8_gemm_impl is `mxfp8_gemm_impl`, traced
+    inside the context a parallel plan traces a B300's steps in."""
+    from olmo_jax.model.transformer import Transformer
+
+    moe = MoEConfig(num_experts=E, top_k=2, expert_hidden=64, gmm_impl="einsum", precision="mxfp8")
+    cfg = TransformerConfig(vocab_size=64, d_model=D, n_heads=2, n_layers=1, dtype="bfloat16",
+                            attention_precision="mxfp8", mxfp8_gemm_impl=mxfp8_gemm_impl, moe=moe)
+    graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+    tokens = jnp.zeros((1, 32), jnp.int32)
+    with platform.targeting(platform.Target("gpu", (10, 3), 148, abstract=True)):
+        return str(jax.make_jaxpr(lambda p: nnx.merge(graphdef, p)(tokens))(params))
+
+
+def test_the_model_runs_the_mxfp8_gemm_its_config_names():
+    """model.mxfp8_gemm_impl, as the plan writes it into the model config, picks the
+    GEMM: scaled_matmul calls jax.nn.scaled_matmul for the projections and the blocked
+    experts, dequantize does not; the platform context (a B300 here) does not choose, so
+    auto in a model without a plan is this CPU's dequantize."""
+    scaled = _mxfp8_model_jaxpr("scaled_matmul")
+    assert "scaled_matmul" in scaled
+    assert "scaled_matmul" not in _mxfp8_model_jaxpr("dequantize")
+    assert "scaled_matmul" not in _mxfp8_model_jaxpr("auto")

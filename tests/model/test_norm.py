@@ -45,3 +45,24 @@ def test_the_cpu_kernel_is_the_float32_cpu_path_and_equals_the_jnp_one():
                                 jax.value_and_grad(loss(norm._rms_norm), (0, 1))(x, w), strict=True):
         for a, b in zip(jax.tree.leaves(kernel), jax.tree.leaves(jnp_path), strict=True):
             np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_the_norm_runs_the_kernel_its_impl_names():
+    """model.norm_impl picks the norm: xla is the jnp path even on this CPU in float32,
+    blas the FFI kernel; auto (no plan) is the default device's choice, which the platform
+    context (a GPU target here) does not change."""
+    from olmo_jax.kernels import platform
+    from olmo_jax.model.norm import RMSNorm
+
+    x = jnp.ones((2, 8, 16))
+    w = jnp.ones((16,))
+
+    def jaxpr(impl):
+        return str(jax.make_jaxpr(lambda x, w: rms_norm(x, w, 1e-6, impl))(x, w))
+
+    assert "ffi_call" in jaxpr("blas")
+    assert "ffi_call" not in jaxpr("xla")
+    with platform.targeting(platform.Target("gpu", (9, 0), 132, abstract=True)):
+        assert "ffi_call" in jaxpr("auto")
+    layer = RMSNorm((16,), ("embed",), 1e-6, "xla")
+    assert "ffi_call" not in str(jax.make_jaxpr(layer)(x))

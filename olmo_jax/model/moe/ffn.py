@@ -37,9 +37,10 @@ class ExpertFFNs(NamedTuple):
     tiled: object  # (x_RD, group_sizes_E, w_gate, w_up, w_down) -> y_RD, padded layout
 
 
-def expert_ffns(cfg: MoEConfig, impl: str) -> ExpertFFNs:
+def expert_ffns(cfg: MoEConfig, impl: str, mxfp8_impl: str = "auto") -> ExpertFFNs:
     """The expert FFNs for cfg.precision; `impl` (resolved gmm_impl) picks the ragged
-    product: jax.lax.ragged_dot, or the Pallas grouped matmul for "pallas"."""
+    product: jax.lax.ragged_dot, or the Pallas grouped matmul for "pallas"; `mxfp8_impl`
+    (model.mxfp8_gemm_impl) the MXFP8 GEMM."""
     if cfg.precision == "bf16":
         if impl == "pallas":
             from olmo_jax.kernels.grouped_matmul import grouped_matmul
@@ -48,22 +49,23 @@ def expert_ffns(cfg: MoEConfig, impl: str) -> ExpertFFNs:
         else:
             ragged = experts.ffn_ragged
         return ExpertFFNs(ragged, experts.ffn_batched, experts.ffn_blocked, tiled.ffn_tiled)
-    rounding, qw = "rceil", cfg.mxfp8_wgrad
+    rounding, qw, mi = "rceil", cfg.mxfp8_wgrad, mxfp8_impl
     grouped = mxfp8_gemm.Pallas if impl == "pallas" else mxfp8_gemm.Ragged
 
     def ragged_mx(x_RD, group_sizes_E, w_gate, w_up, w_down):
         layout = grouped(group_sizes_E.astype(jnp.int32))
-        return mxfp8_experts.swiglu(x_RD, w_gate, w_up, w_down, layout, rounding, qw)
+        return mxfp8_experts.swiglu(x_RD, w_gate, w_up, w_down, layout, rounding, qw, mi)
 
     def batched_mx(x_ECD, w_gate, w_up, w_down):
-        return mxfp8_experts.swiglu(x_ECD, w_gate, w_up, w_down, mxfp8_gemm.Batched(), rounding, qw)
+        return mxfp8_experts.swiglu(x_ECD, w_gate, w_up, w_down, mxfp8_gemm.Batched(), rounding, qw,
+                                    mi)
 
     def blocked_mx(x_RD, block_expert_U, w_gate, w_up, w_down):
         R, D = x_RD.shape
         nb = block_expert_U.shape[0]
         x_UbD = x_RD.reshape(nb, R // nb, D)
         y = mxfp8_experts.swiglu(x_UbD, w_gate, w_up, w_down, mxfp8_gemm.Blocked(block_expert_U),
-                                 rounding, qw)
+                                 rounding, qw, mi)
         return y.reshape(R, D)
 
     def tiled_mx(*args):
@@ -74,12 +76,12 @@ def expert_ffns(cfg: MoEConfig, impl: str) -> ExpertFFNs:
 
 @shapes.check("-> R D")
 def expert_ffn(x_RD: jax.Array, layout: GroupLayout, weights, cfg: MoEConfig,
-               impl: str) -> jax.Array:
+               impl: str, mxfp8_impl: str = "auto") -> jax.Array:
     """y_RD: every group's SwiGLU over its rows; `weights` (w_gate, w_up, w_down) hold
-    one expert per group, in the compute dtype."""
+    one expert per group, in the compute dtype; `mxfp8_impl`: model.mxfp8_gemm_impl."""
     if impl == "blas":
         return _ffn_blas(x_RD, layout, weights)
-    ffn = expert_ffns(cfg, impl)
+    ffn = expert_ffns(cfg, impl, mxfp8_impl)
     if isinstance(layout, Slots):
         G, C = layout.groups, layout.capacity
         if impl in GROUPED_GEMMS:

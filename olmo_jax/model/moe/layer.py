@@ -69,13 +69,15 @@ def gmm_impl(cfg: MoEConfig, dtype, d_model: int) -> str:
 
 @shapes.check("routing.*", "-> S D, _")
 def routed_experts(x_SD, routing: Routing, experts, cfg: MoEConfig, dtype,
-                   dispatcher: Dispatcher | None = None) -> tuple[jax.Array, jax.Array]:
+                   dispatcher: Dispatcher | None = None, mxfp8_impl: str = "auto"
+                   ) -> tuple[jax.Array, jax.Array]:
     """(y_SD float32, dropped): dispatch x_SD (in `dtype`), the expert FFN over the
     buffer, combine. `experts`: weights(dtype) -> (w_gate, w_up, w_down) of the experts
-    the buffer's groups are (all E, or inside shard_map this rank's)."""
+    the buffer's groups are (all E, or inside shard_map this rank's); `mxfp8_impl`:
+    model.mxfp8_gemm_impl (olmo_jax/model/mxfp8_gemm.py)."""
     impl = gmm_impl(cfg, dtype, x_SD.shape[-1])
     d = (dispatcher or local_dispatch)(x_SD.astype(dtype), routing, cfg, select.run_padding(impl))
-    y_RD = expert_ffn(d.x_RD, d.layout, experts.weights(dtype), cfg, impl)
+    y_RD = expert_ffn(d.x_RD, d.layout, experts.weights(dtype), cfg, impl, mxfp8_impl)
     return d.combine(y_RD), d.dropped
 
 
@@ -93,6 +95,7 @@ class MoELayer(nnx.Module):
             else None
         )
         self.dispatcher = dispatcher
+        self.mxfp8_impl = cfg.mxfp8_gemm_impl  # resolved by the plan (model/mxfp8_gemm.py)
 
     @shapes.check("-> B T D, _")
     def __call__(self, x_BTD: jax.Array, rng: jax.Array | None = None
@@ -105,7 +108,7 @@ class MoELayer(nnx.Module):
             routing = self.router(x_SD, rng)
         with jax.named_scope("routed_experts"):
             y_SD, dropped = routed_experts(x_SD, routing, self.experts, m, self.dtype,
-                                           self.dispatcher)
+                                           self.dispatcher, self.mxfp8_impl)
         y_SD = y_SD.astype(self.dtype)
         if self.shared is not None:
             with jax.named_scope("shared_experts"):

@@ -13,7 +13,8 @@ pre-activations g, u in the compute dtype (silu's derivative needs them unrounde
 Backward: input-gradient GEMMs in MXFP8 (dy and dg/du quantized along their contracting
 dims, the weights along the other axis), weight-gradient GEMMs in the compute dtype on
 the dequantized saved operands, or rounded through MXFP8 along the rows when
-`mxfp8_wgrad`. Works on every expert layout (batched capacity buffers, blocked,
+`mxfp8_wgrad`. `impl` is model.mxfp8_gemm_impl (olmo_jax/model/mxfp8_gemm.py). Works on
+every expert layout (batched capacity buffers, blocked,
 ragged via ragged_dot or the Pallas kernel).
 """
 
@@ -29,41 +30,42 @@ from olmo_jax.kernels import mxfp8_quant as mx
 from olmo_jax.model import mxfp8_gemm
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def swiglu(x, w_gate, w_up, w_down, layout: mxfp8_gemm.Layout, rounding: str, quantize_wgrad: bool):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def swiglu(x, w_gate, w_up, w_down, layout: mxfp8_gemm.Layout, rounding: str, quantize_wgrad: bool,
+           impl: str = "auto"):
     """MXFP8 SwiGLU over one expert layout (a typed value of olmo_jax.model.mxfp8_gemm:
     Batched(), Blocked(block_expert_U), Ragged(group_sizes_G), Pallas(group_sizes_G))."""
-    return _fwd(x, w_gate, w_up, w_down, layout, rounding, quantize_wgrad)[0]
+    return _fwd(x, w_gate, w_up, w_down, layout, rounding, quantize_wgrad, impl)[0]
 
 
-def _fwd(x, w_gate, w_up, w_down, layout, rounding, quantize_wgrad):
+def _fwd(x, w_gate, w_up, w_down, layout, rounding, quantize_wgrad, impl):
     dt = x.dtype
     wg, wu, wd = (mxfp8_gemm.quantize_weight(w, rounding) for w in (w_gate, w_up, w_down))
     x_q, x_s = mx.quantize(x, -1, rounding)
-    g = mxfp8_gemm.mx_nt(layout, x_q, x_s, wg.fwd_q, wg.fwd_s, dt)
-    u = mxfp8_gemm.mx_nt(layout, x_q, x_s, wu.fwd_q, wu.fwd_s, dt)
+    g = mxfp8_gemm.mx_nt(layout, x_q, x_s, wg.fwd_q, wg.fwd_s, dt, impl)
+    u = mxfp8_gemm.mx_nt(layout, x_q, x_s, wu.fwd_q, wu.fwd_s, dt, impl)
     h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(dt)
     h_q, h_s = mx.quantize(h, -1, rounding)
-    y = mxfp8_gemm.mx_nt(layout, h_q, h_s, wd.fwd_q, wd.fwd_s, dt)
+    y = mxfp8_gemm.mx_nt(layout, h_q, h_s, wd.fwd_q, wd.fwd_s, dt, impl)
     # The backward needs each weight only quantized along N (its dgrad copy).
     saved_w = tuple(w._replace(fwd_q=None, fwd_s=None) for w in (wg, wu, wd))
     dtypes = (w_gate.dtype, w_up.dtype, w_down.dtype)
     return y, (x_q, x_s, g, u, h_q, h_s, saved_w, layout, _Dtypes(dtypes))
 
 
-def _bwd(rounding, quantize_wgrad, res, dy):
+def _bwd(rounding, quantize_wgrad, impl, res, dy):
     x_q, x_s, g, u, h_q, h_s, (wg, wu, wd), layout, w_dtypes = res
     dt = g.dtype
     dy = dy.astype(dt)
-    dh = mxfp8_gemm.dgrad(layout, dy, wd, rounding)
+    dh = mxfp8_gemm.dgrad(layout, dy, wd, rounding, impl)
     h = mx.dequantize(h_q, h_s, -1, dt)
     dw_down = mxfp8_gemm.wgrad(layout, h, dy, wd, rounding, quantize_wgrad)
     g32, u32, dh32 = g.astype(jnp.float32), u.astype(jnp.float32), dh.astype(jnp.float32)
     sig = jax.nn.sigmoid(g32)
     du = (dh32 * g32 * sig).astype(dt)
     dg = (dh32 * u32 * sig * (1.0 + g32 * (1.0 - sig))).astype(dt)
-    dx = mxfp8_gemm.dgrad(layout, dg, wg, rounding)
-    dx = dx + mxfp8_gemm.dgrad(layout, du, wu, rounding)
+    dx = mxfp8_gemm.dgrad(layout, dg, wg, rounding, impl)
+    dx = dx + mxfp8_gemm.dgrad(layout, du, wu, rounding, impl)
     x = mx.dequantize(x_q, x_s, -1, dt)
     dw_gate = mxfp8_gemm.wgrad(layout, x, dg, wg, rounding, quantize_wgrad)
     dw_up = mxfp8_gemm.wgrad(layout, x, du, wu, rounding, quantize_wgrad)
