@@ -132,3 +132,18 @@ def compile_cache_env(cache) -> dict:
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
     }
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    """A headless Chromium (tests/report/chromium.py) for a module's browser checks; the
+    module is skipped where the Debian packages cannot be had."""
+    from tests.report import chromium
+
+    absent = chromium.missing()
+    if absent:
+        pytest.skip(f"chromium cannot be installed on this machine ({', '.join(absent)} missing): "
+                    "`make test` installs the Debian packages chromium and chromium-driver with "
+                    "apt-get when it runs as root; install them to run the browser checks")
+    with chromium.Browser(tmp_path_factory.mktemp("chromium")) as b:
+        yield b

@@ -56,9 +56,7 @@ def test_function_level_and_relative_imports_count(tmp_path):
         "kernels/platform.py": "",
         "loose.py": "",
     }
-    for name, text in files.items():
-        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
-        (pkg / name).write_text(text)
+    _write_tree(pkg, files)
     edges, unplaced = ig.graph(pkg)
     assert unplaced == ["olmo_jax.loose"]
     by = {(e.src, e.dst): e for e in edges}
@@ -129,6 +127,12 @@ def test_no_file_circles():
         "into the module both need):\n" + "\n".join(" <-> ".join(c) for c in circles)
 
 
+def _write_tree(pkg: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / name).write_text(text)
+
+
 def test_circles_count_function_level_imports(tmp_path):
     pkg = tmp_path / "olmo_jax"
     files = {
@@ -139,9 +143,7 @@ def test_circles_count_function_level_imports(tmp_path):
         "planner/c.py": "from . import a\n",
         "planner/d.py": "from olmo_jax.planner import a, c\n",
     }
-    for name, text in files.items():
-        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
-        (pkg / name).write_text(text)
+    _write_tree(pkg, files)
     assert _circles(pkg) == [["olmo_jax.planner.a", "olmo_jax.planner.b", "olmo_jax.planner.c"]]
     (pkg / "planner/b.py").write_text("X = 1\n")
     assert _circles(pkg) == []

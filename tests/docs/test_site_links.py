@@ -23,8 +23,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.report import chromium
-
 REPO = Path(__file__).resolve().parents[2]
 
 # Every element id of the page and every link's resolved address.
@@ -32,17 +30,6 @@ PAGE_JS = """
 return {ids: [...document.querySelectorAll('[id]')].map(e => e.id),
         links: [...document.querySelectorAll('a[href]')].map(a => a.href)};
 """
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory):
-    absent = chromium.missing()
-    if absent:
-        pytest.skip(f"chromium cannot be installed on this machine ({', '.join(absent)} missing): "
-                    "`make test` installs the Debian packages chromium and chromium-driver with "
-                    "apt-get when it runs as root; install them to run the browser checks")
-    with chromium.Browser(tmp_path_factory.mktemp("chromium")) as b:
-        yield b
 
 
 class _Quiet(http.server.SimpleHTTPRequestHandler):

@@ -14,9 +14,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from tests.report import chromium
 from tests.report.fixtures import BLOCKS, EXPERTS, STEPS, write_run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,17 +30,6 @@ return [...document.querySelectorAll('section.card')].map(sec => ({
   shapes: sec.querySelectorAll('svg rect, svg path, svg polyline, svg circle, svg line').length,
   svgs: sec.querySelectorAll('svg').length}));
 """
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory):
-    absent = chromium.missing()
-    if absent:
-        pytest.skip(f"chromium cannot be installed on this machine ({', '.join(absent)} missing): "
-                    "`make test` installs the Debian packages chromium and chromium-driver with "
-                    "apt-get when it runs as root; install them to run the browser checks")
-    with chromium.Browser(tmp_path_factory.mktemp("chromium")) as b:
-        yield b
 
 
 def report_cli(*args) -> Path:
