@@ -88,13 +88,16 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """Marks the SLOW files and tests `slow`; a SLOW entry naming a missing file is an error
-    (a renamed file must not drop silently into the fast tier)."""
+    (a renamed file must not drop silently into the fast tier). The slow tests are handed
+    out first: with `--dist loadfile` a long file picked up last keeps one worker busy
+    while the other has nothing left to do."""
     missing = [p for p in SLOW if not (REPO / p.split("::")[0]).is_file()]
     if missing:
         raise pytest.UsageError(f"tests/conftest.py SLOW names missing files: {missing}")
     for item in items:
         if any(item.nodeid == p or item.nodeid.startswith((p + "::", p + "[")) for p in SLOW):
             item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: files stay whole
 
 
 def pytest_unconfigure(config):
