@@ -39,6 +39,8 @@ REPO = Path(__file__).resolve().parents[1]
 SLOW = (
     "tests/olmo_core/test_data_semantics.py",
     "tests/olmo_core/test_loss.py",
+    "tests/olmo_core/test_mix_file.py",
+    "tests/olmo_core/test_mixture.py",
     "tests/olmo_core/test_model_parity.py",
     "tests/olmo_core/test_reference_numbers.py",
     "tests/olmo_core/test_router_parity.py",
@@ -51,6 +53,7 @@ SLOW = (
     "tests/planner/test_plan_xla_gpu.py",
     "tests/report/test_report_browser.py",
     "tests/tools/test_gpu_check.py",
+    "tests/trainer/test_mixture_run.py",
     "tests/trainer/test_train_pipeline.py",
 )
 

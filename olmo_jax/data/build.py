@@ -14,6 +14,8 @@ import numpy as np
 
 from olmo_jax.data.corpus import CORPUS_DTYPE, stdlib_corpus
 from olmo_jax.data.loader import SPLIT_SEED, BatchLoader, TokenWindows, split_windows
+from olmo_jax.data.mix_file import check_exist, read_mix
+from olmo_jax.data.mixture import FilePrefix, Mixture, parse_sources, select_mixture
 from olmo_jax.data.repetition import RepetitionFilter
 from olmo_jax.data.token_file import TokenFile, dtype_for_vocab, token_dtype
 from olmo_jax.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
@@ -31,6 +33,7 @@ class Data:
     vocab_size: int
     windows: TokenWindows
     eval_sets: dict[str, BatchLoader] = field(default_factory=dict)
+    mixture: Mixture | None = None  # data.sources' selection (mixture.py), if set
 
     def describe_eval(self) -> str:
         """What evaluation reads, for the startup banner."""
@@ -66,6 +69,7 @@ def build_data(
     global_batch_size: int,
     seed: int = 0,
     cache_dir: str | Path | None = None,
+    run_tokens: int = 0,
 ) -> Data:
     """Train and eval loaders from the `data` config section: a DataConfig (data/config.py)
     or a dict with `paths` (token files, a list or one comma-separated string; empty: the embedded
@@ -75,8 +79,21 @@ def build_data(
     of the windows, at least one global batch, out of training), `dtype` ('' from the
     vocabulary, 'uint8', 'uint16', 'uint32'), `instances` ('olmo_core' | 'plus_one':
     loader.py) and `repetition_filter` (with `repetition_max_period`, `_min_period`,
-    `_max_count`: OLMo-core's instance filter, repetition.py)."""
+    `_max_count`: OLMo-core's instance filter, repetition.py), `mix` / `mix_root` /
+    `mix_tokenizer` (an OLMo-core mix file: mix_file.py) and `sources` / `requested_tokens`
+    (a source mixture, mixture.py; requested_tokens 0 = `run_tokens`, the tokens of the
+    run's max_steps global batches)."""
     paths = _paths(_field(data_cfg, "paths", ()))
+    sources = dict(_field(data_cfg, "sources", {}) or {})
+    mix = str(_field(data_cfg, "mix", ""))
+    if mix:
+        lines = read_mix(mix, str(_field(data_cfg, "mix_root", "")),
+                         str(_field(data_cfg, "mix_tokenizer", "")))
+        check_exist(lines, mix)
+        if sources:
+            sources = _sources_from_mix(sources, lines, mix)
+        else:
+            paths = [m.path for m in lines]
     tokenizer_spec = str(_field(data_cfg, "tokenizer", ""))
     tokenizer = load_tokenizer(tokenizer_spec)
     vocab_size = int(_field(data_cfg, "vocab_size", 0)) or tokenizer.padded_vocab_size
@@ -90,7 +107,16 @@ def build_data(
             f"{tokenizer.padded_vocab_size}) or at least {tokenizer.vocab_size}"
         )
 
-    if not paths:
+    mixture = None
+    if sources:
+        dtype = token_dtype(dtype_name) if dtype_name else dtype_for_vocab(vocab_size)
+        requested = int(_field(data_cfg, "requested_tokens", 0)) or run_tokens
+        if requested <= 0:
+            raise DataError("data.sources needs a token budget: set data.requested_tokens")
+        mixture = select_mixture(parse_sources(sources), requested, global_batch_size * seq_len,
+                                 seq_len, dtype.itemsize)
+        files = _mixture_files(mixture, dtype, vocab_size, layout["instances"])
+    elif not paths:
         if not isinstance(tokenizer, ByteTokenizer):
             raise DataError(
                 "data.paths is empty, so the byte-tokenized embedded corpus is used, but "
@@ -139,13 +165,48 @@ def build_data(
         for name, set_paths in _mapping(_field(data_cfg, "eval_sets", {})).items()
     }
     return Data(
-        train=BatchLoader(windows, train_ids, global_batch_size, seed),
+        train=BatchLoader(windows, train_ids, global_batch_size, seed,
+                          mixture=mixture.fingerprint() if mixture else "none"),
         eval=eval_loader,
         tokenizer=tokenizer,
         vocab_size=vocab_size,
         windows=windows,
         eval_sets=eval_sets,
+        mixture=mixture,
     )
+
+
+def _sources_from_mix(sources: dict, lines: list, mix: str) -> dict:
+    """data.sources with data.mix: a source without `paths` takes the mix lines labelled
+    with its name."""
+    by_label: dict[str, list[str]] = {}
+    for m in lines:
+        by_label.setdefault(m.label, []).append(m.path)
+    out = {}
+    for name, fields in sources.items():
+        fields = dict(fields) if isinstance(fields, Mapping) else fields
+        if isinstance(fields, dict) and not fields.get("paths"):
+            if name not in by_label:
+                raise DataError(
+                    f"data.sources.{name} has no paths and data.mix={mix!r} has no label "
+                    f"{name!r}; its labels are {', '.join(sorted(by_label))}")
+            fields["paths"] = by_label[name]
+        out[name] = fields
+    return out
+
+
+def _mixture_files(mixture: Mixture, dtype: np.dtype, vocab_size: int,
+                   instances: str) -> list[FilePrefix]:
+    """The mixture's entries as token files cut to their selected tokens (one token more
+    for data.instances='plus_one', whose windows read one past their stride)."""
+    opened: dict[str, TokenFile] = {}
+    extra = 1 if instances == "plus_one" else 0
+    out = []
+    for path, tokens in mixture.entries():
+        if path not in opened:
+            opened[path] = TokenFile(Path(path), dtype, vocab_size)
+        out.append(FilePrefix(opened[path], tokens + extra))
+    return out
 
 
 def _layout(data_cfg: Any) -> dict:

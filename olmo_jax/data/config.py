@@ -32,6 +32,16 @@ class DataConfig:
     # each logged as eval/<name>/loss and eval/<name>/perplexity (olmo_jax/data/loader.py).
     eval_sets: dict = field(default_factory=dict)
     prefetch: int = 2  # batches the grain pipeline reads ahead on its own thread (0 = none)
+    # A source mixture (data/mixture.py, OLMo-core's SourceMixtureDatasetConfig), instead of
+    # data.paths: {name: {paths (globs allowed), target_ratio, max_repetition_ratio (default
+    # 1), max_source_fraction (default 1)}}, taken in name order.
+    sources: dict = field(default_factory=dict)
+    requested_tokens: int = 0  # the mixture's token budget; 0 = trainer.max_steps batches
+    # An OLMo-core mix file (data/mix_file.py): a path, or the name of a mix the installed
+    # ai2-olmo-core ships; its paths are under mix_root, {TOKENIZER} = mix_tokenizer.
+    mix: str = ""
+    mix_root: str = ""
+    mix_tokenizer: str = ""
 
     def validate(self, prefix: str = "data") -> DataConfig:
         if self.prefetch < 0:
@@ -46,4 +56,12 @@ class DataConfig:
                                 self.repetition_max_count)
         if self.repetition_filter and rule.problem():
             raise ConfigError(rule.problem())
+        if self.requested_tokens < 0:
+            raise ConfigError(f"{prefix}.requested_tokens={self.requested_tokens} must be > 0, "
+                              "or 0 for the run's tokens (trainer.max_steps global batches)")
+        if self.paths and (self.mix or self.sources):
+            raise ConfigError(
+                f"{prefix}.paths is set together with {prefix}."
+                f"{'mix' if self.mix else 'sources'}; give the token files one way: clear "
+                f"{prefix}.paths, or clear {prefix}.mix and {prefix}.sources")
         return self

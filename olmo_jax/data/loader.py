@@ -115,14 +115,15 @@ def split_windows(
 
 
 # What a loader-state key that a checkpoint lacks meant when it was saved.
-ABSENT_STATE_MEANING = {"instances": "plus_one", "repetition_filter": "off"}
+ABSENT_STATE_MEANING = {"instances": "plus_one", "repetition_filter": "off", "mixture": "none"}
 
 
 class BatchLoader:
     """Global batches of `global_batch_size` windows drawn from `window_ids`, by step.
 
     `step` is the next step `iterate` will yield; `state_dict` / `load_state_dict` carry it
-    (with what it depends on) through checkpoints."""
+    (with what it depends on) through checkpoints. `mixture` is the fingerprint of the
+    data.sources selection the windows come from ("none" without one)."""
 
     def __init__(
         self,
@@ -130,8 +131,10 @@ class BatchLoader:
         window_ids: Sequence[int] | np.ndarray,
         global_batch_size: int,
         seed: int,
+        mixture: str = "none",
     ):
         self.windows = windows
+        self.mixture = mixture
         self.window_ids = np.asarray(window_ids, dtype=np.int64)
         self.global_batch_size = global_batch_size
         self.seed = seed
@@ -202,6 +205,7 @@ class BatchLoader:
             "global_batch_size": self.global_batch_size,
             "instances": self.windows.instances,
             "repetition_filter": "off" if f is None else f"{f.max_period}/{f.min_period}/{f.max_count}",
+            "mixture": self.mixture,
         }
 
     def load_state_dict(self, state: Mapping[str, int | str]) -> None:
@@ -210,6 +214,12 @@ class BatchLoader:
         plus_one windows and no filter."""
         current = self.state_dict()
         saved = {**ABSENT_STATE_MEANING, **state}
+        if str(saved["mixture"]) != self.mixture:
+            raise DataError(
+                f"the checkpoint was saved with data mixture {saved['mixture']} and this run "
+                f"selects {self.mixture} (fingerprints of the files and token counts chosen): "
+                "data.sources, data.requested_tokens or data.mix (or the files they name) "
+                "changed since it was saved; resume with the same mixture, or start a new run")
         changed = [
             f"{key} {saved[key]} -> {current[key]}"
             for key in ("n_windows", "seq_len", "global_batch_size", "seed", "instances",

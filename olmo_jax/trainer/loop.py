@@ -30,6 +30,7 @@ from olmo_jax import metrics as metrics_lib
 from olmo_jax.config import RunConfig
 from olmo_jax.data import build_data
 from olmo_jax.data.build import Data
+from olmo_jax.data.mixture import MIXTURE_FILE
 from olmo_jax.errors import CheckpointError, ConfigError
 from olmo_jax.model.abstract import abstract_model
 from olmo_jax.model.config import TransformerConfig
@@ -138,7 +139,10 @@ def _build(cfg: RunConfig, console: Console, main: bool) -> _Run:
     the validated sections (config.validate)."""
     t_cfg = cfg.trainer
     run_dir = run_dir_lib.prepare(cfg)  # writable; no different run in it (trainer.overwrite)
-    data = build_data(cfg.data, t_cfg.seq_len, t_cfg.global_batch_size, t_cfg.seed, t_cfg.cache_dir)
+    data = build_data(cfg.data, t_cfg.seq_len, t_cfg.global_batch_size, t_cfg.seed, t_cfg.cache_dir,
+                      run_tokens=t_cfg.max_steps * t_cfg.global_batch_size * t_cfg.seq_len)
+    if data.mixture is not None and main:  # OLMo-core's outcome tables, for the run's record
+        (run_dir / MIXTURE_FILE).write_text(json.dumps(data.mixture.outcome(), indent=1))
     config_model_cfg = _model_config(cfg, data)  # as configured: what checkpoints record
     plan = build_plan(cfg.parallel, t_cfg, config_model_cfg, optim=cfg.optim)  # mesh, strategy, dispatcher
     model_cfg = plan.model_cfg  # kernels resolved for the mesh: the model is built with it
@@ -220,6 +224,9 @@ def _print_banner(run: _Run, flops_tok: float, memory, compile_s: float) -> None
         run.console.print(
             f"pipeline {s.kind}: {s.stages} stages x {s.virtual} virtual, {s.microbatches} "
             f"microbatches, {s.ticks} ticks, bubble {100 * s.bubble:.1f}% (logged as pipeline_bubble)")
+    if run.data.mixture is not None:
+        run.console.print(run.data.mixture.describe() + f" (in {MIXTURE_FILE})",
+                          markup=False, highlight=False)
     run.console.print(f"eval every {run.t.eval_every or run.t.max_steps} steps: "
                       f"{run.data.describe_eval()}")
 

@@ -174,7 +174,7 @@ def test_iterate_and_state_dict_round_trip(windows: TokenWindows):
             break
     state = loader.state_dict()
     assert state == {"step": 3, "seed": 5, "n_windows": 33, "seq_len": 4, "global_batch_size": 4,
-                     "instances": windows.instances, "repetition_filter": "off"}
+                     "instances": windows.instances, "repetition_filter": "off", "mixture": "none"}
     resumed = BatchLoader(windows, ids, global_batch_size=4, seed=5)
     resumed.load_state_dict(state)
     step, batch = next(resumed.iterate())
