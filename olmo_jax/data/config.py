@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from olmo_jax.data.mixture import parse_sources
 from olmo_jax.data.repetition import RepetitionFilter
-from olmo_jax.errors import ConfigError, check_choice
+from olmo_jax.errors import ConfigError, DataError, check_choice
 from olmo_jax.labels import INSTANCES
 
 
@@ -64,4 +65,9 @@ class DataConfig:
                 f"{prefix}.paths is set together with {prefix}."
                 f"{'mix' if self.mix else 'sources'}; give the token files one way: clear "
                 f"{prefix}.paths, or clear {prefix}.mix and {prefix}.sources")
+        if self.sources and not self.mix:  # with a mix, a source's paths may come from it
+            try:
+                parse_sources(self.sources, f"{prefix}.sources")
+            except DataError as e:
+                raise ConfigError(str(e)) from e
         return self

@@ -127,5 +127,9 @@ def test_budget_and_errors_name_the_field(tree):
     with pytest.raises(ConfigError, match="data.paths is set together with data.sources"):
         config_lib.validate(cfg)
     cfg.data.paths = ""
+    cfg.data.sources.web.target_ratio = 0.5  # checked at config time, before any file is read
+    with pytest.raises(ConfigError, match=r"data.sources.\*.target_ratio must sum to 1.0, got 0.9"):
+        config_lib.validate(cfg)
+    cfg.data.sources.web.target_ratio = 0.6
     run = config_lib.validate(cfg)
     assert list(run.data.sources) == ["code", "web"]
