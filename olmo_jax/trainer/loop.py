@@ -141,8 +141,6 @@ def _build(cfg: RunConfig, console: Console, main: bool) -> _Run:
     run_dir = run_dir_lib.prepare(cfg)  # writable; no different run in it (trainer.overwrite)
     data = build_data(cfg.data, t_cfg.seq_len, t_cfg.global_batch_size, t_cfg.seed, t_cfg.cache_dir,
                       run_tokens=t_cfg.max_steps * t_cfg.global_batch_size * t_cfg.seq_len)
-    if data.mixture is not None and main:  # OLMo-core's outcome tables, for the run's record
-        (run_dir / MIXTURE_FILE).write_text(json.dumps(data.mixture.outcome(), indent=1))
     config_model_cfg = _model_config(cfg, data)  # as configured: what checkpoints record
     plan = build_plan(cfg.parallel, t_cfg, config_model_cfg, optim=cfg.optim)  # mesh, strategy, dispatcher
     model_cfg = plan.model_cfg  # kernels resolved for the mesh: the model is built with it
@@ -358,7 +356,9 @@ def train(cfg: RunConfig, console: Console | None = None) -> Summary:
         run_dir_lib.write_config(run.run_dir, cfg)
         mesh_json = json.dumps(dict(run.plan.mesh.shape))
         (run.run_dir / "mesh.json").write_text(mesh_json)  # for olmo_jax.report
-    state = _start_state(run)
+    state = _start_state(run)  # a checkpoint of another data mixture is refused here
+    if main and run.data.mixture is not None:  # OLMo-core's outcome tables, for the record
+        (run.run_dir / MIXTURE_FILE).write_text(json.dumps(run.data.mixture.outcome(), indent=1))
     start = int(state.step)
     if start >= run.stop:  # resumed a finished run: nothing to compile or train
         console.print(f"the run is complete at step {start} (trainer.max_steps / hard_stop)")

@@ -1,7 +1,7 @@
 """A source mixture (data.sources) through the real training loop: the start-up banner
 prints OLMo-core's outcome numbers and mixture.json in the run folder holds them; a run
 stopped at step 3 and resumed trains bitwise as one straight run; resuming with a changed
-mixture is refused by the loader state, naming the fields."""
+mixture is refused by the loader state, naming the fields, and leaves mixture.json as it was."""
 
 from __future__ import annotations
 
@@ -69,3 +69,5 @@ def test_mixture_banner_outcome_and_bitwise_resume(tmp_path):
                              requested_tokens=STEPS * 8 * 32)
     with pytest.raises(DataError, match="data mixture .* data.sources, data.requested_tokens"):
         train(changed, console=Console(quiet=True))
+    resumed = json.loads((tmp_path / "resumed" / "mixture.json").read_text())
+    assert resumed == outcome  # the refused launch did not overwrite the run's record
