@@ -39,7 +39,6 @@ REPO = Path(__file__).resolve().parents[1]
 SLOW = (
     "tests/olmo_core/test_data_semantics.py",
     "tests/olmo_core/test_loss.py",
-    "tests/olmo_core/test_mix_file.py",
     "tests/olmo_core/test_mixture.py",
     "tests/olmo_core/test_model_parity.py",
     "tests/olmo_core/test_reference_numbers.py",

@@ -1,25 +1,31 @@
-"""OLMo-core's source mixture as the oracle (run in .venv-oracle, never imported by the
-product): `python mixture_oracle.py SPEC.json OUT.json`.
+"""OLMo-core's source mixtures and mix files as the oracle (run in .venv-oracle, never
+imported by the product): `python mixture_oracle.py SPEC.json OUT.json`.
 
 SPEC: {"cases": [{"sources": [{"source_name", "paths", "target_ratio",
 "max_repetition_ratio", "max_source_fraction"}], "requested_tokens", "global_batch_tokens",
-"seq_len", "vocab_size", "seed", "work_dir"}]}. For each case OUT holds either
+"seq_len", "vocab_size", "seed", "work_dir"}]}. For each case OUT["cases"] holds either
 {"error": message} (the exception each source's `validate()` or `build()` raises) or what OLMo-core's
 `NumpyFSLDatasetConfig(source_mixture_config=...).build()` selects: the dataset's paths and
 `path_offset_index` token counts in order ("entries"), each source's outcome-table numbers
-(population, num_selected), the dtype, and every instance's input_ids."""
+(population, num_selected), the dtype, and every instance's input_ids. SPEC's "mix":
+{"name", "base_dir", "tokenizer"} gives OUT's "mix": {"mixes_dir": the folder OLMo-core
+reads its shipped mixes from, "paths", "labels"} of `DataMix(name).build(base_dir,
+TokenizerName(tokenizer))`."""
 
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
+import olmo_core
+from olmo_core.data.mixes import DataMix
 from olmo_core.data.numpy_dataset import NumpyFSLDatasetConfig
 from olmo_core.data.source_mixture import (
     SourceMixtureConfig,
     SourceMixtureDatasetConfig,
     SourceMixtureList,
 )
-from olmo_core.data.tokenizer import TokenizerConfig
+from olmo_core.data.tokenizer import TokenizerConfig, TokenizerName
 
 
 def run_case(case: dict) -> dict:
@@ -54,10 +60,17 @@ def run_case(case: dict) -> dict:
             "input_ids": rows.astype(np.int64).tolist()}
 
 
+def build_mix(name: str, base_dir: str, tokenizer: str) -> dict:
+    paths, labels = DataMix(name).build(base_dir, TokenizerName(tokenizer))
+    mixes_dir = Path(olmo_core.__file__).parent / "data" / "mixes"
+    return {"mixes_dir": str(mixes_dir), "paths": paths, "labels": labels}
+
+
 def main(spec_path: str, out_path: str) -> None:
     spec = json.loads(open(spec_path).read())
     with open(out_path, "w") as f:
-        json.dump([run_case(case) for case in spec["cases"]], f)
+        json.dump({"cases": [run_case(case) for case in spec["cases"]],
+                   "mix": build_mix(**spec["mix"])}, f)
 
 
 if __name__ == "__main__":

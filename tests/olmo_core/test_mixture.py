@@ -1,9 +1,16 @@
-"""data.sources against OLMo-core's own source mixture (ai2-olmo-core in .venv-oracle, by
-subprocess: mixture_oracle.py): on generated token files of several sizes and dtypes, the
-same tokens per source, the same files and token counts in the same order, and so the same
-instances; upsampling (max_repetition_ratio > 1, one and two extra passes), globs (`*` and
-`**`), max_source_fraction; and OLMo-core's errors (a source too small for its ratio,
-ratios not summing to 1, a repetition ratio below 1)."""
+"""data.sources and data.mix against OLMo-core's own source mixture and mix files
+(ai2-olmo-core in .venv-oracle, one subprocess: mixture_oracle.py).
+
+1. Mixtures, on generated token files of several sizes and dtypes: the same tokens per
+   source, the same files and token counts in the same order, and so the same instances;
+   upsampling (max_repetition_ratio > 1, one and two extra passes), globs (`*` and `**`),
+   max_source_fraction; and OLMo-core's errors (a source too small for its ratio, ratios
+   not summing to 1, a repetition ratio below 1).
+2. Mix files: a mix OLMo-core ships, named, is found in the installed package (located,
+   not imported), resolves to the paths and labels of OLMo-core's `DataMix.build`, and
+   trains from a generated tree of those files, alone or as the files of data.sources
+   picked by label; a tree missing files gets an error naming label, path and line for
+   the first five."""
 
 from __future__ import annotations
 
@@ -14,7 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from olmo_jax.data import write_token_file
+from olmo_jax.data import build_data, write_token_file
+from olmo_jax.data import mix_file as mf
 from olmo_jax.data.build import _mixture_files
 from olmo_jax.data.loader import TokenWindows
 from olmo_jax.data.mixture import parse_sources, select_mixture
@@ -26,6 +34,9 @@ ORACLE_PY = ROOT / ".venv-oracle" / "bin" / "python"
 pytestmark = pytest.mark.skipif(not ORACLE_PY.exists(), reason="no .venv-oracle (make oracle)")
 
 SEQ_LEN = 32
+MIX = "OLMo-mix-0925-official"
+TOKENIZER = "allenai/dolma3-tokenizer"  # what OLMo-core substitutes for dolma2 in this mix
+MIX_SEQ_LEN, MIX_VOCAB = 16, 100_278
 
 
 def _files(folder: Path, lengths: list[int], vocab_size: int, rng) -> None:
@@ -108,16 +119,18 @@ def _ours(case: dict):
 def outcomes(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mixture")
     cases = _cases(tmp)
-    (tmp / "spec.json").write_text(json.dumps({"cases": cases}))
+    mix = {"name": MIX, "base_dir": str(tmp / "root"), "tokenizer": "allenai/dolma2-tokenizer"}
+    (tmp / "spec.json").write_text(json.dumps({"cases": cases, "mix": mix}))
     subprocess.run([str(ORACLE_PY), str(Path(__file__).with_name("mixture_oracle.py")),
                     str(tmp / "spec.json"), str(tmp / "out.json")], check=True, cwd=tmp,
                    timeout=600)
-    return cases, json.loads((tmp / "out.json").read_text())
+    out = json.loads((tmp / "out.json").read_text())
+    return cases, out["cases"], out["mix"], tmp / "root"
 
 
 @pytest.mark.parametrize("k", [0, 1, 2, 3])
 def test_selection_and_instances_match_olmo_core(outcomes, k):
-    cases, wants = outcomes
+    cases, wants, *_ = outcomes
     case, want = cases[k], wants[k]
     assert "error" not in want, want
     mixture, dtype = _ours(case)
@@ -137,7 +150,7 @@ def test_selection_and_instances_match_olmo_core(outcomes, k):
 
 
 def test_upsampling_repeats_files(outcomes):
-    cases, _ = outcomes
+    cases, *_ = outcomes
     mixture, _ = _ours(cases[0])
     math = next(s for s in mixture.sources if s.source.name == "math")
     assert len(math.path_tokens) == 2 and math.tokens > math.population  # a second pass
@@ -147,7 +160,7 @@ def test_upsampling_repeats_files(outcomes):
 
 
 def test_errors_match_olmo_core(outcomes):
-    cases, wants = outcomes
+    cases, wants, *_ = outcomes
     assert wants[4]["error"].startswith("OLMoConfigurationError: Insufficient tokens for source: math")
     with pytest.raises(DataError) as e:
         _ours(cases[4])
@@ -159,3 +172,77 @@ def test_errors_match_olmo_core(outcomes):
     assert "max_repetition_ratio must be >= 1" in wants[6]["error"]
     with pytest.raises(DataError, match=r"data.sources.math.max_repetition_ratio=0.5 must be >= 1"):
         _ours(cases[6])
+
+
+@pytest.fixture(scope="module")
+def shipped(outcomes):
+    """(OLMo-core's build of MIX against a generated root, the root): every file of the mix
+    made, 2 * MIX_SEQ_LEN + 3 tokens each."""
+    *_, want, root = outcomes
+    rng = np.random.default_rng(0)
+    for path in want["paths"]:
+        write_token_file(path, rng.integers(0, MIX_VOCAB, 2 * MIX_SEQ_LEN + 3), np.uint32)
+    return want, root
+
+
+def _data(mix: str, root: Path, **extra):
+    cfg = {"mix": mix, "mix_root": str(root), "mix_tokenizer": TOKENIZER,
+           "vocab_size": MIX_VOCAB, **extra}
+    return build_data(cfg, MIX_SEQ_LEN, global_batch_size=4, seed=0)
+
+
+def test_shipped_mix_by_name_matches_olmo_core(shipped, monkeypatch):
+    want, root = shipped
+    assert mf.shipped_mix_dir() is None  # this venv has no ai2-olmo-core
+    with pytest.raises(DataError, match="ai2-olmo-core is not installed"):
+        mf.find_mix(MIX)
+    site = Path(want["mixes_dir"]).parents[2]  # .../site-packages of the oracle venv
+    monkeypatch.syspath_prepend(str(site))
+    assert mf.shipped_mix_dir() == Path(want["mixes_dir"])
+    assert MIX in mf.shipped_mixes()
+    lines = mf.read_mix(MIX, str(root), TOKENIZER)
+    assert [m.path for m in lines] == want["paths"]
+    assert [m.label for m in lines] == want["labels"]
+    with pytest.raises(DataError, match="neither a file nor a mix OLMo-core ships.*OLMo-mix-0625"):
+        mf.find_mix("OLMo-mix-9999")
+
+    data = _data(MIX, root)  # by name, through build_data
+    assert len(data.windows) == 2 * len(want["paths"])
+    assert data.mixture is None
+    np.testing.assert_array_equal(data.windows.window(2)[:MIX_SEQ_LEN],
+                                  np.fromfile(want["paths"][1], np.uint32)[:MIX_SEQ_LEN])
+
+
+def test_mix_file_path_with_sources_by_label(shipped):
+    want, root = shipped
+    mix = str(Path(want["mixes_dir"]) / f"{MIX}.txt")  # a path: no package lookup needed
+    sources = {"arxiv": {"target_ratio": 0.25},
+               "stack-edu_Python": {"target_ratio": 0.75, "max_repetition_ratio": 2.0}}
+    data = _data(mix, root, sources=sources, requested_tokens=20 * MIX_SEQ_LEN)
+    by_name = {s.source.name: s for s in data.mixture.sources}
+    for label in sources:
+        files = [p for p, lab in zip(want["paths"], want["labels"], strict=True) if lab == label]
+        assert sorted({p.path for p in by_name[label].path_tokens}) == sorted(files)
+    assert data.mixture.total_tokens == 20 * MIX_SEQ_LEN == len(data.windows) * MIX_SEQ_LEN
+    with pytest.raises(DataError, match="data.sources.wiki has no paths and data.mix=.* has no "
+                                        "label 'wiki'; its labels are arxiv, common_crawl"):
+        _data(mix, root, sources={"wiki": {"target_ratio": 1.0}}, requested_tokens=64)
+
+
+def test_missing_mix_files_name_label_path_and_line(shipped, tmp_path):
+    want, root = shipped
+    mix = tmp_path / "small.txt"
+    text = Path(want["mixes_dir"], f"{MIX}.txt").read_text().splitlines()[:12]
+    mix.write_text("\n".join(text) + "\n")
+    lines = mf.read_mix(str(mix), str(tmp_path / "elsewhere"), TOKENIZER)
+    with pytest.raises(DataError) as e:
+        _data(str(mix), tmp_path / "elsewhere")
+    msg = str(e.value)
+    assert f"{len(lines)} of its {len(lines)} token files do not exist" in msg
+    first = lines[0]
+    assert f"label {first.label!r}: {first.path} (line {first.line}: {first.text.strip()})" in msg
+    assert msg.count("  label ") == 5 and f"and {len(lines) - 5} more" in msg
+    with pytest.raises(DataError, match="set data.mix_tokenizer"):
+        mf.read_mix(str(mix), str(root), "")
+    with pytest.raises(DataError, match="set data.mix_root"):
+        mf.read_mix(str(mix), "", TOKENIZER)
