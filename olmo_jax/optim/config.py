@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from olmo_jax.errors import ConfigError, check_choice
+from olmo_jax.optim import schedulers
 from olmo_jax.optim.optimizer import OPTIMIZERS
 from olmo_jax.optim.schedules import LR_SCHEDULES
 
@@ -18,6 +19,10 @@ class OptimConfig:
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1  # final lr / peak lr
     decay_fraction: float = 0.2  # wsd: fraction of steps spent decaying
+    # OLMo-core's scheduler, as its Python writes it (optim/schedulers.py), e.g.
+    # "cos_with_warmup(warmup=2000, units='tokens')"; it replaces schedule, warmup_steps,
+    # min_lr_ratio and decay_fraction. "" = the schedule above.
+    scheduler: str = ""
     weight_decay: float = 0.1
     decay_embeddings: bool = True  # False: no weight decay on the token embedding (OLMo-core's runs)
     b1: float = 0.9
@@ -32,6 +37,8 @@ class OptimConfig:
     def validate(self, prefix: str = "optim") -> OptimConfig:
         check_choice(f"{prefix}.schedule", self.schedule, LR_SCHEDULES)
         check_choice(f"{prefix}.name", self.name, OPTIMIZERS)
+        if self.scheduler:
+            schedulers.parse(self.scheduler)
         if self.lr <= 0:
             raise ConfigError(f"{prefix}.lr must be > 0, got {self.lr}")
         if not 0 <= self.min_lr_ratio <= 1:

@@ -11,6 +11,7 @@ import jax
 import optax
 
 from olmo_jax.model.params import path_name
+from olmo_jax.optim import schedulers
 from olmo_jax.optim.muon import muon_labels, scale_by_muon
 from olmo_jax.optim.schedules import lr_schedule
 
@@ -42,13 +43,27 @@ def _muon(o, schedule):
     )
 
 
-def build_optimizer(optim_cfg, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """(tx, schedule). Muon's `tx.update` takes the extra argument `orthogonalize` (a
-    ParallelPlan's, passed by the train step); without it every matrix is done locally."""
+def run_schedule(optim_cfg, total_steps: int, tokens_per_step: int = 0,
+                 max_tokens: int = 0) -> optax.Schedule:
+    """The learning rate at the optimizer's step count: OLMo-core's scheduler of
+    optim.scheduler (schedulers.py; units "tokens" need tokens_per_step, and max_tokens, the
+    run's token budget, when trainer.max_tokens sets it), else optim.schedule."""
     o = optim_cfg
-    schedule = lr_schedule(
-        o.schedule, o.lr, total_steps, o.warmup_steps, o.min_lr_ratio, o.decay_fraction
-    )
+    if o.scheduler:
+        sched = schedulers.parse(o.scheduler)
+        return schedulers.table_schedule(
+            schedulers.lr_table(sched, o.lr, total_steps, tokens_per_step, max_tokens))
+    return lr_schedule(o.schedule, o.lr, total_steps, o.warmup_steps, o.min_lr_ratio,
+                       o.decay_fraction)
+
+
+def build_optimizer(optim_cfg, total_steps: int, *, tokens_per_step: int = 0,
+                    max_tokens: int = 0) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """(tx, schedule) for a run of `total_steps` (run_schedule). Muon's `tx.update` takes the
+    extra argument `orthogonalize` (a ParallelPlan's, passed by the train step); without it
+    every matrix is done locally."""
+    o = optim_cfg
+    schedule = run_schedule(o, total_steps, tokens_per_step, max_tokens)
     parts = []
     if o.clip_grad_norm > 0:
         parts.append(optax.clip_by_global_norm(o.clip_grad_norm))
