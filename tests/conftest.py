@@ -53,6 +53,7 @@ SLOW = (
     "tests/report/test_report_browser.py",
     "tests/tools/test_gpu_check.py",
     "tests/trainer/test_train_pipeline.py",
+    "tests/trainer/test_durations.py::test_a_token_budget_ends_the_run_and_drives_a_token_scheduler",
 )
 
 CACHE_ENV = "OLMO_JAX_TEST_CACHE"

@@ -32,8 +32,17 @@ class DataConfig:
     # each logged as eval/<name>/loss and eval/<name>/perplexity (olmo_jax/data/loader.py).
     eval_sets: dict = field(default_factory=dict)
     prefetch: int = 2  # batches the grain pipeline reads ahead on its own thread (0 = none)
+    # The data order's seed (the training windows' shuffle), apart from the model init:
+    # -1 = trainer.seed (one seed for both).
+    seed: int = -1
+
+    def order_seed(self, trainer_seed: int) -> int:
+        """The seed of the training data's order: data.seed, or trainer.seed where it is -1."""
+        return trainer_seed if self.seed == -1 else self.seed
 
     def validate(self, prefix: str = "data") -> DataConfig:
+        if self.seed < -1:
+            raise ConfigError(f"{prefix}.seed must be >= 0, or -1 (= trainer.seed), got {self.seed}")
         if self.prefetch < 0:
             raise ConfigError(f"{prefix}.prefetch must be >= 0 (0 = no read-ahead), got {self.prefetch}")
         check_choice(f"{prefix}.instances", self.instances, INSTANCES)
