@@ -43,6 +43,7 @@ SLOW = (
     "tests/olmo_core/test_model_parity.py",
     "tests/olmo_core/test_reference_numbers.py",
     "tests/olmo_core/test_router_parity.py",
+    "tests/olmo_core/test_schedulers.py",
     "tests/checkpoint/test_hf_parity.py",
     "tests/parallel/test_gpu_paths.py",
     "tests/parallel/test_parallel_bf16.py",
@@ -54,6 +55,7 @@ SLOW = (
     "tests/tools/test_gpu_check.py",
     "tests/trainer/test_mixture_run.py",
     "tests/trainer/test_train_pipeline.py",
+    "tests/trainer/test_durations.py::test_a_token_budget_ends_the_run_and_drives_a_token_scheduler",
 )
 
 CACHE_ENV = "OLMO_JAX_TEST_CACHE"

@@ -37,14 +37,23 @@ class DataConfig:
     # data.paths: {name: {paths (globs allowed), target_ratio, max_repetition_ratio (default
     # 1), max_source_fraction (default 1)}}, taken in name order.
     sources: dict = field(default_factory=dict)
-    requested_tokens: int = 0  # the mixture's token budget; 0 = trainer.max_steps batches
+    requested_tokens: int = 0  # the mixture's token budget; 0 = the run's tokens (max_steps / max_tokens)
     # An OLMo-core mix file (data/mix_file.py): a path, or the name of a mix the installed
     # ai2-olmo-core ships; its paths are under mix_root, {TOKENIZER} = mix_tokenizer.
     mix: str = ""
     mix_root: str = ""
     mix_tokenizer: str = ""
+    # The data order's seed (the training windows' shuffle), apart from the model init:
+    # -1 = trainer.seed (one seed for both).
+    seed: int = -1
+
+    def order_seed(self, trainer_seed: int) -> int:
+        """The seed of the training data's order: data.seed, or trainer.seed where it is -1."""
+        return trainer_seed if self.seed == -1 else self.seed
 
     def validate(self, prefix: str = "data") -> DataConfig:
+        if self.seed < -1:
+            raise ConfigError(f"{prefix}.seed must be >= 0, or -1 (= trainer.seed), got {self.seed}")
         if self.prefetch < 0:
             raise ConfigError(f"{prefix}.prefetch must be >= 0 (0 = no read-ahead), got {self.prefetch}")
         check_choice(f"{prefix}.instances", self.instances, INSTANCES)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from olmo_jax.errors import ConfigError, check_choice
+from olmo_jax.optim import groups, schedulers
 from olmo_jax.optim.optimizer import OPTIMIZERS
 from olmo_jax.optim.schedules import LR_SCHEDULES
 
@@ -18,7 +19,14 @@ class OptimConfig:
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1  # final lr / peak lr
     decay_fraction: float = 0.2  # wsd: fraction of steps spent decaying
+    # OLMo-core's scheduler, as its Python writes it (optim/schedulers.py), e.g.
+    # "cos_with_warmup(warmup=2000, units='tokens')"; it replaces schedule, warmup_steps,
+    # min_lr_ratio and decay_fraction. "" = the schedule above.
+    scheduler: str = ""
     weight_decay: float = 0.1
+    # Per-parameter-group lr / weight-decay multipliers by glob on parameter paths (optim/groups.py,
+    # OLMo-core's group_overrides), e.g. "*router*,embedding: wd_mult=0.0; lm_head: lr_mult=0.5"
+    group_overrides: str = ""
     decay_embeddings: bool = True  # False: no weight decay on the token embedding (OLMo-core's runs)
     b1: float = 0.9
     b2: float = 0.95
@@ -32,6 +40,15 @@ class OptimConfig:
     def validate(self, prefix: str = "optim") -> OptimConfig:
         check_choice(f"{prefix}.schedule", self.schedule, LR_SCHEDULES)
         check_choice(f"{prefix}.name", self.name, OPTIMIZERS)
+        if self.scheduler:
+            schedulers.parse(self.scheduler)
+        if self.group_overrides:
+            groups.parse(self.group_overrides)
+            if self.name == "muon":
+                raise ConfigError(
+                    f"{prefix}.group_overrides with {prefix}.name=muon: per-group overrides are "
+                    "AdamW's (as in OLMo-core, not for matrix-aware optimizers); use adamw or "
+                    f"leave {prefix}.group_overrides empty")
         if self.lr <= 0:
             raise ConfigError(f"{prefix}.lr must be > 0, got {self.lr}")
         if not 0 <= self.min_lr_ratio <= 1:

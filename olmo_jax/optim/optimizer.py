@@ -5,12 +5,14 @@ is False, as in OLMo-core's reference runs), or (`optim.name=muon`) Muon on the 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import optax
 
 from olmo_jax.model.params import path_name
+from olmo_jax.optim import groups, schedulers
 from olmo_jax.optim.muon import muon_labels, scale_by_muon
 from olmo_jax.optim.schedules import lr_schedule
 
@@ -42,19 +44,46 @@ def _muon(o, schedule):
     )
 
 
-def build_optimizer(optim_cfg, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """(tx, schedule). Muon's `tx.update` takes the extra argument `orthogonalize` (a
-    ParallelPlan's, passed by the train step); without it every matrix is done locally."""
+def _grouped_adamw(o, default_tx, *duration):
+    """AdamW per group of optim.group_overrides (groups.py), each with its own lr x lr_mult
+    schedule and weight_decay x wd_mult; the other parameters take `default_tx`."""
+    overrides = groups.parse(o.group_overrides)
+    txs = {groups.DEFAULT: default_tx}
+    for g in overrides:
+        og = dataclasses.replace(o, lr=o.lr * g.lr_mult, weight_decay=o.weight_decay * g.wd_mult)
+        txs[g.label] = optax.set_to_zero() if og.lr == 0 else _adamw(og, run_schedule(og, *duration))
+    return optax.partition(txs, functools.partial(groups.labels, groups=overrides))
+
+
+def run_schedule(optim_cfg, total_steps: int, tokens_per_step: int = 0,
+                 max_tokens: int = 0) -> optax.Schedule:
+    """The learning rate at the optimizer's step count: OLMo-core's scheduler of
+    optim.scheduler (schedulers.py; units "tokens" need tokens_per_step, and max_tokens, the
+    run's token budget, when trainer.max_tokens sets it), else optim.schedule."""
     o = optim_cfg
-    schedule = lr_schedule(
-        o.schedule, o.lr, total_steps, o.warmup_steps, o.min_lr_ratio, o.decay_fraction
-    )
+    if o.scheduler:
+        sched = schedulers.parse(o.scheduler)
+        return schedulers.table_schedule(
+            schedulers.lr_table(sched, o.lr, total_steps, tokens_per_step, max_tokens))
+    return lr_schedule(o.schedule, o.lr, total_steps, o.warmup_steps, o.min_lr_ratio,
+                       o.decay_fraction)
+
+
+def build_optimizer(optim_cfg, total_steps: int, *, tokens_per_step: int = 0,
+                    max_tokens: int = 0) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """(tx, schedule) for a run of `total_steps` (run_schedule). Muon's `tx.update` takes the
+    extra argument `orthogonalize` (a ParallelPlan's, passed by the train step); without it
+    every matrix is done locally."""
+    o = optim_cfg
+    schedule = run_schedule(o, total_steps, tokens_per_step, max_tokens)
     parts = []
     if o.clip_grad_norm > 0:
         parts.append(optax.clip_by_global_norm(o.clip_grad_norm))
     if o.name == "muon":
         parts.append(optax.partition({"muon": _muon(o, schedule), "adamw": _adamw(o, schedule)},
                                      muon_labels))
+    elif o.group_overrides:
+        parts.append(_grouped_adamw(o, _adamw(o, schedule), total_steps, tokens_per_step, max_tokens))
     else:
         parts.append(_adamw(o, schedule))
     return optax.chain(*parts), schedule

@@ -118,7 +118,8 @@ def compile_train_step(cfg: RunConfig, devices, *, trainer_step: bool = False,
     plan = build_plan(cfg.parallel, cfg.trainer, compiled_model_cfg, optim=cfg.optim,
                       devices=devices)
     t = cfg.trainer
-    tx, schedule = build_optimizer(cfg.optim, t.max_steps)
+    tx, schedule = build_optimizer(cfg.optim, t.total_steps, tokens_per_step=t.tokens_per_step,
+                                   max_tokens=t.budget_tokens)
     guard_cfg = guard_lib.GuardConfig.from_trainer(t) if trainer_step else None
     graphdef, abstract = abstract_train_state(plan.model_cfg, tx, dispatcher=plan.dispatcher,
                                               guard_cfg=guard_cfg)

@@ -67,7 +67,8 @@ def leaf_placement(x, sharding: NamedSharding, flat_devices: list) -> dict:
 
 def mesh_section(cfg, model_cfg, plan) -> dict:
     """The "mesh" section's data for a config and its ParallelPlan."""
-    tx, _ = build_optimizer(cfg.optim, cfg.trainer.max_steps)
+    tx, _ = build_optimizer(cfg.optim, cfg.trainer.total_steps,
+                            tokens_per_step=cfg.trainer.tokens_per_step)
     _, state = abstract_train_state(model_cfg, tx, dispatcher=plan.dispatcher)
     shardings = plan.state_shardings(state, tx)
     mesh = plan.mesh

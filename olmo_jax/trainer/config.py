@@ -73,7 +73,10 @@ class WandbConfig:
 
 @dataclass(frozen=True)
 class TrainerConfig:
-    max_steps: int = 100
+    max_steps: int = 100  # 0 = no step limit (trainer.max_tokens ends the run)
+    # > 0: the run's token budget (OLMo-core's Duration.tokens): it ends after
+    # ceil(max_tokens / (global_batch_size * seq_len)) steps, or at max_steps if that comes first
+    max_tokens: int = 0
     seed: int = 0
     run_dir: str = "runs/default"
     cache_dir: str = ".cache/olmo_jax"
@@ -116,9 +119,15 @@ class TrainerConfig:
         check_choice(f"{prefix}.nan_policy", self.nan_policy, POLICIES)
         check_choice(f"{prefix}.wandb.mode", self.wandb.mode, WANDB_MODES)
         check_choice(f"{prefix}.host_malloc", self.host_malloc, HOST_MALLOC_MODES)
-        for name in ("max_steps", "global_batch_size", "seq_len", "grad_accum", "log_every"):
+        for name in ("global_batch_size", "seq_len", "grad_accum", "log_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{prefix}.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_tokens < 0:
+            raise ConfigError(f"{prefix}.max_tokens must be >= 0 (0 = off), got {self.max_tokens}")
+        if self.max_steps < (0 if self.max_tokens else 1):
+            raise ConfigError(
+                f"{prefix}.max_steps must be >= 1, got {self.max_steps} (0 = no step limit "
+                f"needs {prefix}.max_tokens > 0)")
         if self.expert_counts_every < 0:
             raise ConfigError(
                 f"{prefix}.expert_counts_every must be >= 0 (0 = off), got {self.expert_counts_every}"
@@ -131,10 +140,11 @@ class TrainerConfig:
         for name in ("save_every", "keep_last", "keep_every", "hard_stop"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{prefix}.{name} must be >= 0 (0 = off), got {getattr(self, name)}")
-        if self.hard_stop and self.hard_stop >= self.max_steps:
+        if self.hard_stop and self.hard_stop >= self.total_steps:
+            end = (f"{prefix}.max_steps={self.max_steps}" if self.binds == "trainer.max_steps"
+                   else f"the {self.total_steps} steps of {prefix}.max_tokens={self.max_tokens}")
             raise ConfigError(
-                f"{prefix}.hard_stop={self.hard_stop} must be below {prefix}.max_steps={self.max_steps} "
-                "(or 0 = run to max_steps)"
+                f"{prefix}.hard_stop={self.hard_stop} must be below {end} (or 0 = run to the end)"
             )
         if self.max_skipped < 0:
             raise ConfigError(f"{prefix}.max_skipped must be >= 0 (0 = never halt), got {self.max_skipped}")
@@ -147,3 +157,45 @@ class TrainerConfig:
         loggers(self.loggers)
         profile_window(self.profile_steps)
         return self
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.seq_len
+
+    @property
+    def total_steps(self) -> int:
+        """The run's length in steps: max_steps, or the steps of max_tokens if fewer."""
+        if not self.max_tokens:
+            return self.max_steps
+        token_steps = -(-self.max_tokens // self.tokens_per_step)
+        return min(self.max_steps, token_steps) if self.max_steps else token_steps
+
+    @property
+    def binds(self) -> str:
+        """Which limit ends the run: "trainer.max_steps" or "trainer.max_tokens"."""
+        token_steps = -(-self.max_tokens // self.tokens_per_step)
+        if self.max_tokens and (not self.max_steps or token_steps <= self.max_steps):
+            return "trainer.max_tokens"
+        return "trainer.max_steps"
+
+    @property
+    def budget_tokens(self) -> int:
+        """The run's tokens as OLMo-core's trainer counts them for a token-unit scheduler:
+        max_tokens where it ends the run, else total_steps * tokens_per_step."""
+        if self.binds == "trainer.max_tokens":
+            return self.max_tokens
+        return self.total_steps * self.tokens_per_step
+
+    def duration_line(self) -> str:
+        """The start-up banner's line on the run's length and which limit binds."""
+        steps, tpb = self.total_steps, self.tokens_per_step
+        if self.binds == "trainer.max_tokens":
+            why = (f"trainer.max_tokens={self.max_tokens:,} binds (ceil of "
+                   f"{self.max_tokens:,} / {tpb:,} tokens per step)")
+            if self.max_steps:
+                why += f"; trainer.max_steps={self.max_steps:,} is not reached"
+        else:
+            why = f"trainer.max_steps={self.max_steps:,} binds"
+            if self.max_tokens:
+                why += f" before trainer.max_tokens={self.max_tokens:,}"
+        return f"duration: {steps:,} steps x {tpb:,} tokens = {steps * tpb:,} tokens; {why}"

@@ -121,7 +121,7 @@ class _Run:
 
     @property
     def stop(self) -> int:
-        return self.t.hard_stop or self.t.max_steps
+        return self.t.hard_stop or self.t.total_steps
 
 
 def _model_config(cfg: RunConfig, data) -> TransformerConfig:
@@ -139,12 +139,14 @@ def _build(cfg: RunConfig, console: Console, main: bool) -> _Run:
     the validated sections (config.validate)."""
     t_cfg = cfg.trainer
     run_dir = run_dir_lib.prepare(cfg)  # writable; no different run in it (trainer.overwrite)
-    data = build_data(cfg.data, t_cfg.seq_len, t_cfg.global_batch_size, t_cfg.seed, t_cfg.cache_dir,
-                      run_tokens=t_cfg.max_steps * t_cfg.global_batch_size * t_cfg.seq_len)
+    data = build_data(cfg.data, t_cfg.seq_len, t_cfg.global_batch_size,
+                      cfg.data.order_seed(t_cfg.seed), t_cfg.cache_dir,
+                      run_tokens=t_cfg.total_steps * t_cfg.tokens_per_step)
     config_model_cfg = _model_config(cfg, data)  # as configured: what checkpoints record
     plan = build_plan(cfg.parallel, t_cfg, config_model_cfg, optim=cfg.optim)  # mesh, strategy, dispatcher
     model_cfg = plan.model_cfg  # kernels resolved for the mesh: the model is built with it
-    tx, schedule = build_optimizer(cfg.optim, t_cfg.max_steps)
+    tx, schedule = build_optimizer(cfg.optim, t_cfg.total_steps, tokens_per_step=t_cfg.tokens_per_step,
+                                   max_tokens=t_cfg.budget_tokens)
     guard_cfg = guard_lib.GuardConfig.from_trainer(t_cfg)
     graphdef, abstract = abstract_train_state(model_cfg, tx, dispatcher=plan.dispatcher,
                                               guard_cfg=guard_cfg)
@@ -225,7 +227,8 @@ def _print_banner(run: _Run, flops_tok: float, memory, compile_s: float) -> None
     if run.data.mixture is not None:
         run.console.print(run.data.mixture.describe() + f" (in {MIXTURE_FILE})",
                           markup=False, highlight=False)
-    run.console.print(f"eval every {run.t.eval_every or run.t.max_steps} steps: "
+    run.console.print(run.t.duration_line())
+    run.console.print(f"eval every {run.t.eval_every or run.t.total_steps} steps: "
                       f"{run.data.describe_eval()}")
 
 
@@ -281,14 +284,14 @@ def _hooks(run: _Run, start: int, stream, sinks, profiler, throughput, bar, pree
     halt = HaltCheck(run.checkpoints, run.guard_cfg)
     history: list[dict] = list(run.checkpoints.previous_records)
     evaluation = Evaluation(run.eval_fn, run.data, t_cfg.eval_batches,
-                            _placer(run.plan, t_cfg.seq_len), t_cfg.eval_every, t_cfg.max_steps,
+                            _placer(run.plan, t_cfg.seq_len), t_cfg.eval_every, t_cfg.total_steps,
                             history)
     throughput.restart(start)  # the first logged interval starts here
     return _Hooks(
         profiler=profiler,
         counts=ExpertCounts(sinks, t_cfg.expert_counts_every, model_cfg.n_dense_layers, run.main),
         log=MetricsLine(sinks, bar, halt, evaluation, throughput, t_cfg.log_every,
-                        t_cfg.max_steps, history),
+                        t_cfg.total_steps, history),
         saving=Checkpointing(run.checkpoints, halt, preempt, run.data.train, stream, run.stop),
     )
 
@@ -361,7 +364,7 @@ def train(cfg: RunConfig, console: Console | None = None) -> Summary:
         (run.run_dir / MIXTURE_FILE).write_text(json.dumps(run.data.mixture.outcome(), indent=1))
     start = int(state.step)
     if start >= run.stop:  # resumed a finished run: nothing to compile or train
-        console.print(f"the run is complete at step {start} (trainer.max_steps / hard_stop)")
+        console.print(f"the run is complete at step {start} (trainer.max_steps / max_tokens / hard_stop)")
     throughput = _throughput(run)  # measures the CPU's peak FLOP/s on a CPU run
     _print_banner(run, throughput.flops_tok, memory, compile_s)
     if run.checkpoints.resumed and main:  # like metrics.jsonl: drop what was logged after it
@@ -371,7 +374,7 @@ def train(cfg: RunConfig, console: Console | None = None) -> Summary:
     distributed.set_hint(
         f"the checkpoints in {run.checkpoints.ckpts.directory} are kept: relaunch every process "
         "with the same command to resume from the last one")
-    bar, preempt = ProgressBar(run.t.max_steps, start, console), Preemption()
+    bar, preempt = ProgressBar(run.t.total_steps, start, console), Preemption()
     hooks = _hooks(run, start, stream, sinks, profiler, throughput, bar, preempt)
     run_step = _step_runner(compiled, stream, place_rows, profiler)
     state = _train_steps(run, state, start, run_step, hooks, bar, preempt, stream, sinks)
