@@ -81,8 +81,8 @@ def build_data(
     loader.py) and `repetition_filter` (with `repetition_max_period`, `_min_period`,
     `_max_count`: OLMo-core's instance filter, repetition.py), `mix` / `mix_root` /
     `mix_tokenizer` (an OLMo-core mix file: mix_file.py) and `sources` / `requested_tokens`
-    (a source mixture, mixture.py; requested_tokens 0 = `run_tokens`, the tokens of the
-    run's max_steps global batches)."""
+    (a source mixture, mixture.py; requested_tokens 0 = `run_tokens`, the run's tokens:
+    trainer.max_steps or max_tokens)."""
     paths = _paths(_field(data_cfg, "paths", ()))
     sources = dict(_field(data_cfg, "sources", {}) or {})
     mix = str(_field(data_cfg, "mix", ""))
