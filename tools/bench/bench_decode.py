@@ -24,8 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from olmo_jax.model import MoEConfig, Transformer, TransformerConfig
-from olmo_jax.model import decode
+from olmo_jax.model import MoEConfig, Transformer, TransformerConfig, decode
 
 
 def window_sampler(graphdef, params, model_state, seq_len: int):
