@@ -10,7 +10,9 @@ import subprocess
 import numpy as np
 import pytest
 
+from olmo_jax import generate as generate_cli
 from olmo_jax.checkpoint import hf
+from olmo_jax.data.tokenizer import ByteTokenizer
 from olmo_jax.model import decode
 from tests.checkpoint.oracle import BASE, ORACLE_PY, ROOT
 
@@ -41,3 +43,38 @@ def test_greedy_decode_equals_transformers_generate(hf_cases, hf_generated, case
     for b, theirs in enumerate(hf_generated[case]):
         assert len(theirs) == N_NEW
         assert gen.tokens_BN[b].tolist() == theirs, (case, b)
+
+
+def test_generate_command_on_orbax_and_hf_folders_of_the_same_weights(hf_cases, tmp_path, capsys):
+    """`python -m olmo_jax.generate` (its main) reads an orbax checkpoint and its Hugging Face
+    export alike, and writes the tokens decode.generate gives."""
+    outs = {}
+    for kind in ("orbax", "hf"):
+        out = tmp_path / f"{kind}.json"
+        argv = ["--model", str(hf_cases / "jax_born" / kind), "--tokenizer", "bytes",
+                "--prompt", "def f(x):", "--prompt", "ab", "--max-new-tokens", "5",
+                "--no-stop", "--json", str(out)]
+        assert generate_cli.main(argv) == 0
+        outs[kind] = json.loads(out.read_text())
+    assert outs["orbax"]["token_ids"] == outs["hf"]["token_ids"]
+    model = hf.load_model(hf_cases / "jax_born" / "hf")
+    tok = ByteTokenizer()
+    gen = decode.generate(model.config, model.params, model.model_state,
+                          [tok.encode("def f(x):").tolist(), tok.encode("ab").tolist()], 5)
+    assert outs["hf"]["token_ids"] == gen.tokens_BN.tolist()
+    assert "tokens/s" in capsys.readouterr().out
+
+
+def test_generate_command_refuses_a_tokenizer_larger_than_the_vocabulary(hf_cases, tmp_path, capsys):
+    from tokenizers import Tokenizer, models
+
+    vocab = {f"w{i}": i for i in range(BASE["vocab_size"] + 16)}
+    vocab["<|endoftext|>"] = len(vocab)
+    Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(str(tmp_path / "tokenizer.json"))
+    argv = ["--model", str(hf_cases / "base" / "hf"), "--tokenizer", str(tmp_path),
+            "--prompt", "w1"]
+    assert generate_cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "the tokenizer has 401 tokens but the model's vocabulary is 384" in err
+    assert generate_cli.main(["--model", str(hf_cases / "base" / "hf"), "--prompt", "x"]) == 2
+    assert "no tokenizer.json in" in capsys.readouterr().err
