@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         seconds = time.perf_counter() - t0
     except (CheckpointError, ConfigError, DataError) as e:
         return cli.error(str(e))
-    ids = [gen.tokens_BN[b, : gen.lengths_B[b]].tolist() for b in range(len(prompts))]
+    ids = [gen.tokens_BT[b, : gen.lengths_B[b]].tolist() for b in range(len(prompts))]
     texts = [tokenizer.decode([t for t in row if t not in stop]) for row in ids]
     n_tokens = int(gen.lengths_B.sum())
     for prompt, text in zip(args.prompt, texts, strict=True):

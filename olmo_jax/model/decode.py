@@ -62,7 +62,7 @@ class Cache(NamedTuple):
 
 
 class Generation(NamedTuple):
-    tokens_BN: np.ndarray  # int32 [B, n_new]: the generated ids, pad_id after a stop token
+    tokens_BT: np.ndarray  # int32 [B, n_new]: the generated ids, pad_id after a stop token
     lengths_B: np.ndarray  # int32: generated tokens per row, its stop token included
 
 
@@ -224,7 +224,7 @@ def _generate(cfg, params, model_state, prompt_BP, start_B, stop_S, key, tempera
     logits_BTV, cache = forward(model, prompt_BP, cache, 0)
     key, sub = jax.random.split(key)
     tok_B = sample_token(logits_BTV[:, -1], sub, temperature, top_p)
-    out_BN = jnp.full((B, n_new), pad_id, jnp.int32).at[:, 0].set(tok_B)
+    out_BT = jnp.full((B, n_new), pad_id, jnp.int32).at[:, 0].set(tok_B)
     done_B = jnp.isin(tok_B, stop_S)
     lengths_B = jnp.ones((B,), jnp.int32)
 
@@ -233,19 +233,19 @@ def _generate(cfg, params, model_state, prompt_BP, start_B, stop_S, key, tempera
         return (i < n_new) & ~jnp.all(done_B)
 
     def body(c):
-        i, tok_B, cache, out_BN, done_B, lengths_B, key = c
+        i, tok_B, cache, out_BT, done_B, lengths_B, key = c
         logits_BTV, cache = forward(model, tok_B[:, None], cache, P + i - 1)
         key, sub = jax.random.split(key)
         new_B = sample_token(logits_BTV[:, 0], sub, temperature, top_p)
-        new_B = jnp.where(done_B, pad_id, new_B)
-        out_BN = jax.lax.dynamic_update_slice(out_BN, new_B[:, None], (0, i))
+        out_BT = jax.lax.dynamic_update_slice(
+            out_BT, jnp.where(done_B, pad_id, new_B)[:, None], (0, i))
         lengths_B = lengths_B + (~done_B).astype(jnp.int32)
         done_B = done_B | jnp.isin(new_B, stop_S)
-        return i + 1, new_B, cache, out_BN, done_B, lengths_B, key
+        return i + 1, new_B, cache, out_BT, done_B, lengths_B, key
 
-    init = (jnp.int32(1), tok_B, cache, out_BN, done_B, lengths_B, key)
-    _, _, _, out_BN, _, lengths_B, _ = jax.lax.while_loop(cond, body, init)
-    return out_BN, lengths_B
+    init = (jnp.int32(1), tok_B, cache, out_BT, done_B, lengths_B, key)
+    _, _, _, out_BT, _, lengths_B, _ = jax.lax.while_loop(cond, body, init)
+    return out_BT, lengths_B
 
 
 def pad_prompts(prompts, pad_id: int, multiple: int = 16) -> tuple[np.ndarray, np.ndarray]:
@@ -279,8 +279,8 @@ def generate(cfg: TransformerConfig, params, model_state, prompts, n_new: int, *
                              f"[0, {cfg.vocab_size}): the tokenizer does not match the model")
     prompt_BP, start_B = pad_prompts(prompts, 0, prompt_multiple)  # padding slots: masked
     stop_S = np.asarray(list(stop_ids) or [-1], np.int32)
-    out_BN, lengths_B = _generate(cfg, params, model_state, jnp.asarray(prompt_BP),
+    out_BT, lengths_B = _generate(cfg, params, model_state, jnp.asarray(prompt_BP),
                                   jnp.asarray(start_B), jnp.asarray(stop_S), jax.random.key(seed),
                                   jnp.float32(temperature), jnp.float32(top_p), jnp.int32(pad_id),
                                   n_new=n_new)
-    return Generation(np.asarray(out_BN), np.asarray(lengths_B))
+    return Generation(np.asarray(out_BT), np.asarray(lengths_B))

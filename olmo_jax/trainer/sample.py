@@ -19,7 +19,7 @@ def generate(model_cfg: TransformerConfig, params, model_state, prompt_ids: np.n
     gen = decode.generate(model_cfg, params, model_state, [list(prompt_ids)], n_new,
                           temperature=temperature,
                           stop_ids=() if stop_id is None else (stop_id,), seed=seed)
-    new = gen.tokens_BN[0, : gen.lengths_B[0]]
+    new = gen.tokens_BT[0, : gen.lengths_B[0]]
     if stop_id is not None and len(new) and new[-1] == stop_id:
         new = new[:-1]
     return np.concatenate([np.asarray(prompt_ids, np.int32), new.astype(np.int32)])

@@ -42,7 +42,7 @@ def test_greedy_decode_equals_transformers_generate(hf_cases, hf_generated, case
     assert list(gen.lengths_B) == [N_NEW] * len(PROMPTS)
     for b, theirs in enumerate(hf_generated[case]):
         assert len(theirs) == N_NEW
-        assert gen.tokens_BN[b].tolist() == theirs, (case, b)
+        assert gen.tokens_BT[b].tolist() == theirs, (case, b)
 
 
 def test_generate_command_on_orbax_and_hf_folders_of_the_same_weights(hf_cases, tmp_path, capsys):
@@ -61,7 +61,7 @@ def test_generate_command_on_orbax_and_hf_folders_of_the_same_weights(hf_cases, 
     tok = ByteTokenizer()
     gen = decode.generate(model.config, model.params, model.model_state,
                           [tok.encode("def f(x):").tolist(), tok.encode("ab").tolist()], 5)
-    assert outs["hf"]["token_ids"] == gen.tokens_BN.tolist()
+    assert outs["hf"]["token_ids"] == gen.tokens_BT.tolist()
     assert "tokens/s" in capsys.readouterr().out
 
 

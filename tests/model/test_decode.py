@@ -74,7 +74,7 @@ def test_greedy_generation_is_the_argmax_of_the_full_forward(post_model):
     cfg, model, params, state = post_model
     prompts = [[5, 17, 3], [40, 41, 42, 43, 44, 45, 46], [9]]
     gen = decode.generate(cfg, params, state, prompts, 6)
-    assert gen.tokens_BN.shape == (3, 6) and list(gen.lengths_B) == [6, 6, 6]
+    assert gen.tokens_BT.shape == (3, 6) and list(gen.lengths_B) == [6, 6, 6]
     # The reference re-runs the sequence so far, right-padded to one causal window of 16.
     forward = jax.jit(lambda ids: model(ids).logits_BTV)
     for b, p in enumerate(prompts):
@@ -83,17 +83,17 @@ def test_greedy_generation_is_the_argmax_of_the_full_forward(post_model):
             window = np.zeros((1, 16), np.int32)
             window[0, : len(seq)] = seq
             seq.append(int(np.argmax(np.asarray(forward(jnp.asarray(window)))[0, len(seq) - 1])))
-        assert list(gen.tokens_BN[b]) == seq[len(p):], b
+        assert list(gen.tokens_BT[b]) == seq[len(p):], b
 
     # A stop token ends its row (the stop token included, pad_id after it); the same
     # program (one stop id either way), the other rows unchanged until their own stop.
-    stop = int(gen.tokens_BN[0, 2])
+    stop = int(gen.tokens_BT[0, 2])
     stopped = decode.generate(cfg, params, state, prompts, 6, stop_ids=[stop], pad_id=-7)
     for b in range(3):
-        row = list(gen.tokens_BN[b])
+        row = list(gen.tokens_BT[b])
         n = row.index(stop) + 1 if stop in row else 6
         assert stopped.lengths_B[b] == n
-        assert list(stopped.tokens_BN[b]) == row[:n] + [-7] * (6 - n)
+        assert list(stopped.tokens_BT[b]) == row[:n] + [-7] * (6 - n)
     assert stopped.lengths_B[0] <= 3
 
 

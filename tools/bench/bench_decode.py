@@ -71,7 +71,7 @@ def main() -> None:
     old = window_sampler(graphdef, params, state, a.seq_len)
 
     def cached():
-        return decode.generate(cfg, params, state, prompts, a.new).tokens_BN
+        return decode.generate(cfg, params, state, prompts, a.new).tokens_BT
 
     same = old(prompts[0], a.new) == cached()[0].tolist()  # also the warm-up of both
     t_old, t_new = [], []
