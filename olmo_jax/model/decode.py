@@ -20,8 +20,9 @@ for one decoded token per row would drop tokens the full forward keeps):
 
 Compiled programs: `generate` is one jitted program (prefill, the first token, then a
 `lax.while_loop` of one-token steps that ends when every row has hit a stop token or
-n_new tokens) per (rows, P, n_new, number of stop tokens) shape; P is the longest prompt
-rounded up to a multiple of `prompt_multiple`, so prompts of similar lengths share it.
+n_new tokens) per model config and (rows, P, n_new, number of stop tokens) shape; P is
+the longest prompt rounded up to a multiple of `prompt_multiple`, so prompts of similar
+lengths share it.
 Temperature, top-p and the seed are traced arguments (no recompilation).
 Sampling: temperature 0 is greedy (argmax, ties to the lower id); otherwise
 softmax(logits / temperature), restricted with top_p < 1 to the smallest set of most

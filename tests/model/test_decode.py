@@ -96,6 +96,16 @@ def test_greedy_generation_is_the_argmax_of_the_full_forward(post_model):
         assert list(stopped.tokens_BT[b]) == row[:n] + [-7] * (6 - n)
     assert stopped.lengths_B[0] <= 3
 
+    # One program for all of it: other prompts in the same window bucket, sampling
+    # settings and seeds are arguments, not shapes.
+    programs = decode._generate._cache_size()
+    sampled = decode.generate(cfg, params, state, [[1] * 16, [2], [3, 4]], 6, temperature=0.8,
+                              top_p=0.9, seed=5, stop_ids=[stop])
+    again = decode.generate(cfg, params, state, [[1] * 16, [2], [3, 4]], 6, temperature=0.8,
+                            top_p=0.9, seed=5, stop_ids=[stop])
+    assert decode._generate._cache_size() == programs
+    np.testing.assert_array_equal(sampled.tokens_BT, again.tokens_BT)
+
 
 def test_sampling_keeps_to_the_nucleus():
     logits_V = jnp.log(jnp.array([0.04, 0.5, 0.06, 0.3, 0.1]))
