@@ -32,7 +32,6 @@ from olmo_jax.data import build_data
 from olmo_jax.data.build import Data
 from olmo_jax.data.mixture import MIXTURE_FILE
 from olmo_jax.errors import CheckpointError, ConfigError
-from olmo_jax.model.abstract import abstract_model
 from olmo_jax.model.config import TransformerConfig
 from olmo_jax.optim import build_optimizer
 from olmo_jax.parallel.strategy import build_plan
@@ -338,13 +337,13 @@ def _summary(run: _Run, state, hooks: _Hooks, compile_s: float) -> Summary:
 
 
 def _sample(run: _Run, state) -> str:
-    """A text sample from trainer.sample_prompt (single-program sampling: the model with
-    its local dispatch, on one process's devices)."""
+    """A text sample from trainer.sample_prompt (single-program sampling with the KV-cache
+    decoder: the model with its local dispatch, on one process's devices)."""
     t_cfg, tokenizer = run.t, run.data.tokenizer
     sample_ids = generate(
-        abstract_model(run.model_cfg)[0], state.params, state.model_state,
-        tokenizer.encode(t_cfg.sample_prompt), t_cfg.sample_tokens, t_cfg.seq_len,
-        tokenizer.pad_id, temperature=t_cfg.sample_temperature, seed=t_cfg.seed,
+        run.model_cfg, state.params, state.model_state, tokenizer.encode(t_cfg.sample_prompt),
+        t_cfg.sample_tokens, temperature=t_cfg.sample_temperature, seed=t_cfg.seed,
+        stop_id=tokenizer.eos_id,
     )
     return tokenizer.decode(sample_ids)
 

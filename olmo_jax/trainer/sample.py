@@ -1,38 +1,25 @@
-"""Text generation from a trained model, so a person can see what it learned.
-
-A fixed-size window of `seq_len` tokens is re-run for every new token (no KV cache):
-one compiled function whatever the prompt length, fine for a short sample.
+"""Text generation from a trained model, so a person can see what it learned: the KV-cache
+decoder (olmo_jax/model/decode.py), one compiled program per prompt-length bucket and
+sample length, one token per step after the prompt's prefill.
 """
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+
+from olmo_jax.model import decode
+from olmo_jax.model.config import TransformerConfig
 
 
-def generate(graphdef, params, model_state, prompt_ids: np.ndarray, n_new: int, seq_len: int,
-             pad_id: int, temperature: float = 0.7, seed: int = 0) -> np.ndarray:
-    """Returns the prompt followed by `n_new` sampled token ids."""
-
-    @jax.jit
-    def next_logits(params, model_state, window_1T, pos):
-        model = nnx.merge(graphdef, params, model_state)
-        logits_1TV = model(window_1T).logits_BTV
-        return jax.lax.dynamic_index_in_dim(logits_1TV[0], pos, keepdims=False)
-
-    tokens = [int(t) for t in prompt_ids]
-    key = jax.random.key(seed)
-    for _ in range(n_new):
-        context = tokens[-seq_len:]
-        window = np.full((1, seq_len), pad_id, np.int32)
-        window[0, : len(context)] = context
-        logits_V = next_logits(params, model_state, jnp.asarray(window), len(context) - 1)
-        key, sub = jax.random.split(key)
-        if temperature > 0:
-            nxt = jax.random.categorical(sub, logits_V / temperature)
-        else:
-            nxt = jnp.argmax(logits_V)
-        tokens.append(int(nxt))
-    return np.asarray(tokens, np.int32)
+def generate(model_cfg: TransformerConfig, params, model_state, prompt_ids: np.ndarray,
+             n_new: int, temperature: float = 0.7, seed: int = 0,
+             stop_id: int | None = None) -> np.ndarray:
+    """Returns the prompt followed by up to `n_new` sampled token ids (temperature 0 =
+    greedy), ending before `stop_id` (the tokenizer's end of text) if it is drawn."""
+    gen = decode.generate(model_cfg, params, model_state, [list(prompt_ids)], n_new,
+                          temperature=temperature,
+                          stop_ids=() if stop_id is None else (stop_id,), seed=seed)
+    new = gen.tokens_BT[0, : gen.lengths_B[0]]
+    if stop_id is not None and len(new) and new[-1] == stop_id:
+        new = new[:-1]
+    return np.concatenate([np.asarray(prompt_ids, np.int32), new.astype(np.int32)])
