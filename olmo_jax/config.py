@@ -257,6 +257,19 @@ def check(run: RunConfig) -> RunConfig:
     return run
 
 
-__all__ = ["MOVED", "SECTIONS", "ConfigError", "RunConfig", "check", "default_config", "defaults",
-           "from_saved", "get_path", "has_path", "model_config", "parse", "set_path",
+def check_training(run: RunConfig) -> None:
+    """The rules of a config that is about to be trained (not of one read for a report or
+    a plan): the learning-rate warmup fits in the run unless optim.shorten_warmup says a
+    shortened one is intended."""
+    warmup, steps = run.optim.warmup_steps, run.trainer.max_steps
+    if warmup > steps and not run.optim.shorten_warmup:
+        raise ConfigError(
+            f"optim.warmup_steps={warmup} is longer than the run (trainer.max_steps={steps}): "
+            f"the warmup would be cut short; set --config.optim.warmup_steps to at most {steps} "
+            "(e.g. a tenth of the run), or --config.optim.shorten_warmup=True if that is intended"
+        )
+
+
+__all__ = ["MOVED", "SECTIONS", "ConfigError", "RunConfig", "check", "check_training",
+           "default_config", "defaults", "from_saved", "get_path", "has_path", "model_config", "parse", "set_path",
            "unknown_key_error", "upgrade", "validate"]

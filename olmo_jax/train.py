@@ -9,7 +9,9 @@ Multi-process runs (one process per host): add --coordinator HOST:PORT --num_pro
 
 Exit codes: 0 done or preempted (a checkpoint saved; rerun to resume), 1 training halted
 on bad steps (trainer.nan_policy), 2 bad input (config, data, checkpoint, run_dir,
-memory), 75 a lost process in a multi-process run (relaunch to resume).
+memory, a run folder another trainer owns), 74 a storage failure (a checkpoint write
+failed, e.g. a full disk; free space and rerun to resume), 75 a lost process in a
+multi-process run (relaunch to resume).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from absl import app, flags, logging
 
 from olmo_jax import cli, distributed, host_memory
 from olmo_jax import config as config_lib
-from olmo_jax.errors import ConfigError, DataError
+from olmo_jax.errors import ConfigError, DataError, StorageError
 
 # A multi-process launch (olmo_jax/distributed/launch.py): flags, else OLMO_JAX_* / SLURM.
 _COORDINATOR = flags.DEFINE_string(
@@ -50,6 +52,8 @@ def run_training(cfg) -> int:
         return distributed.report_error(str(e), cli.EXIT_BAD_INPUT)
     except TrainingHalted as e:
         return distributed.report_error(str(e), 1)
+    except StorageError as e:
+        return distributed.report_error(str(e), cli.EXIT_STORAGE)
     except BaseException as e:
         if jax.process_count() == 1 or isinstance(e, SystemExit):
             raise
