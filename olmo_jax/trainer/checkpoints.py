@@ -278,7 +278,7 @@ class RunCheckpoints:
             self.console.print(
                 f"[yellow]warning:[/] trainer.run_dir={self.run_dir} has {_mb(free)} free and a "
                 f"checkpoint takes about {_mb(need)}: fewer than two fit; free space or "
-                "move the run folder before a save fails", highlight=False)
+                "move the run folder before a save fails", highlight=False, soft_wrap=True)
 
     def _storage_error(self, step: int, err: BaseException) -> StorageError:
         complete = [s for s in self.ckpts.complete_steps_on_disk() if s != step]

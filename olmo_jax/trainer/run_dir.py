@@ -41,7 +41,7 @@ import traceback
 from pathlib import Path
 
 from olmo_jax.config import RunConfig
-from olmo_jax.errors import ConfigError
+from olmo_jax.errors import ConfigError, StorageError
 from olmo_jax.trainer.checkpoints import FREE_MODEL_FIELDS, FREE_MOE_FIELDS
 
 CONFIG_FILE = "config.json"
@@ -221,8 +221,10 @@ class _QuietHandler(logging.FileHandler):
 @contextlib.contextmanager
 def background_errors_to_log(run_dir: Path):
     """While training: orbax's and asyncio's log records and the tracebacks of background
-    threads and callbacks (sys.excepthook, threading.excepthook) go to run_dir/errors.log
-    instead of the terminal. The run reports a failure itself, as one `error:` line."""
+    threads and callbacks (sys.excepthook, threading.excepthook, sys.unraisablehook) go
+    to run_dir/errors.log instead of the terminal. The run reports a failure itself, as one
+    `error:` line; after a StorageError the redirection stays (orbax's threads are still
+    failing while the process ends)."""
     handler = _QuietHandler(run_dir / ERROR_LOG, delay=True)
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     loggers = [logging.getLogger(n) for n in ("absl", "asyncio", "orbax")]
@@ -230,7 +232,7 @@ def background_errors_to_log(run_dir: Path):
     for lg in loggers:
         lg.addHandler(handler)
         lg.propagate = False
-    hooks = sys.excepthook, threading.excepthook
+    hooks = sys.excepthook, threading.excepthook, sys.unraisablehook
 
     def to_log(exc_type, exc, tb, where: str = "callback") -> None:
         with contextlib.suppress(OSError, ValueError):
@@ -240,14 +242,26 @@ def background_errors_to_log(run_dir: Path):
     sys.excepthook = to_log
     threading.excepthook = lambda a: to_log(a.exc_type, a.exc_value, a.exc_traceback,
                                             f"thread {a.thread.name if a.thread else ''}")
+    # tensorstore's callbacks into a closed event loop (after a failed write) end here
+    sys.unraisablehook = lambda u: to_log(u.exc_type, u.exc_value, u.exc_traceback,
+                                          f"callback {u.err_msg or ''} {u.object!r}")
     try:
         yield run_dir / ERROR_LOG
-    finally:
-        sys.excepthook, threading.excepthook = hooks
-        for lg, propagate in saved:
-            lg.removeHandler(handler)
-            lg.propagate = propagate
-        handler.close()
+    except StorageError:
+        raise  # the redirection stays: orbax's failing threads may still report
+    except BaseException:
+        _restore(hooks, saved, handler)
+        raise
+    else:
+        _restore(hooks, saved, handler)
+
+
+def _restore(hooks, saved, handler) -> None:
+    sys.excepthook, threading.excepthook, sys.unraisablehook = hooks
+    for lg, propagate in saved:
+        lg.removeHandler(handler)
+        lg.propagate = propagate
+    handler.close()
 
 
 def write_config(run_dir: Path, cfg: RunConfig) -> None:
