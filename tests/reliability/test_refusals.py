@@ -67,3 +67,28 @@ def test_bad_input_is_one_error_line_and_leaves_nothing(refused, name):
     for part in parts:
         assert part in line, line
     assert not folder.exists(), sorted(folder.parent.rglob("*"))
+
+
+def test_a_run_file_that_cannot_be_written_is_a_storage_error(monkeypatch, capsys):
+    """A write failing for the storage's sake outside a checkpoint (metrics, config.json)
+    is one `error:` line naming the file, exit 74; any other OSError stays a crash."""
+    import errno
+
+    from olmo_jax import cli, train
+    from olmo_jax.trainer import loop
+
+    def full(cfg):
+        raise OSError(errno.ENOSPC, "No space left on device", "/runs/x/metrics.jsonl")
+
+    monkeypatch.setattr(train.config_lib, "validate", lambda cfg: cfg)
+    monkeypatch.setattr(loop, "train", full)
+    assert train.run_training(None) == cli.EXIT_STORAGE == 74
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot write /runs/x/metrics.jsonl: No space left on device"), err
+
+    def missing(cfg):
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", "/nowhere")
+
+    monkeypatch.setattr(loop, "train", missing)
+    with pytest.raises(FileNotFoundError):
+        train.run_training(None)
