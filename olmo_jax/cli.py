@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import os
 import runpy
 import sys
 from typing import NoReturn
@@ -20,6 +21,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 EXIT_BAD_INPUT = 2
+EXIT_STORAGE = 74  # EX_IOERR: writing the run folder failed (errors.StorageError)
 CONFIG_HELP = "Path to a config file (configs/*.py)."
 
 
@@ -44,6 +46,19 @@ def required_config(argv: list[str], flag=None):
     if cfg is None:
         raise app.UsageError("--config=configs/<name>.py is required")
     return cfg
+
+
+def _config_load_error(path: str, err: BaseException) -> str:
+    chain, e = [], err
+    while e is not None and e not in chain:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    for e in chain:
+        if isinstance(e, SyntaxError):
+            return (f"--config={path}: syntax error in {e.filename or path}, line {e.lineno}: "
+                    f"{e.msg}; fix the file")
+    cause = chain[-1]
+    return f"--config={path} cannot be loaded: {type(cause).__name__}: {cause}"
 
 
 def config_filename(flag_values: flags.FlagValues = flags.FLAGS) -> str:
@@ -92,8 +107,14 @@ def explain_parse_error(argv: list[str], err: Exception) -> str:
 def parse(argv: list[str], flag_values: flags.FlagValues = flags.FLAGS) -> list[str]:
     """flag_values(argv): the arguments left; a parse error raises UsageError naming the
     override or flag at fault."""
+    path = config_path(argv)
+    if path is not None and not os.path.isfile(path.split(":", 1)[0]):
+        raise UsageError(f"--config={path}: no such file {path.split(':', 1)[0]}; pass an "
+                         "existing config file, e.g. --config=configs/tiny.py")
     try:
         return flag_values(argv)
+    except (SyntaxError, OSError) as e:  # the config file is broken
+        raise UsageError(_config_load_error(path or "?", e)) from None
     except flags.UnrecognizedFlagError as e:
         raise UsageError(explain_parse_error(argv, e)) from None
     except flags.Error as e:

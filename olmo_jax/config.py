@@ -33,6 +33,7 @@ import ml_collections
 from olmo_jax.data.config import DataConfig
 from olmo_jax.errors import ConfigError
 from olmo_jax.model.config import RUN_DEFAULT, TransformerConfig
+from olmo_jax.optim import schedulers
 from olmo_jax.optim.config import OptimConfig
 from olmo_jax.parallel.config import ParallelConfig
 from olmo_jax.trainer.config import TrainerConfig
@@ -257,6 +258,35 @@ def check(run: RunConfig) -> RunConfig:
     return run
 
 
-__all__ = ["MOVED", "SECTIONS", "ConfigError", "RunConfig", "check", "default_config", "defaults",
-           "from_saved", "get_path", "has_path", "model_config", "parse", "set_path",
+def check_training(run: RunConfig) -> None:
+    """The rules of a config that is about to be trained (not of one read for a report or
+    a plan): the learning-rate warmup (and an OLMo-core scheduler's decay) fits in the run
+    unless optim.shorten_warmup says a shortened one is intended."""
+    if run.optim.shorten_warmup:
+        return
+    t = run.trainer
+    if run.optim.scheduler:
+        sched = schedulers.parse(run.optim.scheduler)
+        tokens = sched.units == "tokens"
+        t_max = t.budget_tokens if tokens else t.total_steps
+        phases = schedulers.fixed_phases(sched, t_max)
+        if phases and sum(phases.values()) > t_max:
+            unit = "tokens" if tokens else "steps"
+            parts = " + ".join(f"{k}={v}" for k, v in phases.items())
+            raise ConfigError(
+                f"optim.scheduler={run.optim.scheduler!r}: {parts} {unit} is longer than the run "
+                f"({t_max} {unit}: {t.binds}); shorten them, or set "
+                "--config.optim.shorten_warmup=True if that is intended")
+        return
+    warmup, steps = run.optim.warmup_steps, t.total_steps
+    if warmup > steps:
+        raise ConfigError(
+            f"optim.warmup_steps={warmup} is longer than the run ({t.binds}: {steps} steps): "
+            f"the warmup would be cut short; set --config.optim.warmup_steps to at most {steps} "
+            "(e.g. a tenth of the run), or --config.optim.shorten_warmup=True if that is intended"
+        )
+
+
+__all__ = ["MOVED", "SECTIONS", "ConfigError", "RunConfig", "check", "check_training",
+           "default_config", "defaults", "from_saved", "get_path", "has_path", "model_config", "parse", "set_path",
            "unknown_key_error", "upgrade", "validate"]

@@ -1,7 +1,8 @@
 """The package's exception types, at the bottom of the layers so every part can raise
 them: ConfigError for a wrong configuration value (every config section: model,
 parallel, optim, data, trainer), CheckpointError for checkpoint and conversion failures,
-DataError for token files, tokenizers and the data config."""
+DataError for token files, tokenizers and the data config, StorageError for a write to
+the run folder that failed (a full disk, an I/O error)."""
 
 
 class ConfigError(ValueError):
@@ -20,6 +21,13 @@ class DataError(ValueError):
     """A problem with token files, tokenizers or the data config that the user can fix.
 
     Every message names the offending file or config field and says how to fix it."""
+
+
+class StorageError(Exception):
+    """Writing the run's files failed (a full disk, an I/O error, a lost mount): not the
+    user's input but the storage under trainer.run_dir. The message names the run folder,
+    what was being written, the space needed and free, and the last complete checkpoint
+    (the command line exits with its own code, cli.EXIT_STORAGE)."""
 
 
 def check_choice(field: str, value, choices, one_of: bool = True) -> None:

@@ -9,11 +9,15 @@ Multi-process runs (one process per host): add --coordinator HOST:PORT --num_pro
 
 Exit codes: 0 done or preempted (a checkpoint saved; rerun to resume), 1 training halted
 on bad steps (trainer.nan_policy), 2 bad input (config, data, checkpoint, run_dir,
-memory), 75 a lost process in a multi-process run (relaunch to resume).
+memory, a run folder another trainer owns), 74 a storage failure (a checkpoint write
+failed, e.g. a full disk; free space and rerun to resume), 75 a lost process in a
+multi-process run (relaunch to resume).
 """
 
 from __future__ import annotations
 
+import errno
+import os
 import sys
 import traceback
 
@@ -22,7 +26,10 @@ from absl import app, flags, logging
 
 from olmo_jax import cli, distributed, host_memory
 from olmo_jax import config as config_lib
-from olmo_jax.errors import ConfigError, DataError
+from olmo_jax.errors import ConfigError, DataError, StorageError
+
+# A write that failed for the storage's sake (exit cli.EXIT_STORAGE, not a traceback).
+STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS}
 
 # A multi-process launch (olmo_jax/distributed/launch.py): flags, else OLMO_JAX_* / SLURM.
 _COORDINATOR = flags.DEFINE_string(
@@ -50,6 +57,15 @@ def run_training(cfg) -> int:
         return distributed.report_error(str(e), cli.EXIT_BAD_INPUT)
     except TrainingHalted as e:
         return distributed.report_error(str(e), 1)
+    except StorageError as e:
+        return distributed.report_error(str(e), cli.EXIT_STORAGE)
+    except OSError as e:
+        if e.errno not in STORAGE_ERRNOS:
+            raise
+        return distributed.report_error(
+            f"cannot write {e.filename or 'a file of the run'}: {e.strerror}; free space (or fix "
+            "the storage), then run the same command again to resume from the last checkpoint",
+            cli.EXIT_STORAGE)
     except BaseException as e:
         if jax.process_count() == 1 or isinstance(e, SystemExit):
             raise
@@ -74,7 +90,12 @@ def main(argv: list[str]) -> None:
         distributed.initialize(launch, trainer.peer_timeout_s)
     except ConfigError as e:
         cli.fail(str(e))
-    sys.exit(run_training(cfg))
+    code = run_training(cfg)
+    if code == cli.EXIT_STORAGE:  # orbax's failed writer threads would delay and litter the exit
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def run() -> None:

@@ -52,6 +52,7 @@ SLOW = (
     "tests/parallel/test_pipeline.py",
     "tests/planner/test_plan_compiled.py",
     "tests/planner/test_plan_xla_gpu.py",
+    "tests/reliability/test_run_faults.py",
     "tests/report/test_report_browser.py",
     "tests/tools/test_gpu_check.py",
     "tests/trainer/test_mixture_run.py",

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,26 @@ class Checkpoints:
         if data_iter is not None:  # a snapshot: the stream moves on while the save runs
             args[DATA_ITER] = grain.checkpoint.CheckpointSave(_IteratorState(data_iter))
         self._mgr.save(step, args=ocp.args.Composite(**args), force=True)
+
+    def poll(self) -> bool:
+        """Whether no save is in flight; raises the error of the last asynchronous save if
+        it failed (never waits for a save in progress)."""
+        if self._mgr.is_saving_in_progress():
+            return False
+        self._mgr.wait_until_finished()  # the finished save's thread: joined, its error raised
+        return True
+
+    def complete_steps_on_disk(self) -> list[int]:
+        """The steps whose folders exist under their final names (orbax renames a save's
+        temporary folder only once every file is written), read from the disk."""
+        if not self.directory.is_dir():
+            return []
+        return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit())
+
+    def remove_temporary(self, step: int) -> None:
+        """Deletes the temporary folder(s) of an interrupted or failed save of `step`."""
+        for p in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+            shutil.rmtree(p, ignore_errors=True)
 
     def wait(self) -> None:
         """Blocks until the last save is complete on disk."""

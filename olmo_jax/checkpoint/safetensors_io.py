@@ -61,7 +61,20 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 
 def read_file(path: Path) -> dict[str, np.ndarray]:
-    """Every tensor of one safetensors file, by name."""
+    """Every tensor of one safetensors file, by name; CheckpointError naming the file when
+    it is truncated or corrupt."""
+    try:
+        return _read_file(path)
+    except CheckpointError:
+        raise
+    except Exception as e:  # safetensors' SafetensorError (and OSError) of a damaged file
+        raise CheckpointError(
+            f"safetensors file {path} is truncated or corrupt ({type(e).__name__}: {e}); "
+            "download or copy it again"
+        ) from e
+
+
+def _read_file(path: Path) -> dict[str, np.ndarray]:
     st = _safetensors()
     tensors: dict[str, np.ndarray] = {}
     with st.safe_open(str(path), framework="numpy") as f:

@@ -241,6 +241,9 @@ def _mapping(value: Any) -> dict:
 def _token_files(paths: list, where: str, dtype: np.dtype, vocab_size: int,
                  hint: str = "") -> list[TokenFile]:
     for i, path in enumerate(paths):
+        if Path(path).expanduser().is_dir():
+            raise DataError(f"{where}[{i}]: {path} is a directory, not a token file; list the "
+                            "token files in it (data.paths takes files)")
         if not Path(path).expanduser().is_file():
             raise DataError(
                 f"{where}[{i}]: token file {path} does not exist; make one from text "

@@ -3,9 +3,12 @@
 holds the vocabulary's largest id (OLMo-core's `get_dtype` rule). Documents inside a file
 are separated by EOS.
 
-`TokenFile` memory-maps one read-only and checks it: size against the dtype on open, token
-ids against the vocabulary on every read (and over the whole file on open for files under
-`FULL_CHECK_BYTES`). `write_token_file` writes one atomically.
+`TokenFile` opens one read-only and checks it: size against the dtype on open, token ids
+against the vocabulary on every read (and over the whole file on open for files under
+`FULL_CHECK_BYTES`). Reads are `os.pread`s of the open file, after a check (`fstat`) that
+it still has the size and modification time it was opened with: a file truncated,
+extended or rewritten under a running job is a DataError naming it, never a SIGBUS of a
+memory-mapped page past its end. `write_token_file` writes one atomically.
 """
 
 from __future__ import annotations
@@ -53,6 +56,11 @@ class TokenFile:
         self.path = Path(path)
         self.dtype = token_dtype(dtype)
         self.vocab_size = vocab_size
+        if self.path.is_dir():
+            raise DataError(
+                f"token file {self.path} is a directory; list the token files in it, "
+                f"e.g. {self.path}/part-0.npy (data.paths takes files)"
+            )
         if not self.path.is_file():
             raise DataError(
                 f"token file {self.path} does not exist; make one from text files with "
@@ -72,21 +80,51 @@ class TokenFile:
                 f"token file {self.path} has {n_bytes} bytes, not a whole number of "
                 f"{self.dtype.name} tokens ({self.dtype.itemsize} bytes each); {hint}"
             )
-        self.tokens = np.memmap(self.path, dtype=self.dtype, mode="r")
+        self._fd = os.open(self.path, os.O_RDONLY)
+        opened = os.fstat(self._fd)
+        self._opened = (opened.st_size, opened.st_mtime_ns)
+        self._n = opened.st_size // self.dtype.itemsize
         if n_bytes < FULL_CHECK_BYTES:
-            self._check_vocab(self.tokens, offset=0)
+            self[0:self._n]  # every token against the vocabulary
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """The whole file as a read-only array (a memory map: for inspection, not training)."""
+        return np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self._n,))
 
     def __len__(self) -> int:
-        return len(self.tokens)
+        return self._n
+
+    def _changed(self, detail: str) -> DataError:
+        return DataError(
+            f"token file {self.path} changed while the run was reading it ({detail}); a token "
+            "file must not be rewritten or truncated during a run: restore it (the run resumes "
+            "from its last checkpoint), or write new data to a new file and start a new run"
+        )
 
     def __getitem__(self, span: slice) -> np.ndarray:
-        """Tokens `span` (a slice with step 1) as int32, checked against the vocabulary."""
-        start, stop, step = span.indices(len(self.tokens))
+        """Tokens `span` (a slice with step 1) as int32, checked against the vocabulary;
+        DataError if the file changed since it was opened."""
+        start, stop, step = span.indices(self._n)
         if step != 1:
             raise ValueError(f"TokenFile reads contiguous slices; got step {step}")
-        tokens_N = np.asarray(self.tokens[start:stop])
+        now = os.fstat(self._fd)
+        if (now.st_size, now.st_mtime_ns) != self._opened:
+            size = self._opened[0]
+            raise self._changed(f"{size} bytes when opened, {now.st_size} now" if
+                                now.st_size != size else "modified since it was opened")
+        n_bytes = max(stop - start, 0) * self.dtype.itemsize
+        data = os.pread(self._fd, n_bytes, start * self.dtype.itemsize)
+        if len(data) != n_bytes:  # shrank between the check and the read
+            raise self._changed(f"a read at token {start} came back short")
+        tokens_N = np.frombuffer(data, self.dtype)
         self._check_vocab(tokens_N, offset=start)
         return tokens_N.astype(np.int32)
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            os.close(fd)
 
     def _check_vocab(self, tokens_N: np.ndarray, offset: int) -> None:
         if len(tokens_N) == 0 or tokens_N.max() < self.vocab_size:

@@ -17,6 +17,7 @@ class OptimConfig:
     lr: float = 3e-3
     schedule: str = "cosine"  # schedules.LR_SCHEDULES: cosine | wsd | constant
     warmup_steps: int = 20
+    shorten_warmup: bool = False  # True: a warmup_steps > trainer.max_steps is cut to the run (else refused)
     min_lr_ratio: float = 0.1  # final lr / peak lr
     decay_fraction: float = 0.2  # wsd: fraction of steps spent decaying
     # OLMo-core's scheduler, as its Python writes it (optim/schedulers.py), e.g.

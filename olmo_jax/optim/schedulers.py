@@ -107,6 +107,18 @@ def _decay_of(s, t_max: int) -> int:
 # ----------------------------------------------------------------------------- schedulers
 
 
+def fixed_phases(s, t_max: int) -> dict[str, int]:
+    """The warmup and decay lengths scheduler `s` takes from a run of `t_max` (its units),
+    for the check that they fit in the run (config.check_training); a sequential or
+    composed schedule's own phases are not summed (empty)."""
+    phases = {}
+    if getattr(s, "warmup", None) is not None or getattr(s, "warmup_fraction", None) is not None:
+        phases["warmup"] = _warmup_of(s, t_max)
+    if getattr(s, "decay", None) is not None or getattr(s, "decay_fraction", None) is not None:
+        phases["decay"] = _decay_of(s, t_max)
+    return phases
+
+
 @dataclass
 class Scheduler:
     units: str = "steps"

@@ -13,6 +13,11 @@ trainer.
   therefore appears once, with the values of the run that produced the checkpoints.
 - Save: every `trainer.save_every` steps and at the last step (max_steps or hard_stop),
   asynchronously; `trainer.keep_last` newest kept, plus multiples of `trainer.keep_every`.
+- A failed save (a full disk, an I/O error) stops the run: the loop polls the save in
+  flight after every step, and the next save or the end waits for it. The failure is one
+  StorageError naming the run folder, the cause, the space a checkpoint takes and the space
+  free, and the last complete checkpoint; the failed save's temporary folder is removed.
+  At start, a warning when fewer than two checkpoints fit in the free space.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,7 +35,7 @@ import jax.numpy as jnp
 from rich.console import Console
 
 from olmo_jax.checkpoint import manager as m
-from olmo_jax.errors import CheckpointError
+from olmo_jax.errors import CheckpointError, StorageError
 from olmo_jax.model.config import TransformerConfig
 from olmo_jax.trainer.config import TrainerConfig
 from olmo_jax.trainer.state import TrainState, initial_rng
@@ -72,6 +78,30 @@ def _fresh_guard(abstract: TrainState, shardings: TrainState):
     """A new bad-step guard state (all zeros, as trainer/guard.py init_guard), placed."""
     return jax.device_put(
         jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), abstract.guard), shardings.guard)
+
+
+def tree_bytes(tree) -> int:
+    """The bytes of the arrays (or ShapeDtypeStructs) of `tree`, as a whole (all shards)."""
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def _cause(err: BaseException) -> str:
+    """The first line of the deepest message of `err`'s chain, shortened."""
+    text = " ".join(str(e) for e in (err, err.__cause__, err.__context__) if e is not None)
+    if "No space left on device" in text or "os_error_code='28'" in text:
+        return "no space left on device"
+    if "Disk quota exceeded" in text:
+        return "disk quota exceeded"
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return f"{type(err).__name__}: {first[:300]}"
 
 
 def truncate_metrics(path: Path, step: int) -> list[dict]:
@@ -124,6 +154,10 @@ class RunCheckpoints:
         self.resumed_from: int | None = None
         self.previous_records: list[dict] = []
         self.last_saved: int | None = self.latest
+        self.run_dir = run_dir
+        self.pending: int | None = None  # the step of the save in flight
+        self.failure: StorageError | None = None
+        self.checkpoint_bytes = 0  # set by start(): what one checkpoint takes
         # The grain iterator state (data/stream.py) of the checkpoint resumed from, if any.
         self.iterator_state: dict | None = None
 
@@ -167,6 +201,9 @@ class RunCheckpoints:
         `abstract` is the state's structure (ShapeDtypeStructs); nothing is initialized
         (or allocated twice) when a checkpoint provides the values."""
         t = self.trainer
+        self.checkpoint_bytes = tree_bytes(model_tree(abstract)) + tree_bytes(train_tree(abstract))
+        if jax.process_index() == 0:
+            self._check_space()
         try:
             if self.latest is not None:
                 return self._resume(self.latest, abstract, shardings, train_loader, metrics_path)
@@ -231,6 +268,55 @@ class RunCheckpoints:
             guard=train["guard"],
         )
 
+    def _check_space(self) -> None:
+        """A warning when fewer than two checkpoints fit in the run folder's free space."""
+        free = shutil.disk_usage(self.run_dir).free
+        need = self.checkpoint_bytes
+        if self.latest is not None:  # what one really takes on disk
+            need = max(need, folder_bytes(self.ckpts.step_dir(self.latest)))
+        if free < 2 * need:
+            self.console.print(
+                f"[yellow]warning:[/] trainer.run_dir={self.run_dir} has {_mb(free)} free and a "
+                f"checkpoint takes about {_mb(need)}: fewer than two fit; free space or "
+                "move the run folder before a save fails", highlight=False, soft_wrap=True)
+
+    def _storage_error(self, step: int, err: BaseException) -> StorageError:
+        complete = [s for s in self.ckpts.complete_steps_on_disk() if s != step]
+        last = (f"the last complete checkpoint is step {complete[-1]} "
+                f"({self.ckpts.step_dir(complete[-1])}); free space (or move the folder), then "
+                "run the same command again to resume from it" if complete else
+                "there is no complete checkpoint yet; free space (or choose another "
+                "trainer.run_dir) and start again")
+        need = self.checkpoint_bytes
+        if complete:
+            need = max(need, folder_bytes(self.ckpts.step_dir(complete[-1])))
+        free = shutil.disk_usage(self.run_dir).free
+        return StorageError(
+            f"cannot write checkpoint step {step} in trainer.run_dir={self.run_dir}: "
+            f"{_cause(err)} (a checkpoint takes about {_mb(need)}, {_mb(free)} is free); "
+            f"{last}. The run stopped; details in "
+            f"{self.run_dir / 'errors.log'}")
+
+    def _guarded(self, step: int, action: Callable[[], object]):
+        """action() of the save of `step`; a failure stops the run as one StorageError
+        (its temporary folder removed, orbax's threads stopped)."""
+        try:
+            return action()
+        except Exception as e:
+            self.failure = self._storage_error(step, e)
+            self.pending = None
+            try:
+                self.ckpts.close()
+            except Exception:  # the failed save again: already reported
+                pass
+            self.ckpts.remove_temporary(step)
+            raise self.failure from e
+
+    def poll(self) -> None:
+        """Raises StorageError when the save in flight has failed (never waits for it)."""
+        if self.pending is not None and self._guarded(self.pending, self.ckpts.poll):
+            self.pending = None
+
     @property
     def resumed(self) -> bool:
         return self.resumed_from is not None
@@ -254,15 +340,24 @@ class RunCheckpoints:
                 raise CheckpointError(
                     f"the data stream is at step {data_iter['next_index']} when saving step {step}")
         config = {"config": self.run_config, "model": m.model_config_to_dict(self.model_cfg)}
-        self.ckpts.save(
+        if self.pending is not None:  # the previous save must have succeeded
+            self._guarded(self.pending, self.ckpts.wait)
+            self.pending = None
+        self._guarded(step, lambda: self.ckpts.save(
             step,
             model=model_tree(state),
             train=train_tree(state),
             json_items={m.DATA: train_loader.state_dict(), m.CONFIG: config},
             data_iter=data_iter,
-        )
-        self.last_saved = step
+        ))
+        self.pending = self.last_saved = step
 
     def close(self) -> None:
-        """Waits for the last save to be complete on disk."""
-        self.ckpts.close()
+        """Waits for the last save to be complete on disk (StorageError if it failed)."""
+        if self.failure is not None:
+            return  # closed when it failed
+        if self.pending is None:
+            self.ckpts.close()
+            return
+        step, self.pending = self.pending, None
+        self._guarded(step, self.ckpts.close)

@@ -147,6 +147,7 @@ class Checkpointing:
         self.preempted: tuple[str, int] | None = None
 
     def on_step(self, step: int, state, metrics: dict) -> None:
+        self.checkpoints.poll()  # a failed asynchronous save stops the run here
         preempt_now = self.preempt.requested(step)
         force = step == self.stop or preempt_now
         if self.checkpoints.due(step, force):  # never save a halted run's state

@@ -25,13 +25,14 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from olmo_jax import config as config_lib
 from olmo_jax import distributed
 from olmo_jax import metrics as metrics_lib
 from olmo_jax.config import RunConfig
 from olmo_jax.data import build_data
 from olmo_jax.data.build import Data
 from olmo_jax.data.mixture import MIXTURE_FILE
-from olmo_jax.errors import CheckpointError, ConfigError
+from olmo_jax.errors import CheckpointError, ConfigError, DataError
 from olmo_jax.model.config import TransformerConfig
 from olmo_jax.optim import build_optimizer
 from olmo_jax.parallel.strategy import build_plan
@@ -133,11 +134,10 @@ def _model_config(cfg: RunConfig, data) -> TransformerConfig:
     return model_cfg
 
 
-def _build(cfg: RunConfig, console: Console, main: bool) -> _Run:
+def _build(cfg: RunConfig, console: Console, main: bool, run_dir: Path) -> _Run:
     """Data, model, plan, optimizer, checkpoints and the (uncompiled) step functions, from
-    the validated sections (config.validate)."""
+    the validated sections (config.validate), for the run folder `run_dir`."""
     t_cfg = cfg.trainer
-    run_dir = run_dir_lib.prepare(cfg)  # writable; no different run in it (trainer.overwrite)
     data = build_data(cfg.data, t_cfg.seq_len, t_cfg.global_batch_size,
                       cfg.data.order_seed(t_cfg.seed), t_cfg.cache_dir,
                       run_tokens=t_cfg.total_steps * t_cfg.tokens_per_step)
@@ -350,10 +350,26 @@ def _sample(run: _Run, state) -> str:
 
 def train(cfg: RunConfig, console: Console | None = None) -> Summary:
     """Trains the run of the validated config `cfg` (config.validate of a ConfigDict)."""
+    config_lib.check_training(cfg)
     main = distributed.is_main()
     console = console or Console(quiet=not main)
-    run = _build(cfg, console, main)
-    compiled, memory, compile_s = _preflight(run)
+    # Writable, owned by this run (process 0's lock), no different run in it.
+    folder = run_dir_lib.RunFolder(cfg, main)
+    try:
+        run = _build(cfg, console, main, folder.path)
+        compiled, memory, compile_s = _preflight(run)
+    except BaseException as e:  # refused: what this launch created goes again
+        folder.release(refused=isinstance(e, (ConfigError, DataError)))
+        raise
+    try:
+        with run_dir_lib.background_errors_to_log(folder.path):
+            return _train(run, compiled, memory, compile_s)
+    finally:
+        folder.release()
+
+
+def _train(run: _Run, compiled, memory, compile_s: float) -> Summary:
+    cfg, console, main = run.cfg, run.console, run.main
     if main:
         run_dir_lib.write_config(run.run_dir, cfg)
         mesh_json = json.dumps(dict(run.plan.mesh.shape))

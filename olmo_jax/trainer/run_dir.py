@@ -8,6 +8,17 @@
   steps) is refused, naming the fields, unless trainer.overwrite=True: then the old file
   is kept as config.replaced-<time>.json and the run goes on with the new config (it still
   resumes from the folder's checkpoints, whose architecture trainer/checkpoints.py checks).
+- One owner: process 0 of a training run holds an exclusive lock (`flock`) on the folder's
+  `owner.lock` (holding "pid P on host H") for as long as it trains; the kernel drops it
+  when the process ends, however it ends (kill -9 included), so no stale lock is left. A
+  second trainer on the folder is refused at once, naming the owner. Readers (report,
+  convert) take no lock.
+- A refused launch leaves nothing behind: a folder this launch created is removed again
+  (with the empty folders and the lock file in it) when the run is refused before it
+  wrote anything of its own.
+- Background errors (orbax's and asyncio's threads, e.g. a failed asynchronous checkpoint
+  write) go to the folder's `errors.log`, not to the terminal: the run reports the failure
+  as one `error:` line (trainer/checkpoints.py).
 - Fields that may change between launches of one run: where and how it runs (parallel.*,
   intervals, hard_stop, the reliability knobs, the metric sinks and profiler, the named
   eval sets, data read-ahead) and the model fields a checkpoint does not
@@ -16,17 +27,26 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import logging
 import os
+import socket
+import sys
 import tempfile
+import threading
 import time
+import traceback
 from pathlib import Path
 
 from olmo_jax.config import RunConfig
-from olmo_jax.errors import ConfigError
+from olmo_jax.errors import ConfigError, StorageError
 from olmo_jax.trainer.checkpoints import FREE_MODEL_FIELDS, FREE_MOE_FIELDS
 
 CONFIG_FILE = "config.json"
+LOCK_FILE = "owner.lock"
+ERROR_LOG = "errors.log"
 FREE_TRAINER_FIELDS = {
     "run_dir", "cache_dir", "log_every", "eval_every", "eval_batches", "expert_counts_every",
     "sample_prompt", "sample_tokens", "sample_temperature", "save_every", "keep_last", "keep_every", "resume",
@@ -74,9 +94,25 @@ def differences(saved: dict, current: dict) -> list[tuple[str, object, object]]:
     return [(k, a[k], b[k]) for k in a if k in b and a[k] != b[k] and not _is_free(k)]
 
 
+def _missing(run_dir: Path) -> list[Path]:
+    """run_dir and its ancestors that do not exist yet (deepest first)."""
+    out = []
+    for p in (run_dir, *run_dir.absolute().parents):
+        if p.exists():
+            break
+        out.append(p)
+    return out
+
+
 def prepare(cfg: RunConfig) -> Path:
     """Creates trainer.run_dir, checks it is writable and that it does not hold a run with a
     different config (unless trainer.overwrite). Returns the folder."""
+    run_dir = _writable(cfg)
+    _check_saved_config(cfg, run_dir)
+    return run_dir
+
+
+def _writable(cfg: RunConfig) -> Path:
     run_dir = Path(cfg.trainer.run_dir).expanduser()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -87,9 +123,13 @@ def prepare(cfg: RunConfig) -> Path:
             f"trainer.run_dir={cfg.trainer.run_dir} cannot be written to ({e.strerror or e}); "
             "choose a folder you can write (the run's checkpoints and metrics go there)"
         ) from e
+    return run_dir
+
+
+def _check_saved_config(cfg: RunConfig, run_dir: Path) -> None:
     saved_path = run_dir / CONFIG_FILE
     if not saved_path.is_file():
-        return run_dir
+        return
     try:
         saved = json.loads(saved_path.read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -107,7 +147,121 @@ def prepare(cfg: RunConfig) -> Path:
             "trainer.run_dir, or pass --config.trainer.overwrite=True to continue it with this "
             "config"
         )
-    return run_dir
+
+
+def _holder(fd: int) -> str:
+    """The owner line of a lock file (the owner may be writing it this instant)."""
+    for _ in range(20):
+        text = os.pread(fd, 200, 0).decode(errors="replace").strip()
+        if text:
+            return text
+        time.sleep(0.05)
+    return "an owner that has not written its pid yet"
+
+
+class RunFolder:
+    """trainer.run_dir of a training run, owned (locked) by process 0; `path` is the folder.
+    `release(refused=True)` also removes what this launch created, when it owns the folder."""
+
+    def __init__(self, cfg: RunConfig, main: bool):
+        self.created = _missing(Path(cfg.trainer.run_dir).expanduser())
+        self.path = _writable(cfg)
+        self._fd: int | None = None
+        if main:
+            self._lock(cfg)
+        try:
+            _check_saved_config(cfg, self.path)
+        except BaseException:
+            self.release(refused=True)
+            raise
+
+    def _lock(self, cfg: RunConfig) -> None:
+        fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = _holder(fd)
+            os.close(fd)
+            raise ConfigError(
+                f"trainer.run_dir={cfg.trainer.run_dir} is in use by another trainer ({holder}; "
+                f"{self.path / LOCK_FILE}): wait for it to end or stop it, or choose another "
+                "trainer.run_dir"
+            ) from e
+        self._fd = fd
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()} since {stamp}\n"
+                      .encode(), 0)
+        except OSError:  # a full disk: the lock holds all the same
+            pass
+
+    def release(self, refused: bool = False) -> None:
+        """Drops the lock; `refused`: the run wrote nothing of its own, so the folders this
+        launch created (and only empty ones) and its lock file go too."""
+        if self._fd is None:
+            return
+        if refused and self.created:
+            (self.path / LOCK_FILE).unlink(missing_ok=True)
+            for root, _dirs, _files in sorted(os.walk(self.path), key=lambda w: -len(w[0])):
+                with contextlib.suppress(OSError):
+                    os.rmdir(root)  # only empty folders
+            for p in self.created[1:]:
+                with contextlib.suppress(OSError):
+                    p.rmdir()
+        os.close(self._fd)  # closing drops the flock
+        self._fd = None
+
+
+class _QuietHandler(logging.FileHandler):
+    def handleError(self, record) -> None:  # a full disk: the log line is lost, quietly
+        pass
+
+
+@contextlib.contextmanager
+def background_errors_to_log(run_dir: Path):
+    """While training: orbax's and asyncio's log records and the tracebacks of background
+    threads and callbacks (sys.excepthook, threading.excepthook, sys.unraisablehook) go
+    to run_dir/errors.log instead of the terminal. The run reports a failure itself, as one
+    `error:` line; after a StorageError the redirection stays (orbax's threads are still
+    failing while the process ends)."""
+    handler = _QuietHandler(run_dir / ERROR_LOG, delay=True)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    loggers = [logging.getLogger(n) for n in ("absl", "asyncio", "orbax")]
+    saved = [(lg, lg.propagate) for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.propagate = False
+    hooks = sys.excepthook, threading.excepthook, sys.unraisablehook
+
+    def to_log(exc_type, exc, tb, where: str = "callback") -> None:
+        with contextlib.suppress(OSError, ValueError):
+            text = "".join(traceback.format_exception(exc_type, exc, tb))
+            logging.getLogger("asyncio").error("uncaught in a background %s:\n%s", where, text)
+
+    sys.excepthook = to_log
+    threading.excepthook = lambda a: to_log(a.exc_type, a.exc_value, a.exc_traceback,
+                                            f"thread {a.thread.name if a.thread else ''}")
+    # tensorstore's callbacks into a closed event loop (after a failed write) end here
+    sys.unraisablehook = lambda u: to_log(u.exc_type, u.exc_value, u.exc_traceback,
+                                          f"callback {u.err_msg or ''} {u.object!r}")
+    try:
+        yield run_dir / ERROR_LOG
+    except StorageError:
+        raise  # the redirection stays: orbax's failing threads may still report
+    except BaseException:
+        _restore(hooks, saved, handler)
+        raise
+    else:
+        _restore(hooks, saved, handler)
+
+
+def _restore(hooks, saved, handler) -> None:
+    sys.excepthook, threading.excepthook, sys.unraisablehook = hooks
+    for lg, propagate in saved:
+        lg.removeHandler(handler)
+        lg.propagate = propagate
+    handler.close()
 
 
 def write_config(run_dir: Path, cfg: RunConfig) -> None:

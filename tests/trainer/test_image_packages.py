@@ -69,7 +69,8 @@ def test_the_carried_wheels_need_nothing_else():
 def test_tiny_trains_with_the_gpu_images_packages(tmp_path):
     modules_path, run_dir = tmp_path / "modules.json", tmp_path / "run"
     args = [
-        "--config=configs/tiny.py", "--config.trainer.max_steps=5", f"--config.trainer.run_dir={run_dir}",
+        "--config=configs/tiny.py", "--config.trainer.max_steps=5", "--config.optim.shorten_warmup=True",
+        f"--config.trainer.run_dir={run_dir}",
         "--config.trainer.log_every=1", "--config.trainer.eval_every=5", "--config.trainer.eval_batches=1",
         "--config.trainer.global_batch_size=8", "--config.trainer.seq_len=64", "--config.model.n_layers=2",
     ]

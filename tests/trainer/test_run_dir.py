@@ -49,3 +49,32 @@ def test_unreadable_config_json(tmp_path):
     (tmp_path / "run" / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match=r"config.json .* cannot be read"):
         run_dir.prepare(config_lib.parse(run_config(tmp_path / "run")))
+
+
+def test_one_owner_and_a_refused_launch_leaves_nothing(tmp_path):
+    """The owner's lock refuses a second owner naming its pid (a second open file in this
+    very process is refused as another process would be); a refused launch removes the
+    folders it created, only empty ones."""
+    import os
+    import socket
+
+    cfg = config_lib.parse(run_config(tmp_path / "new" / "run"))
+    owner = run_dir.RunFolder(cfg, main=True)
+    assert f"pid {os.getpid()} on host {socket.gethostname()}" in (
+        owner.path / run_dir.LOCK_FILE).read_text()
+    with pytest.raises(ConfigError, match=rf"trainer.run_dir=.*new/run is in use by another "
+                                          rf"trainer \(pid {os.getpid()} on host"):
+        run_dir.RunFolder(cfg, main=True)
+    reader = run_dir.RunFolder(cfg, main=False)  # not process 0: no lock
+    reader.release(refused=True)
+    (owner.path / "checkpoints").mkdir()
+    owner.release(refused=True)
+    assert not (tmp_path / "new").exists()
+
+    (tmp_path / "kept").mkdir()
+    cfg = config_lib.parse(run_config(tmp_path / "kept" / "run"))
+    owner = run_dir.RunFolder(cfg, main=True)
+    (owner.path / "metrics.jsonl").write_text("")
+    owner.release(refused=True)  # a file it did not make: the folder stays
+    assert (owner.path / "metrics.jsonl").is_file()
+    run_dir.RunFolder(cfg, main=True).release()  # the lock was dropped

@@ -22,6 +22,7 @@ def _config(run_dir, pipe: bool):
     # Rowwise receive slots that can never overflow (>= num_experts / top_k): the two meshes
     # size their slots per shard, so with drops they would train different functions.
     m.moe.capacity_factor = 2.0
+    cfg.optim.shorten_warmup = True  # the default 20-step warmup, cut to the 3 steps
     t = cfg.trainer
     t.run_dir, t.max_steps, t.log_every, t.eval_every, t.eval_batches = str(run_dir), 3, 1, 0, 1
     t.global_batch_size, t.seq_len, t.sample_tokens, t.save_every = 16, 32, 0, 0
