@@ -32,6 +32,11 @@ class DataConfig:
     # each logged as eval/<name>/loss and eval/<name>/perplexity (olmo_jax/data/loader.py).
     eval_sets: dict = field(default_factory=dict)
     prefetch: int = 2  # batches the grain pipeline reads ahead on its own thread (0 = none)
+    # Document masking, as OLMo-core's: the documents packed into an instance (each ended by
+    # the tokenizer's EOS, as loader.document_lengths cuts them) do not attend to each other
+    # and their RoPE positions restart at 0 (model.doc_mask_eos). False = plain causal
+    # attention across the whole instance (OLMo-core's default).
+    doc_mask: bool = False
 
     def validate(self, prefix: str = "data") -> DataConfig:
         if self.prefetch < 0:
