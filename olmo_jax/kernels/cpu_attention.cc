@@ -15,8 +15,9 @@
 // float32 only. Items: (batch, query head) forward, (batch, kv head) backward (each owns
 // the rows of its outputs), spread over XLA's intra-op thread pool.
 //
-// Document masking (the *_doc handlers): an int32 [B, T] input `start`, the first key each
-// query may attend (its document's start, non-decreasing along a row). Query i attends keys
+// Document masking and sliding windows (the *_doc handlers): an int32 [B, T] input `start`,
+// the first key each query may attend (its document's start, or its window's, whichever
+// is later; non-decreasing along a row). Query i attends keys
 // [start[i], i]; block [r0, r1) multiplies against keys [start[r0], r1) only, so the
 // blocks before the first document of the block are skipped as those above the diagonal
 // are. Without it start is 0 everywhere and the arithmetic is the causal handlers'.

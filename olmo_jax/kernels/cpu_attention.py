@@ -5,9 +5,10 @@
 - `causal_attention`: the core, flash attention's math in query blocks of 64 rows, each
   block's scores one SGEMM through numpy's OpenBLAS into a per-thread buffer, the blocks
   above the diagonal skipped; the forward saves only the output and the log-sum-exp.
-  With segment ids (document masking) each query attends only to the keys from its
-  document's start: the kernel reads the first key of every query (int32 [B, T]) and
-  skips the blocks before a query block's first document too;
+  With segment ids (document masking) or a sliding window each query attends only to
+  the keys from its first key on (its document's start, its window's): the kernel reads
+  the first key of every query (int32 [B, T]) and skips the keys before a query block's
+  first query's first key too;
 Forward and each custom VJP's backward are one call each.
 
 q [B, T, N, H], k and v [B, T, K, H] (grouped-query: query head n uses kv head n // (N/K)),
@@ -75,23 +76,28 @@ def _attention_bwd(res, do_BTNH):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-@shapes.check("-> B T")
-def document_starts(segment_ids_BT: jax.Array) -> jax.Array:
-    """The first key each query may attend under document masking, int32 [B, T]: the
-    position where its segment began (equal ids contiguous along a row)."""
-    B, T = segment_ids_BT.shape
+def first_keys(B: int, T: int, segment_ids_BT: jax.Array | None, window: int) -> jax.Array:
+    """The first key each query may attend, int32 [B, T], non-decreasing along a row: the
+    position where its segment began (equal ids contiguous along a row; 0 without
+    segments), and with a `window` W > 0 no earlier than t - W + 1."""
     t_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    starts_BT = jnp.concatenate(
-        [jnp.ones((B, 1), bool), segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1)
-    return jax.lax.cummax(jnp.where(starts_BT, t_BT, 0), axis=1)
+    first_BT = jnp.zeros((B, T), jnp.int32)
+    if segment_ids_BT is not None:
+        starts_BT = jnp.concatenate(
+            [jnp.ones((B, 1), bool), segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1)
+        first_BT = jax.lax.cummax(jnp.where(starts_BT, t_BT, 0), axis=1)
+    if window > 0:
+        first_BT = jnp.maximum(first_BT, t_BT - (window - 1))
+    return first_BT
 
 
 @shapes.check("-> B T N H")
 def causal_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array,
-                     segment_ids_BT: jax.Array | None = None) -> jax.Array:
+                     segment_ids_BT: jax.Array | None = None, window: int = 0) -> jax.Array:
     """softmax(q k^T / sqrt(H)) v under a causal mask, [B, T, N, H] (float32 only);
     differentiable in q, k and v. `segment_ids_BT` (int32 [B, T]): a query attends only
-    to keys of its own segment (None = causal only). Raises Unavailable (with the reason)
+    to keys of its own segment (None = causal only); `window` > 0: only to the last
+    `window` keys up to its own position (sliding window). Raises Unavailable (with the reason)
     where the kernels cannot be built, ValueError for other dtypes or shapes."""
     arrays = (q_BTNH, k_BTKH, v_BTKH)
     if any(jnp.dtype(a.dtype) != jnp.float32 for a in arrays):
@@ -104,7 +110,9 @@ def causal_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array,
         raise ValueError(f"cpu attention: q {q_BTNH.shape}, k {k_BTKH.shape}, v {v_BTKH.shape}: "
                          "want q [B, T, N, H], k and v [B, T, K, H] with N % K == 0")
     cpu_ffi.require("model.attention_impl=xla")
-    start_BT = None if segment_ids_BT is None else document_starts(segment_ids_BT)
+    start_BT = None
+    if segment_ids_BT is not None or window > 0:
+        start_BT = first_keys(B, T, segment_ids_BT, window)
     return _attention(*arrays, start_BT)
 
 

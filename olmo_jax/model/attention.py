@@ -24,6 +24,13 @@ query row's keys start at its document's start; cudnn: the packed-segment form o
 padding-causal mask, at most model.cudnn_max_docs documents a row), and the RoPE tables
 are per row ([B, T, H], positions restarting at each document: olmo_jax/model/rope.py).
 Without segment ids every program is the plain causal one.
+
+Sliding windows (`window` W > 0, the cores' argument): query t attends keys
+[t - W + 1, t] (OLMo-core's `window_size`, flash-attention's (W - 1, 0)), with document
+masking too. Keys left of a query chunk's window are skipped, not masked: the xla core
+slices each chunk's keys from its first query's window start, the blas kernel starts each
+query block at its first query's first key, cuDNN takes the window as its own
+`sliding_window_length`. (The per-layer window pattern of a model is not wired yet.)
 """
 
 from __future__ import annotations
@@ -54,22 +61,26 @@ def attention_impl(impl: str, dtype) -> str:
 
 @shapes.check("-> B T N H")
 def cudnn_attention(q_BTNH: jax.Array, k_BAKH: jax.Array, v_BAKH: jax.Array,
-                    segment_ids_BT: jax.Array | None = None, max_docs: int = 16) -> jax.Array:
+                    segment_ids_BT: jax.Array | None = None, max_docs: int = 16,
+                    window: int = 0) -> jax.Array:
     """causal_attention on cuDNN's fused kernels (forward and backward), [B, T, N, H].
     With `segment_ids_BT` each document is its own causal sequence: cuDNN's packed layout
     (per-row segment offsets and lengths, padding-causal mask), which jax.nn's public
     `dot_product_attention` does not expose; no [T, T] mask or bias is made. The layout
-    holds `max_docs` documents a row (model.cudnn_max_docs; `packed_segments`)."""
+    holds `max_docs` documents a row (model.cudnn_max_docs; `packed_segments`). `window`
+    > 0: a sliding window of that many keys (cuDNN's sliding_window_length)."""
     if segment_ids_BT is None:
-        return jax.nn.dot_product_attention(q_BTNH, k_BAKH, v_BAKH, is_causal=True,
-                                            implementation="cudnn")
+        return jax.nn.dot_product_attention(
+            q_BTNH, k_BAKH, v_BAKH, is_causal=True, implementation="cudnn",
+            local_window_size=(window - 1, 0) if window > 0 else None)
     from jax._src.cudnn.fused_attention_stablehlo import MaskType
     from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_sdpa
 
     offsets_BM1, lengths_BM = packed_segments(segment_ids_BT, max_docs)
     return cudnn_sdpa(q_BTNH, k_BAKH, v_BAKH, q_seqlen=lengths_BM, kv_seqlen=lengths_BM,
                       q_offsets=offsets_BM1, kv_offsets=offsets_BM1,
-                      scale=q_BTNH.shape[-1] ** -0.5, mask_type=MaskType.PADDING_CAUSAL)
+                      scale=q_BTNH.shape[-1] ** -0.5, mask_type=MaskType.PADDING_CAUSAL,
+                      sliding_window_length=window if window > 0 else None)
 
 
 def packed_segments(segment_ids_BT: jax.Array, max_docs: int) -> tuple[jax.Array, jax.Array]:
@@ -93,19 +104,20 @@ def packed_segments(segment_ids_BT: jax.Array, max_docs: int) -> tuple[jax.Array
 
 @shapes.check("-> B T N H")
 def causal_attention(q_BTNH: jax.Array, k_BAKH: jax.Array, v_BAKH: jax.Array,
-                     segment_ids_BT: jax.Array | None = None) -> jax.Array:
+                     segment_ids_BT: jax.Array | None = None, window: int = 0) -> jax.Array:
     """Softmax(q k^T / sqrt(H)) v with a causal mask; N query heads share K kv heads.
     [B, T, N, H] in and out: `causal_attention_heads` between two 4-D transposes.
-    `segment_ids_BT`: also masked across documents (None = causal only)."""
+    `segment_ids_BT`: also masked across documents (None = causal only); `window` > 0: a
+    sliding window of that many keys (module docstring)."""
     B, T, N, H = q_BTNH.shape
     o_BNTH = causal_attention_heads(q_BTNH.transpose(0, 2, 1, 3), k_BAKH.transpose(0, 2, 1, 3),
-                                    v_BAKH.transpose(0, 2, 1, 3), segment_ids_BT)
+                                    v_BAKH.transpose(0, 2, 1, 3), segment_ids_BT, window)
     return o_BNTH.transpose(0, 2, 1, 3)
 
 
 @shapes.check("-> B N T H")
 def causal_attention_heads(q_BNTH: jax.Array, k_BKAH: jax.Array, v_BKAH: jax.Array,
-                           segment_ids_BT: jax.Array | None = None) -> jax.Array:
+                           segment_ids_BT: jax.Array | None = None, window: int = 0) -> jax.Array:
     """causal_attention in the head-major layout: q [B, N, T, H], k and v [B, K, A, H],
     out [B, N, T, H]. Scores and softmax in float32; out in q's dtype. `segment_ids_BT`
     (int32, None = causal only): a query sees only keys of its own segment.
@@ -114,7 +126,7 @@ def causal_attention_heads(q_BNTH: jax.Array, k_BKAH: jax.Array, v_BKAH: jax.Arr
     query heads of one kv head are stacked as rows of one batched matmul over (B, K): no
     repeated keys and no 5-D transpose. Causal blocks: query chunk i looks only at keys
     [0, (i + 1) * Tc), skipping the upper triangle (2 chunks: 3/4 of the score work, 4
-    chunks: 5/8)."""
+    chunks: 5/8); with a `window` W only at keys [max(0, i * Tc - W + 1), (i + 1) * Tc)."""
     B, N, T, H = q_BNTH.shape
     K = k_BKAH.shape[1]
     G = N // K
@@ -125,12 +137,13 @@ def causal_attention_heads(q_BNTH: jax.Array, k_BKAH: jax.Array, v_BKAH: jax.Arr
     for i in range(n_chunks):
         q_BKMH = q_BKGTH[:, :, :, i * Tc:(i + 1) * Tc].reshape(B, K, G * Tc, H)
         end = (i + 1) * Tc
+        lo = max(0, i * Tc - window + 1) if window > 0 else 0  # the chunk's first key
         seg_q_BM = seg_k_BA = None
         if segment_ids_BT is not None:  # row m of the chunk is query i * Tc + m % Tc
             seg_q_BM = jnp.tile(segment_ids_BT[:, i * Tc:end], (1, G))
-            seg_k_BA = segment_ids_BT[:, :end]
-        o_BKMH = _attention_core(q_BKMH, k_BKAH[:, :, :end], v_BKAH[:, :, :end], seg_q_BM,
-                                 seg_k_BA, Tc, i * Tc)
+            seg_k_BA = segment_ids_BT[:, lo:end]
+        o_BKMH = _attention_core(q_BKMH, k_BKAH[:, :, lo:end], v_BKAH[:, :, lo:end], seg_q_BM,
+                                 seg_k_BA, Tc, i * Tc, lo, window)
         outs.append(o_BKMH.reshape(B, K, G, Tc, H))
     o_BKGTH = outs[0] if n_chunks == 1 else jnp.concatenate(outs, axis=3)
     return o_BKGTH.reshape(B, N, T, H)
@@ -144,13 +157,18 @@ def query_chunks(T: int) -> int:
     return 1
 
 
-def _masked_scores(qs_BKMH, k_BKAH, seg_q_BM, seg_k_BA, T, offset):
+def _masked_scores(qs_BKMH, k_BKAH, seg_q_BM, seg_k_BA, T, offset, k_offset=0, window=0):
     """Float32 scores of the pre-scaled queries with future positions (and, given segment
-    ids, other documents' keys) set to -inf-ish; row m is the query at position
-    offset + m % T."""
+    ids, other documents' keys; given a window, keys `window` or more positions back) set
+    to -inf-ish; row m is the query at position offset + m % T, key a the one at
+    k_offset + a."""
     s_BKMA = jnp.einsum("bkmh,bkah->bkma", qs_BKMH, k_BKAH, preferred_element_type=jnp.float32)
     M, A = s_BKMA.shape[-2:]
-    causal_MA = (jnp.arange(M) % T + offset)[:, None] >= jnp.arange(A)[None, :]
+    q_M1 = (jnp.arange(M) % T + offset)[:, None]
+    k_1A = (jnp.arange(A) + k_offset if k_offset else jnp.arange(A))[None, :]
+    causal_MA = q_M1 >= k_1A
+    if window > 0:
+        causal_MA &= q_M1 - k_1A < window
     if seg_q_BM is None:
         return jnp.where(causal_MA, s_BKMA, _MASKED)
     keep_B1MA = causal_MA & (seg_q_BM[:, None, :, None] == seg_k_BA[:, None, None, :])
@@ -165,13 +183,15 @@ def _scaled(q_BKMH):
     return q_BKMH * jnp.asarray(q_BKMH.shape[-1] ** -0.5, q_BKMH.dtype)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _attention_core(q_BKMH, k_BKAH, v_BKAH, seg_q_BM, seg_k_BA, T, offset):
-    return _attention_fwd(q_BKMH, k_BKAH, v_BKAH, seg_q_BM, seg_k_BA, T, offset)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _attention_core(q_BKMH, k_BKAH, v_BKAH, seg_q_BM, seg_k_BA, T, offset, k_offset=0, window=0):
+    return _attention_fwd(q_BKMH, k_BKAH, v_BKAH, seg_q_BM, seg_k_BA, T, offset, k_offset,
+                          window)[0]
 
 
-def _attention_fwd(q_BKMH, k_BKAH, v_BKAH, seg_q_BM, seg_k_BA, T, offset):
-    s_BKMA = _masked_scores(_scaled(q_BKMH), k_BKAH, seg_q_BM, seg_k_BA, T, offset)
+def _attention_fwd(q_BKMH, k_BKAH, v_BKAH, seg_q_BM, seg_k_BA, T, offset, k_offset=0, window=0):
+    s_BKMA = _masked_scores(_scaled(q_BKMH), k_BKAH, seg_q_BM, seg_k_BA, T, offset, k_offset,
+                            window)
     m_BKM1 = jnp.max(s_BKMA, axis=-1, keepdims=True)
     p_BKMA = jnp.exp(s_BKMA - m_BKM1)
     l_BKM1 = jnp.sum(p_BKMA, axis=-1, keepdims=True)
@@ -184,11 +204,12 @@ def _attention_fwd(q_BKMH, k_BKAH, v_BKAH, seg_q_BM, seg_k_BA, T, offset):
                     m_BKM1 + jnp.log(l_BKM1))
 
 
-def _attention_bwd(T, offset, res, do_BKMH):
+def _attention_bwd(T, offset, k_offset, window, res, do_BKMH):
     q_BKMH, k_BKAH, v_BKAH, seg_q_BM, seg_k_BA, o_BKMH, lse_BKM1 = res
     qs_BKMH = _scaled(q_BKMH)
     # Masked scores are -1e30: exp(s - lse) is exactly 0 there, no second mask needed.
-    p_BKMA = jnp.exp(_masked_scores(qs_BKMH, k_BKAH, seg_q_BM, seg_k_BA, T, offset) - lse_BKM1)
+    p_BKMA = jnp.exp(_masked_scores(qs_BKMH, k_BKAH, seg_q_BM, seg_k_BA, T, offset, k_offset,
+                                    window) - lse_BKM1)
     dv_BKAH = jnp.einsum("bkma,bkmh->bkah", p_BKMA.astype(do_BKMH.dtype), do_BKMH)
     dp_BKMA = jnp.einsum("bkmh,bkah->bkma", do_BKMH, v_BKAH, preferred_element_type=jnp.float32)
     delta_BKM1 = jnp.sum(
