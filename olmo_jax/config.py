@@ -59,9 +59,11 @@ class RunConfig(NamedTuple):
     data: DataConfig
     trainer: TrainerConfig
 
-    def model_config(self, vocab_size: int | None = None) -> TransformerConfig:
-        """The run's typed model, validated (vocab from the data when model.vocab_size is 0)."""
-        return _resolved_model(self.model, vocab_size)
+    def model_config(self, vocab_size: int | None = None, eos_id: int | None = None
+                     ) -> TransformerConfig:
+        """The run's typed model, validated (vocab from the data when model.vocab_size is 0;
+        with data.doc_mask, model.doc_mask_eos = `eos_id`, default the tokenizer's)."""
+        return _resolved_model(_doc_masked(self.model, self.data, eos_id), vocab_size)
 
     def to_dict(self) -> dict:
         """The sections as plain nested dicts, exactly as the ConfigDict's `to_dict()` gives
@@ -225,8 +227,22 @@ def parse(cfg: ml_collections.ConfigDict) -> RunConfig:
 
 
 def model_config(cfg: ml_collections.ConfigDict, vocab_size: int | None = None) -> TransformerConfig:
-    """The typed model config for a run (vocab from the data when model.vocab_size is 0)."""
-    return _resolved_model(_typed(TransformerConfig, cfg.model.to_dict(), "model"), vocab_size)
+    """The typed model config for a run (vocab from the data when model.vocab_size is 0;
+    data.doc_mask: `RunConfig.model_config`)."""
+    data = _typed(DataConfig, cfg.data.to_dict(), "data") if "data" in cfg else DataConfig()
+    model = _typed(TransformerConfig, cfg.model.to_dict(), "model")
+    return _resolved_model(_doc_masked(model, data, None), vocab_size)
+
+
+def _doc_masked(model: TransformerConfig, data: DataConfig, eos_id: int | None) -> TransformerConfig:
+    """`model` with document masking at the EOS token when data.doc_mask is on."""
+    if not data.doc_mask:
+        return model
+    if eos_id is None:
+        from olmo_jax.data.tokenizer import load_tokenizer
+
+        eos_id = load_tokenizer(data.tokenizer).eos_id
+    return model.replace(doc_mask_eos=int(eos_id))
 
 
 def _resolved_model(model: TransformerConfig, vocab_size: int | None) -> TransformerConfig:

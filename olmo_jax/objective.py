@@ -163,13 +163,26 @@ def cross_entropy_sum(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array
     return cross_entropy_sums(logits_BTV, targets_BT)[0]
 
 
+def document_segments(inputs_BT: jax.Array, cfg: TransformerConfig) -> jax.Array | None:
+    """The segment ids of document masking (model.doc_mask_eos >= 0), int32 [B, T]: each
+    position's document, the number of EOS tokens before it in its row (a document ends
+    with its EOS, as OLMo-core's `get_document_lengths` cuts them: data/loader.py's
+    `document_lengths` on the host). None when document masking is off. A pure function of
+    the row's tokens, so the batch stays one int32 array and its shapes never change."""
+    if cfg.doc_mask_eos < 0:
+        return None
+    eos_BT = (inputs_BT == cfg.doc_mask_eos).astype(jnp.int32)
+    return jnp.cumsum(eos_BT, axis=1, dtype=jnp.int32) - eos_BT
+
+
 def forward_losses(graphdef, params, model_state, batch_BX, cfg: TransformerConfig,
                    rng=None, parallel: BatchReduction = SINGLE_DEVICE) -> LossParts:
     """LossParts of token windows `batch_BX` (inputs [:, :-1], targets [:, 1:]). `rng`: a
-    key in training (router jitter, random routing)."""
+    key in training (router jitter, random routing). With model.doc_mask_eos the
+    documents of a row are masked from each other (`document_segments`)."""
     model = nnx.merge(graphdef, params, model_state)
     inputs_BT, targets_BT = batch_BX[:, :-1], batch_BX[:, 1:]
-    out = model(inputs_BT, rng=rng)
+    out = model(inputs_BT, rng=rng, segment_ids_BT=document_segments(inputs_BT, cfg))
     return loss_parts(out.logits_BTV, targets_BT, out.router_stats, cfg, parallel)
 
 

@@ -37,13 +37,16 @@ REPO = Path(__file__).resolve().parents[1]
 # least one test file of every package (model, parallel, kernels, trainer, checkpoint,
 # data, planner, report, config) and the golden loss curve.
 SLOW = (
+    "tests/model/test_doc_mask.py::test_a_packed_row_gives_each_document_its_own_logits_and_gradients",
     "tests/olmo_core/test_data_semantics.py",
+    "tests/olmo_core/test_doc_mask_oracle.py",
     "tests/olmo_core/test_loss.py",
     "tests/olmo_core/test_mixture.py",
     "tests/olmo_core/test_model_parity.py",
     "tests/olmo_core/test_reference_numbers.py",
     "tests/olmo_core/test_router_parity.py",
     "tests/olmo_core/test_schedulers.py",
+    "tests/olmo_core/test_sliding_window_oracle.py",
     "tests/checkpoint/test_hf_parity.py",
     "tests/checkpoint/test_generate_hf.py",
     "tests/parallel/test_gpu_paths.py",

@@ -50,6 +50,11 @@ class DataConfig:
     def order_seed(self, trainer_seed: int) -> int:
         """The seed of the training data's order: data.seed, or trainer.seed where it is -1."""
         return trainer_seed if self.seed == -1 else self.seed
+    # Document masking, as OLMo-core's: the documents packed into an instance (each ended by
+    # the tokenizer's EOS, as loader.document_lengths cuts them) do not attend to each other
+    # and their RoPE positions restart at 0 (model.doc_mask_eos). False = plain causal
+    # attention across the whole instance (OLMo-core's default).
+    doc_mask: bool = False
 
     def validate(self, prefix: str = "data") -> DataConfig:
         if self.seed < -1:

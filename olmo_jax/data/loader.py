@@ -35,6 +35,20 @@ from olmo_jax.data.token_file import TokenFile
 from olmo_jax.errors import DataError
 from olmo_jax.labels import FILTERED, INSTANCES, NO_LABEL
 
+
+def document_lengths(tokens_T: np.ndarray, eos_id: int) -> np.ndarray:
+    """The lengths of the documents in one instance's tokens, int32, as OLMo-core's
+    `get_document_lengths` (data/utils.py) cuts them: a document ends with (and includes)
+    an EOS token; the tokens after the last EOS are one more document. With data.doc_mask
+    the model masks attention between them: objective.document_segments numbers each
+    position's document on the device, from the same tokens of the batch row."""
+    tokens_T = np.asarray(tokens_T)
+    ends = np.flatnonzero(tokens_T == eos_id)
+    if len(tokens_T) and (len(ends) == 0 or ends[-1] != len(tokens_T) - 1):
+        ends = np.append(ends, len(tokens_T) - 1)
+    return np.diff(np.concatenate([[-1], ends])).astype(np.int32)
+
+
 # The hold-out depends only on the data, never on the training seed, so runs with
 # different seeds are evaluated on the same windows.
 SPLIT_SEED = 0

@@ -14,6 +14,13 @@
 //             (dk and dv summed over the N / K query heads of their kv head).
 // float32 only. Items: (batch, query head) forward, (batch, kv head) backward (each owns
 // the rows of its outputs), spread over XLA's intra-op thread pool.
+//
+// Document masking and sliding windows (the *_doc handlers): an int32 [B, T] input `start`,
+// the first key each query may attend (its document's start, or its window's, whichever
+// is later; non-decreasing along a row). Query i attends keys
+// [start[i], i]; block [r0, r1) multiplies against keys [start[r0], r1) only, so the
+// blocks before the first document of the block are skipped as those above the diagonal
+// are. Without it start is 0 everywhere and the arithmetic is the causal handlers'.
 
 #include <cmath>
 
@@ -41,13 +48,27 @@ ffi::Error check(const Dims& d, ffi::Span<const int64_t> k_dims) {
   return ffi::Error::Success();
 }
 
-ffi::Error AttentionFwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                        ffi::Buffer<ffi::F32> v, ffi::ResultBuffer<ffi::F32> o,
-                        ffi::ResultBuffer<ffi::F32> lse, int64_t kBlock) {
+ffi::Error check_start(const Dims& d, const int32_t* start, ffi::Span<const int64_t> dims) {
+  if (start && (dims.size() != 2 || dims[0] != d.B || dims[1] != d.T))
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "cpu_attention: the document starts must be [B, T] int32");
+  return ffi::Error::Success();
+}
+
+// The first key of query t in row b (0 without document masking).
+inline int64_t first_key(const int32_t* start, const Dims& d, int64_t b, int64_t t) {
+  return start ? start[b * d.T + t] : 0;
+}
+
+ffi::Error Fwd(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k,
+               ffi::Buffer<ffi::F32>& v, const int32_t* start,
+               ffi::Span<const int64_t> start_dims, ffi::ResultBuffer<ffi::F32>& o,
+               ffi::ResultBuffer<ffi::F32>& lse, int64_t kBlock) {
   if (!g_sgemm) return no_blas("cpu_attention");
   const auto qd = q.dimensions();
   const Dims d{qd[0], qd[1], qd[2], k.dimensions()[2], qd[3]};
   if (auto err = check(d, k.dimensions()); err.failure()) return err;
+  if (auto err = check_start(d, start, start_dims); err.failure()) return err;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d.H));
   const float *q_p = q.typed_data(), *k_p = k.typed_data(), *v_p = v.typed_data();
   float *o_p = o->typed_data(), *lse_p = lse->typed_data();
@@ -62,29 +83,34 @@ ffi::Error AttentionFwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
     s.resize(kBlock * d.T);
     inv.resize(kBlock);
     for (int64_t r0 = 0; r0 < d.T; r0 += kBlock) {
-      const int64_t r1 = std::min(d.T, r0 + kBlock), m = r1 - r0, A = r1;
-      gemm(false, true, m, A, d.H, q_bn + r0 * d.qs(), d.qs(), k_b, d.ks(), 0.0f, s.data(), A);
+      // keys [lo, r1): lo the block's first query's document start (0 when causal only)
+      const int64_t r1 = std::min(d.T, r0 + kBlock), m = r1 - r0, lo = first_key(start, d, b, r0),
+                    A = r1 - lo;
+      gemm(false, true, m, A, d.H, q_bn + r0 * d.qs(), d.qs(), k_b + lo * d.ks(), d.ks(), 0.0f,
+           s.data(), A);
       for (int64_t i = 0; i < m; ++i) {
         float* s_i = s.data() + i * A;
-        const int64_t valid = r0 + i + 1;  // keys 0 .. its own position
-        float mx = s_i[0];
+        const int64_t first = first_key(start, d, b, r0 + i) - lo;
+        const int64_t valid = r0 + i + 1 - lo;  // keys first .. its own position
+        float mx = s_i[first];
 #pragma omp simd reduction(max : mx)
-        for (int64_t j = 0; j < valid; ++j) mx = std::max(mx, s_i[j]);
+        for (int64_t j = first; j < valid; ++j) mx = std::max(mx, s_i[j]);
         const float shift = mx * scale;
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < valid; ++j) {
+        for (int64_t j = first; j < valid; ++j) {
           const float e = std::exp(s_i[j] * scale - shift);
           s_i[j] = e;
           sum += e;
         }
+        std::fill(s_i, s_i + first, 0.0f);
         std::fill(s_i + valid, s_i + A, 0.0f);
         inv[i] = 1.0f / sum;
         lse_bn[r0 + i] = shift + std::log(sum);
       }
       // o = (exp(s - max) v) / sum: the normalization on the [m, H] output, not the scores
       float* o_blk = o_bn + r0 * d.qs();
-      gemm(false, false, m, d.H, A, s.data(), A, v_b, d.ks(), 0.0f, o_blk, d.qs());
+      gemm(false, false, m, d.H, A, s.data(), A, v_b + lo * d.ks(), d.ks(), 0.0f, o_blk, d.qs());
       for (int64_t i = 0; i < m; ++i) {
         float* o_i = o_blk + i * d.qs();
         const float r = inv[i];
@@ -96,15 +122,30 @@ ffi::Error AttentionFwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
   return ffi::Error::Success();
 }
 
-ffi::Error AttentionBwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                        ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> o,
-                        ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dout,
-                        ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
-                        ffi::ResultBuffer<ffi::F32> dv, int64_t kBlock) {
+ffi::Error AttentionFwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                        ffi::Buffer<ffi::F32> v, ffi::ResultBuffer<ffi::F32> o,
+                        ffi::ResultBuffer<ffi::F32> lse, int64_t kBlock) {
+  return Fwd(pool, q, k, v, nullptr, {}, o, lse, kBlock);
+}
+
+ffi::Error AttentionDocFwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                           ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                           ffi::Buffer<ffi::S32> start, ffi::ResultBuffer<ffi::F32> o,
+                           ffi::ResultBuffer<ffi::F32> lse, int64_t kBlock) {
+  return Fwd(pool, q, k, v, start.typed_data(), start.dimensions(), o, lse, kBlock);
+}
+
+ffi::Error Bwd(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k,
+               ffi::Buffer<ffi::F32>& v, const int32_t* start,
+               ffi::Span<const int64_t> start_dims, ffi::Buffer<ffi::F32>& o,
+               ffi::Buffer<ffi::F32>& lse, ffi::Buffer<ffi::F32>& dout,
+               ffi::ResultBuffer<ffi::F32>& dq, ffi::ResultBuffer<ffi::F32>& dk,
+               ffi::ResultBuffer<ffi::F32>& dv, int64_t kBlock) {
   if (!g_sgemm) return no_blas("cpu_attention");
   const auto qd = q.dimensions();
   const Dims d{qd[0], qd[1], qd[2], k.dimensions()[2], qd[3]};
   if (auto err = check(d, k.dimensions()); err.failure()) return err;
+  if (auto err = check_start(d, start, start_dims); err.failure()) return err;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d.H));
   const float *q_p = q.typed_data(), *k_p = k.typed_data(), *v_p = v.typed_data(),
               *o_p = o.typed_data(), *lse_p = lse.typed_data(), *do_p = dout.typed_data();
@@ -127,15 +168,19 @@ ffi::Error AttentionBwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
       float* dq_bn = dq_p + q_off;
       const float* lse_bn = lse_p + (b * d.N + n) * d.T;
       for (int64_t r0 = 0; r0 < d.T; r0 += kBlock) {
-        const int64_t r1 = std::min(d.T, r0 + kBlock), m = r1 - r0, A = r1;
+        const int64_t r1 = std::min(d.T, r0 + kBlock), m = r1 - r0,
+                      lo = first_key(start, d, b, r0), A = r1 - lo;
         const float *q_blk = q_bn + r0 * d.qs(), *do_blk = do_bn + r0 * d.qs();
-        gemm(false, true, m, A, d.H, q_blk, d.qs(), k_b, d.ks(), 0.0f, p, A);
+        const float *k_lo = k_b + lo * d.ks(), *v_lo = v_b + lo * d.ks();
+        float *dk_lo = dk_b + lo * d.ks(), *dv_lo = dv_b + lo * d.ks();
+        gemm(false, true, m, A, d.H, q_blk, d.qs(), k_lo, d.ks(), 0.0f, p, A);
         for (int64_t i = 0; i < m; ++i) {
           float* p_i = p + i * A;
-          const int64_t valid = r0 + i + 1;
+          const int64_t first = first_key(start, d, b, r0 + i) - lo, valid = r0 + i + 1 - lo;
           const float l = lse_bn[r0 + i];
+          for (int64_t j = 0; j < first; ++j) p_i[j] = 0.0f;
 #pragma omp simd
-          for (int64_t j = 0; j < valid; ++j) p_i[j] = std::exp(p_i[j] * scale - l);
+          for (int64_t j = first; j < valid; ++j) p_i[j] = std::exp(p_i[j] * scale - l);
           for (int64_t j = valid; j < A; ++j) p_i[j] = 0.0f;
           const float *o_i = o_bn + (r0 + i) * d.qs(), *do_i = do_blk + i * d.qs();
           float dl = 0.0f;
@@ -143,20 +188,38 @@ ffi::Error AttentionBwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
           for (int64_t h = 0; h < d.H; ++h) dl += o_i[h] * do_i[h];
           delta[i] = dl;
         }
-        gemm(true, false, A, d.H, m, p, A, do_blk, d.qs(), 1.0f, dv_b, d.ks());  // dv += p^T do
-        gemm(false, true, m, A, d.H, do_blk, d.qs(), v_b, d.ks(), 0.0f, dp, A);  // dp = do v^T
+        gemm(true, false, A, d.H, m, p, A, do_blk, d.qs(), 1.0f, dv_lo, d.ks());  // dv += p^T do
+        gemm(false, true, m, A, d.H, do_blk, d.qs(), v_lo, d.ks(), 0.0f, dp, A);  // dp = do v^T
         for (int64_t i = 0; i < m; ++i) {
           float *p_i = p + i * A, *dp_i = dp + i * A;
           const float dl = delta[i];
 #pragma omp simd
           for (int64_t j = 0; j < A; ++j) p_i[j] = p_i[j] * (dp_i[j] - dl) * scale;  // ds
         }
-        gemm(false, false, m, d.H, A, p, A, k_b, d.ks(), 0.0f, dq_bn + r0 * d.qs(), d.qs());
-        gemm(true, false, A, d.H, m, p, A, q_blk, d.qs(), 1.0f, dk_b, d.ks());  // dk += ds^T q
+        gemm(false, false, m, d.H, A, p, A, k_lo, d.ks(), 0.0f, dq_bn + r0 * d.qs(), d.qs());
+        gemm(true, false, A, d.H, m, p, A, q_blk, d.qs(), 1.0f, dk_lo, d.ks());  // dk += ds^T q
       }
     }
   });
   return ffi::Error::Success();
+}
+
+ffi::Error AttentionBwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                        ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> o,
+                        ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dout,
+                        ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
+                        ffi::ResultBuffer<ffi::F32> dv, int64_t kBlock) {
+  return Bwd(pool, q, k, v, nullptr, {}, o, lse, dout, dq, dk, dv, kBlock);
+}
+
+ffi::Error AttentionDocBwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                           ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                           ffi::Buffer<ffi::S32> start, ffi::Buffer<ffi::F32> o,
+                           ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dout,
+                           ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
+                           ffi::ResultBuffer<ffi::F32> dv, int64_t kBlock) {
+  return Bwd(pool, q, k, v, start.typed_data(), start.dimensions(), o, lse, dout, dq, dk, dv,
+             kBlock);
 }
 
 // ---- QK-norm, clipping and RoPE: the projections' [B, T, (N + 2K) H] output to q, k, v ----
@@ -165,7 +228,8 @@ ffi::Error AttentionBwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
 // v = clip(x_v). norm (RMSNorm in float32): 0 none, 1 each head over its H (one [H]
 // weight), 2 all heads of q (of k) together ([N H] / [K H] weights). clip: 0 none, else
 // clamp to [-clip, clip] after the norm (Hugging Face OLMoE's order). RoPE: "rotate half"
-// with the [T, H] cos / sin tables. The backward recomputes the forward from the input row.
+// with the cos / sin tables, [T, H] (row r uses table row r % T) or per batch row [B, T, H]
+// (row r uses table row r). The backward recomputes the forward from the input row.
 
 struct Prep {
   int64_t N, K, H, norm;
@@ -232,15 +296,22 @@ void norm_clip_t(const Prep& p, const float* x, int64_t L, const float* w, float
     rms_span_t(xhat + s0, rstd[s0 / S], S, w, dy + s0, dx + s0, dw);
 }
 
-ffi::Error check_prep(const Prep& p, int64_t J, int64_t T, int64_t wq, int64_t wk,
+// The rows of the cos / sin tables: T for [T, H], R = B * T for [B, T, H].
+int64_t table_rows(ffi::Span<const int64_t> cos_dims) {
+  return cos_dims.size() == 2 ? cos_dims[0] : cos_dims[0] * cos_dims[1];
+}
+
+ffi::Error check_prep(const Prep& p, int64_t J, int64_t T, int64_t R, int64_t wq, int64_t wk,
                       ffi::Span<const int64_t> cos_dims) {
-  const bool ok = J == p.J() && p.H % 2 == 0 && cos_dims.size() == 2 && cos_dims[0] == T &&
-                  cos_dims[1] == p.H &&
+  const int64_t nd = cos_dims.size();
+  const bool tables = (nd == 2 && cos_dims[0] == T) ||
+                      (nd == 3 && cos_dims[1] == T && cos_dims[0] * T == R);
+  const bool ok = J == p.J() && p.H % 2 == 0 && tables && cos_dims[nd - 1] == p.H &&
                   (p.norm == 0 || (wq == p.seg(p.N * p.H) && wk == p.seg(p.K * p.H)));
   if (!ok)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "cpu_attention prep: qkv must be [B, T, (N + 2K) H], cos / sin [T, H] "
-                      "(H even), the norm weights [H] (norm 1) or [N H] and [K H] (norm 2)");
+                      "or [B, T, H] (H even), the norm weights [H] (norm 1) or [N H] and [K H] (norm 2)");
   return ffi::Error::Success();
 }
 
@@ -251,10 +322,11 @@ ffi::Error PrepFwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv, ffi::Buffer<
                    int64_t n_heads, int64_t kv_heads, int64_t norm, float eps, float clip) {
   const auto xd = qkv.dimensions();
   const int64_t T = xd[xd.size() - 2], J = xd[xd.size() - 1], R = qkv.element_count() / J;
-  const Prep p{n_heads, kv_heads, cos.dimensions()[1], norm, eps, clip};
-  if (auto err = check_prep(p, J, T, qw.element_count(), kw.element_count(), cos.dimensions());
+  const Prep p{n_heads, kv_heads, cos.dimensions()[cos.dimensions().size() - 1], norm, eps, clip};
+  if (auto err = check_prep(p, J, T, R, qw.element_count(), kw.element_count(), cos.dimensions());
       err.failure())
     return err;
+  const int64_t TR = table_rows(cos.dimensions());
   const int64_t LQ = p.N * p.H, LK = p.K * p.H;
   const float *x_p = qkv.typed_data(), *qw_p = qw.typed_data(), *kw_p = kw.typed_data(),
               *cos_p = cos.typed_data(), *sin_p = sin.typed_data();
@@ -263,7 +335,7 @@ ffi::Error PrepFwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv, ffi::Buffer<
     thread_local std::vector<float> y;
     y.resize(LQ);
     for (int64_t r = r0; r < r1; ++r) {
-      const float *x = x_p + r * J, *c = cos_p + (r % T) * p.H, *s = sin_p + (r % T) * p.H;
+      const float *x = x_p + r * J, *c = cos_p + (r % TR) * p.H, *s = sin_p + (r % TR) * p.H;
       norm_clip(p, x, LQ, qw_p, y.data(), nullptr, nullptr);
       rope(y.data(), LQ, p.H, c, s, q_p + r * LQ);
       norm_clip(p, x + LQ, LK, kw_p, y.data(), nullptr, nullptr);
@@ -288,9 +360,10 @@ ffi::Error PrepBwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv, ffi::Buffer<
                    int64_t norm, float eps, float clip) {
   const auto xd = qkv.dimensions();
   const int64_t T = xd[xd.size() - 2], J = xd[xd.size() - 1], R = qkv.element_count() / J;
-  const Prep p{n_heads, kv_heads, cos.dimensions()[1], norm, eps, clip};
+  const Prep p{n_heads, kv_heads, cos.dimensions()[cos.dimensions().size() - 1], norm, eps, clip};
   const int64_t WQ = qw.element_count(), WK = kw.element_count();
-  if (auto err = check_prep(p, J, T, WQ, WK, cos.dimensions()); err.failure()) return err;
+  if (auto err = check_prep(p, J, T, R, WQ, WK, cos.dimensions()); err.failure()) return err;
+  const int64_t TR = table_rows(cos.dimensions());
   const int64_t LQ = p.N * p.H, LK = p.K * p.H;
   const float *x_p = qkv.typed_data(), *qw_p = qw.typed_data(), *kw_p = kw.typed_data(),
               *cos_p = cos.typed_data(), *sin_p = sin.typed_data(), *dq_p = dq.typed_data(),
@@ -302,7 +375,7 @@ ffi::Error PrepBwd(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> qkv, ffi::Buffer<
     buf.resize(4 * LQ + 1);
     float *g = buf.data(), *scratch = g + LQ;
     for (int64_t r = r0; r < r1; ++r) {
-      const float *x = x_p + r * J, *c = cos_p + (r % T) * p.H, *s = sin_p + (r % T) * p.H;
+      const float *x = x_p + r * J, *c = cos_p + (r % TR) * p.H, *s = sin_p + (r % TR) * p.H;
       float* dx = dx_p + r * J;
       rope_t(dq_p + r * LQ, LQ, p.H, c, s, g);
       norm_clip_t(p, x, LQ, qw_p, g, dx, dw_sums, scratch);
@@ -337,6 +410,32 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OlmoCpuAttentionBwd, AttentionBwd,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // q_BTNH
                                   .Arg<ffi::Buffer<ffi::F32>>()   // k_BTKH
                                   .Arg<ffi::Buffer<ffi::F32>>()   // v_BTKH
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // o_BTNH
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // lse_BNT
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // do_BTNH
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // dq_BTNH
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // dk_BTKH
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // dv_BTKH
+                                  .Attr<int64_t>("block"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OlmoCpuAttentionDocFwd, AttentionDocFwd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q_BTNH
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_BTKH
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v_BTKH
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // start_BT
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // o_BTNH
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // lse_BNT
+                                  .Attr<int64_t>("block"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OlmoCpuAttentionDocBwd, AttentionDocBwd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q_BTNH
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_BTKH
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v_BTKH
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // start_BT
                                   .Arg<ffi::Buffer<ffi::F32>>()   // o_BTNH
                                   .Arg<ffi::Buffer<ffi::F32>>()   // lse_BNT
                                   .Arg<ffi::Buffer<ffi::F32>>()   // do_BTNH

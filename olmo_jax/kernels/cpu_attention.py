@@ -5,6 +5,10 @@
 - `causal_attention`: the core, flash attention's math in query blocks of 64 rows, each
   block's scores one SGEMM through numpy's OpenBLAS into a per-thread buffer, the blocks
   above the diagonal skipped; the forward saves only the output and the log-sum-exp.
+  With segment ids (document masking) or a sliding window each query attends only to
+  the keys from its first key on (its document's start, its window's): the kernel reads
+  the first key of every query (int32 [B, T]) and skips the keys before a query block's
+  first query's first key too;
 Forward and each custom VJP's backward are one call each.
 
 q [B, T, N, H], k and v [B, T, K, H] (grouped-query: query head n uses kv head n // (N/K)),
@@ -26,6 +30,7 @@ from olmo_jax.kernels import cpu_ffi
 from olmo_jax.kernels.vma import cotangent_like
 
 FWD, BWD = "olmo_cpu_attention_fwd", "olmo_cpu_attention_bwd"
+DOC_FWD, DOC_BWD = "olmo_cpu_attention_doc_fwd", "olmo_cpu_attention_doc_bwd"
 PREP_FWD, PREP_BWD = "olmo_cpu_attention_prep_fwd", "olmo_cpu_attention_prep_bwd"
 NORMS = {None: 0, "head": 1, "all": 2}  # qk_prep's `norm` -> the kernel's attribute
 BLOCK = 64  # query rows per block of the kernel (its `block` attribute)
@@ -38,40 +43,62 @@ def computed_fraction(T: int) -> float:
     return sum((min(T, r0 + BLOCK) - r0) * min(T, r0 + BLOCK) for r0 in starts) / (T * T)
 
 
-def _fwd_call(q_BTNH, k_BTKH, v_BTKH):
+def _fwd_call(q_BTNH, k_BTKH, v_BTKH, start_BT):
     B, T, N, _ = q_BTNH.shape
     outs = (jax.ShapeDtypeStruct(q_BTNH.shape, q_BTNH.dtype),
             jax.ShapeDtypeStruct((B, N, T), jnp.float32))
-    return cpu_ffi.call(FWD, outs, q_BTNH, k_BTKH, v_BTKH, block=np.int64(BLOCK))
+    if start_BT is None:
+        return cpu_ffi.call(FWD, outs, q_BTNH, k_BTKH, v_BTKH, block=np.int64(BLOCK))
+    return cpu_ffi.call(DOC_FWD, outs, q_BTNH, k_BTKH, v_BTKH, start_BT, block=np.int64(BLOCK))
 
 
 @jax.custom_vjp
-def _attention(q_BTNH, k_BTKH, v_BTKH):
-    return _fwd_call(q_BTNH, k_BTKH, v_BTKH)[0]
+def _attention(q_BTNH, k_BTKH, v_BTKH, start_BT):
+    return _fwd_call(q_BTNH, k_BTKH, v_BTKH, start_BT)[0]
 
 
-def _attention_fwd(q_BTNH, k_BTKH, v_BTKH):
-    o_BTNH, lse_BNT = _fwd_call(q_BTNH, k_BTKH, v_BTKH)
-    return o_BTNH, (q_BTNH, k_BTKH, v_BTKH, o_BTNH, lse_BNT)
+def _attention_fwd(q_BTNH, k_BTKH, v_BTKH, start_BT):
+    o_BTNH, lse_BNT = _fwd_call(q_BTNH, k_BTKH, v_BTKH, start_BT)
+    return o_BTNH, (q_BTNH, k_BTKH, v_BTKH, start_BT, o_BTNH, lse_BNT)
 
 
 def _attention_bwd(res, do_BTNH):
-    q_BTNH, k_BTKH, v_BTKH, o_BTNH, lse_BNT = res
+    q_BTNH, k_BTKH, v_BTKH, start_BT, o_BTNH, lse_BNT = res
     outs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (q_BTNH, k_BTKH, v_BTKH))
-    dq_BTNH, dk_BTKH, dv_BTKH = cpu_ffi.call(BWD, outs, q_BTNH, k_BTKH, v_BTKH, o_BTNH, lse_BNT,
-                                             do_BTNH.astype(q_BTNH.dtype), block=np.int64(BLOCK))
+    doc = () if start_BT is None else (start_BT,)
+    dq_BTNH, dk_BTKH, dv_BTKH = cpu_ffi.call(
+        BWD if start_BT is None else DOC_BWD, outs, q_BTNH, k_BTKH, v_BTKH, *doc, o_BTNH,
+        lse_BNT, do_BTNH.astype(q_BTNH.dtype), block=np.int64(BLOCK))
     return (cotangent_like(dq_BTNH, q_BTNH), cotangent_like(dk_BTKH, k_BTKH),
-            cotangent_like(dv_BTKH, v_BTKH))
+            cotangent_like(dv_BTKH, v_BTKH), None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
+def first_keys(B: int, T: int, segment_ids_BT: jax.Array | None, window: int) -> jax.Array:
+    """The first key each query may attend, int32 [B, T], non-decreasing along a row: the
+    position where its segment began (equal ids contiguous along a row; 0 without
+    segments), and with a `window` W > 0 no earlier than t - W + 1."""
+    t_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    first_BT = jnp.zeros((B, T), jnp.int32)
+    if segment_ids_BT is not None:
+        starts_BT = jnp.concatenate(
+            [jnp.ones((B, 1), bool), segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1)
+        first_BT = jax.lax.cummax(jnp.where(starts_BT, t_BT, 0), axis=1)
+    if window > 0:
+        first_BT = jnp.maximum(first_BT, t_BT - (window - 1))
+    return first_BT
+
+
 @shapes.check("-> B T N H")
-def causal_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array) -> jax.Array:
+def causal_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array,
+                     segment_ids_BT: jax.Array | None = None, window: int = 0) -> jax.Array:
     """softmax(q k^T / sqrt(H)) v under a causal mask, [B, T, N, H] (float32 only);
-    differentiable in q, k and v. Raises Unavailable (with the reason) where the kernels
-    cannot be built, ValueError for other dtypes or shapes."""
+    differentiable in q, k and v. `segment_ids_BT` (int32 [B, T]): a query attends only
+    to keys of its own segment (None = causal only); `window` > 0: only to the last
+    `window` keys up to its own position (sliding window). Raises Unavailable (with the reason)
+    where the kernels cannot be built, ValueError for other dtypes or shapes."""
     arrays = (q_BTNH, k_BTKH, v_BTKH)
     if any(jnp.dtype(a.dtype) != jnp.float32 for a in arrays):
         raise ValueError(
@@ -83,7 +110,10 @@ def causal_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array) ->
         raise ValueError(f"cpu attention: q {q_BTNH.shape}, k {k_BTKH.shape}, v {v_BTKH.shape}: "
                          "want q [B, T, N, H], k and v [B, T, K, H] with N % K == 0")
     cpu_ffi.require("model.attention_impl=xla")
-    return _attention(*arrays)
+    start_BT = None
+    if segment_ids_BT is not None or window > 0:
+        start_BT = first_keys(B, T, segment_ids_BT, window)
+    return _attention(*arrays, start_BT)
 
 
 def _prep_attrs(n_heads, kv_heads, norm, eps, clip):
@@ -122,7 +152,7 @@ def _prep_bwd(n_heads, kv_heads, norm, eps, clip, res, cts):
 _prep.defvjp(_prep_fwd, _prep_bwd)
 
 
-@shapes.check("-> B T N H, B T K H, B T K H")
+@shapes.check("cos_TH: ... T H", "sin_TH: ... T H", "-> B T N H, B T K H, B T K H")
 def qk_prep(qkv_BTJ: jax.Array, n_heads: int, kv_heads: int, cos_TH: jax.Array,
             sin_TH: jax.Array, *, norm: str | None = None, q_norm=None, k_norm=None,
             eps: float = 1e-6, clip: float | None = None):
@@ -130,7 +160,7 @@ def qk_prep(qkv_BTJ: jax.Array, n_heads: int, kv_heads: int, cos_TH: jax.Array,
     output [q | k | v]: q and k RMS-normalized (`norm` "head": each head over H with one
     [H] weight; "all": all heads of q (of k) together, [N, H] / [K, H] weights; None: no
     norm), then clamped to [-clip, clip] (None: not clamped; v is clamped too), then
-    rotated (RoPE, rotate half, the [T, H] cos / sin tables); float32 only. The
+    rotated (RoPE, rotate half, the [T, H] cos / sin tables, or [B, T, H] per row); float32 only. The
     attention block's element-wise work before the core as one FFI call each way;
     differentiable in qkv and the norm weights (the tables are constants)."""
     if jnp.dtype(qkv_BTJ.dtype) != jnp.float32:

@@ -38,6 +38,8 @@ TARGETS = {
     "olmo_cpu_swiglu_fwd": "OlmoCpuSwigluFwd", "olmo_cpu_swiglu_bwd": "OlmoCpuSwigluBwd",
     "olmo_cpu_attention_fwd": "OlmoCpuAttentionFwd",
     "olmo_cpu_attention_bwd": "OlmoCpuAttentionBwd",
+    "olmo_cpu_attention_doc_fwd": "OlmoCpuAttentionDocFwd",
+    "olmo_cpu_attention_doc_bwd": "OlmoCpuAttentionDocBwd",
     "olmo_cpu_attention_prep_fwd": "OlmoCpuAttentionPrepFwd",
     "olmo_cpu_attention_prep_bwd": "OlmoCpuAttentionPrepBwd",
     "olmo_cpu_rms_norm_fwd": "OlmoCpuRmsNormFwd", "olmo_cpu_rms_norm_bwd": "OlmoCpuRmsNormBwd",

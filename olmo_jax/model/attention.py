@@ -18,12 +18,19 @@ by the same table for the default device, where such a model's arrays live:
          transposes); float32 on a CPU, built on first use.
 QK-norm, clipping and RoPE are applied before either core.
 
-Matches Hugging Face `OlmoeAttention` (QK-norm spans all heads of q and of k; clipping
-is applied after the norm), so converted checkpoints give the same logits. With
-`head_qk_norm` the QK-norm is OLMo-core's `use_head_qk_norm`: each head normalized over
-head_dim, one [head_dim] weight shared by the heads (of q, and of k). With
-`attention_precision="mxfp8"` the four projection GEMMs run in MXFP8
-(olmo_jax/model/mxfp8_gemm.py); the softmax(q k^T) v core stays in the compute dtype.
+Document masking (`segment_ids_BT`, int32 [B, T], from `data.doc_mask`): a query attends
+only to earlier keys of its own segment, in every core (xla: the chunk's mask; blas: each
+query row's keys start at its document's start; cudnn: the packed-segment form of cuDNN's
+padding-causal mask, at most model.cudnn_max_docs documents a row), and the RoPE tables
+are per row ([B, T, H], positions restarting at each document: olmo_jax/model/rope.py).
+Without segment ids every program is the plain causal one.
+
+Sliding windows (`window` W > 0, the cores' argument): query t attends keys
+[t - W + 1, t] (OLMo-core's `window_size`, flash-attention's (W - 1, 0)), with document
+masking too. Keys left of a query chunk's window are skipped, not masked: the xla core
+slices each chunk's keys from its first query's window start, the blas kernel starts each
+query block at its first query's first key, cuDNN takes the window as its own
+`sliding_window_length`. (The per-layer window pattern of a model is not wired yet.)
 """
 
 from __future__ import annotations
@@ -53,32 +60,73 @@ def attention_impl(impl: str, dtype) -> str:
 
 
 @shapes.check("-> B T N H")
-def cudnn_attention(q_BTNH: jax.Array, k_BAKH: jax.Array, v_BAKH: jax.Array) -> jax.Array:
-    """causal_attention on cuDNN's fused kernels (forward and backward), [B, T, N, H]."""
-    return jax.nn.dot_product_attention(q_BTNH, k_BAKH, v_BAKH, is_causal=True,
-                                        implementation="cudnn")
+def cudnn_attention(q_BTNH: jax.Array, k_BAKH: jax.Array, v_BAKH: jax.Array,
+                    segment_ids_BT: jax.Array | None = None, max_docs: int = 16,
+                    window: int = 0) -> jax.Array:
+    """causal_attention on cuDNN's fused kernels (forward and backward), [B, T, N, H].
+    With `segment_ids_BT` each document is its own causal sequence: cuDNN's packed layout
+    (per-row segment offsets and lengths, padding-causal mask), which jax.nn's public
+    `dot_product_attention` does not expose; no [T, T] mask or bias is made. The layout
+    holds `max_docs` documents a row (model.cudnn_max_docs; `packed_segments`). `window`
+    > 0: a sliding window of that many keys (cuDNN's sliding_window_length)."""
+    if segment_ids_BT is None:
+        return jax.nn.dot_product_attention(
+            q_BTNH, k_BAKH, v_BAKH, is_causal=True, implementation="cudnn",
+            local_window_size=(window - 1, 0) if window > 0 else None)
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType
+    from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_sdpa
+
+    offsets_BM1, lengths_BM = packed_segments(segment_ids_BT, max_docs)
+    return cudnn_sdpa(q_BTNH, k_BAKH, v_BAKH, q_seqlen=lengths_BM, kv_seqlen=lengths_BM,
+                      q_offsets=offsets_BM1, kv_offsets=offsets_BM1,
+                      scale=q_BTNH.shape[-1] ** -0.5, mask_type=MaskType.PADDING_CAUSAL,
+                      sliding_window_length=window if window > 0 else None)
+
+
+def packed_segments(segment_ids_BT: jax.Array, max_docs: int) -> tuple[jax.Array, jax.Array]:
+    """(offsets [B, M + 1], lengths [B, M]), int32, M = min(max_docs, T): row b's
+    documents' starts and lengths in order, then -1s (cuDNN's packed layout). A row with
+    more than M documents has its documents from the M-th on merged into the last slot."""
+    B, T = segment_ids_BT.shape
+    M = min(max_docs, T)
+    starts_BT = jnp.concatenate(
+        [jnp.ones((B, 1), bool), segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1)
+    doc_BT = jnp.minimum(jnp.cumsum(starts_BT, axis=1, dtype=jnp.int32) - 1, M - 1)
+    n_docs_B1 = doc_BT[:, -1:] + 1
+    rows_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    lengths_BM = jnp.zeros((B, M), jnp.int32).at[rows_BT, doc_BT].add(1)
+    offsets_BM = jnp.cumsum(lengths_BM, axis=1, dtype=jnp.int32) - lengths_BM
+    used_BM = jnp.arange(M)[None, :] < n_docs_B1
+    offsets_BM = jnp.where(used_BM, offsets_BM, -1)
+    lengths_BM = jnp.where(used_BM, lengths_BM, -1)
+    return jnp.concatenate([offsets_BM, jnp.full((B, 1), -1, jnp.int32)], axis=1), lengths_BM
 
 
 @shapes.check("-> B T N H")
-def causal_attention(q_BTNH: jax.Array, k_BAKH: jax.Array, v_BAKH: jax.Array) -> jax.Array:
+def causal_attention(q_BTNH: jax.Array, k_BAKH: jax.Array, v_BAKH: jax.Array,
+                     segment_ids_BT: jax.Array | None = None, window: int = 0) -> jax.Array:
     """Softmax(q k^T / sqrt(H)) v with a causal mask; N query heads share K kv heads.
-    [B, T, N, H] in and out: `causal_attention_heads` between two 4-D transposes."""
+    [B, T, N, H] in and out: `causal_attention_heads` between two 4-D transposes.
+    `segment_ids_BT`: also masked across documents (None = causal only); `window` > 0: a
+    sliding window of that many keys (module docstring)."""
     B, T, N, H = q_BTNH.shape
     o_BNTH = causal_attention_heads(q_BTNH.transpose(0, 2, 1, 3), k_BAKH.transpose(0, 2, 1, 3),
-                                    v_BAKH.transpose(0, 2, 1, 3))
+                                    v_BAKH.transpose(0, 2, 1, 3), segment_ids_BT, window)
     return o_BNTH.transpose(0, 2, 1, 3)
 
 
 @shapes.check("-> B N T H")
-def causal_attention_heads(q_BNTH: jax.Array, k_BKAH: jax.Array, v_BKAH: jax.Array) -> jax.Array:
+def causal_attention_heads(q_BNTH: jax.Array, k_BKAH: jax.Array, v_BKAH: jax.Array,
+                           segment_ids_BT: jax.Array | None = None, window: int = 0) -> jax.Array:
     """causal_attention in the head-major layout: q [B, N, T, H], k and v [B, K, A, H],
-    out [B, N, T, H]. Scores and softmax in float32; out in q's dtype.
+    out [B, N, T, H]. Scores and softmax in float32; out in q's dtype. `segment_ids_BT`
+    (int32, None = causal only): a query sees only keys of its own segment.
 
     Query head n = kv * G + g (G = N / K) is a free view [B, K, G, T, H] of q, so the G
     query heads of one kv head are stacked as rows of one batched matmul over (B, K): no
     repeated keys and no 5-D transpose. Causal blocks: query chunk i looks only at keys
     [0, (i + 1) * Tc), skipping the upper triangle (2 chunks: 3/4 of the score work, 4
-    chunks: 5/8)."""
+    chunks: 5/8); with a `window` W only at keys [max(0, i * Tc - W + 1), (i + 1) * Tc)."""
     B, N, T, H = q_BNTH.shape
     K = k_BKAH.shape[1]
     G = N // K
@@ -89,7 +137,13 @@ def causal_attention_heads(q_BNTH: jax.Array, k_BKAH: jax.Array, v_BKAH: jax.Arr
     for i in range(n_chunks):
         q_BKMH = q_BKGTH[:, :, :, i * Tc:(i + 1) * Tc].reshape(B, K, G * Tc, H)
         end = (i + 1) * Tc
-        o_BKMH = _attention_core(q_BKMH, k_BKAH[:, :, :end], v_BKAH[:, :, :end], Tc, i * Tc)
+        lo = max(0, i * Tc - window + 1) if window > 0 else 0  # the chunk's first key
+        seg_q_BM = seg_k_BA = None
+        if segment_ids_BT is not None:  # row m of the chunk is query i * Tc + m % Tc
+            seg_q_BM = jnp.tile(segment_ids_BT[:, i * Tc:end], (1, G))
+            seg_k_BA = segment_ids_BT[:, lo:end]
+        o_BKMH = _attention_core(q_BKMH, k_BKAH[:, :, lo:end], v_BKAH[:, :, lo:end], seg_q_BM,
+                                 seg_k_BA, Tc, i * Tc, lo, window)
         outs.append(o_BKMH.reshape(B, K, G, Tc, H))
     o_BKGTH = outs[0] if n_chunks == 1 else jnp.concatenate(outs, axis=3)
     return o_BKGTH.reshape(B, N, T, H)
@@ -103,13 +157,22 @@ def query_chunks(T: int) -> int:
     return 1
 
 
-def _masked_scores(qs_BKMH, k_BKAH, T, offset):
-    """Float32 scores of the pre-scaled queries with future positions set to -inf-ish;
-    row m is the query at position offset + m % T."""
+def _masked_scores(qs_BKMH, k_BKAH, seg_q_BM, seg_k_BA, T, offset, k_offset=0, window=0):
+    """Float32 scores of the pre-scaled queries with future positions (and, given segment
+    ids, other documents' keys; given a window, keys `window` or more positions back) set
+    to -inf-ish; row m is the query at position offset + m % T, key a the one at
+    k_offset + a."""
     s_BKMA = jnp.einsum("bkmh,bkah->bkma", qs_BKMH, k_BKAH, preferred_element_type=jnp.float32)
     M, A = s_BKMA.shape[-2:]
-    causal_MA = (jnp.arange(M) % T + offset)[:, None] >= jnp.arange(A)[None, :]
-    return jnp.where(causal_MA, s_BKMA, _MASKED)
+    q_M1 = (jnp.arange(M) % T + offset)[:, None]
+    k_1A = (jnp.arange(A) + k_offset if k_offset else jnp.arange(A))[None, :]
+    causal_MA = q_M1 >= k_1A
+    if window > 0:
+        causal_MA &= q_M1 - k_1A < window
+    if seg_q_BM is None:
+        return jnp.where(causal_MA, s_BKMA, _MASKED)
+    keep_B1MA = causal_MA & (seg_q_BM[:, None, :, None] == seg_k_BA[:, None, None, :])
+    return jnp.where(keep_B1MA, s_BKMA, _MASKED)
 
 
 _MASKED = -1e30
@@ -120,13 +183,15 @@ def _scaled(q_BKMH):
     return q_BKMH * jnp.asarray(q_BKMH.shape[-1] ** -0.5, q_BKMH.dtype)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _attention_core(q_BKMH, k_BKAH, v_BKAH, T, offset):
-    return _attention_fwd(q_BKMH, k_BKAH, v_BKAH, T, offset)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _attention_core(q_BKMH, k_BKAH, v_BKAH, seg_q_BM, seg_k_BA, T, offset, k_offset=0, window=0):
+    return _attention_fwd(q_BKMH, k_BKAH, v_BKAH, seg_q_BM, seg_k_BA, T, offset, k_offset,
+                          window)[0]
 
 
-def _attention_fwd(q_BKMH, k_BKAH, v_BKAH, T, offset):
-    s_BKMA = _masked_scores(_scaled(q_BKMH), k_BKAH, T, offset)
+def _attention_fwd(q_BKMH, k_BKAH, v_BKAH, seg_q_BM, seg_k_BA, T, offset, k_offset=0, window=0):
+    s_BKMA = _masked_scores(_scaled(q_BKMH), k_BKAH, seg_q_BM, seg_k_BA, T, offset, k_offset,
+                            window)
     m_BKM1 = jnp.max(s_BKMA, axis=-1, keepdims=True)
     p_BKMA = jnp.exp(s_BKMA - m_BKM1)
     l_BKM1 = jnp.sum(p_BKMA, axis=-1, keepdims=True)
@@ -135,14 +200,16 @@ def _attention_fwd(q_BKMH, k_BKAH, v_BKAH, T, offset):
     o_BKMH = o_BKMH.astype(q_BKMH.dtype)
     # Saved for the backward pass: inputs, output and the log-sum-exp (not the [M, A]
     # probabilities, which are recomputed from one matmul).
-    return o_BKMH, (q_BKMH, k_BKAH, v_BKAH, o_BKMH, m_BKM1 + jnp.log(l_BKM1))
+    return o_BKMH, (q_BKMH, k_BKAH, v_BKAH, seg_q_BM, seg_k_BA, o_BKMH,
+                    m_BKM1 + jnp.log(l_BKM1))
 
 
-def _attention_bwd(T, offset, res, do_BKMH):
-    q_BKMH, k_BKAH, v_BKAH, o_BKMH, lse_BKM1 = res
+def _attention_bwd(T, offset, k_offset, window, res, do_BKMH):
+    q_BKMH, k_BKAH, v_BKAH, seg_q_BM, seg_k_BA, o_BKMH, lse_BKM1 = res
     qs_BKMH = _scaled(q_BKMH)
     # Masked scores are -1e30: exp(s - lse) is exactly 0 there, no second mask needed.
-    p_BKMA = jnp.exp(_masked_scores(qs_BKMH, k_BKAH, T, offset) - lse_BKM1)
+    p_BKMA = jnp.exp(_masked_scores(qs_BKMH, k_BKAH, seg_q_BM, seg_k_BA, T, offset, k_offset,
+                                    window) - lse_BKM1)
     dv_BKAH = jnp.einsum("bkma,bkmh->bkah", p_BKMA.astype(do_BKMH.dtype), do_BKMH)
     dp_BKMA = jnp.einsum("bkmh,bkah->bkma", do_BKMH, v_BKAH, preferred_element_type=jnp.float32)
     delta_BKM1 = jnp.sum(
@@ -152,7 +219,7 @@ def _attention_bwd(T, offset, res, do_BKMH):
     dq_BKMH = _scaled(jnp.einsum("bkma,bkah->bkmh", ds_BKMA, k_BKAH))
     dk_BKAH = jnp.einsum("bkma,bkmh->bkah", ds_BKMA, qs_BKMH)
     return (cotangent_like(dq_BKMH, q_BKMH), cotangent_like(dk_BKAH, k_BKAH),
-            cotangent_like(dv_BKAH, v_BKAH))
+            cotangent_like(dv_BKAH, v_BKAH), None, None)
 
 
 _attention_core.defvjp(_attention_fwd, _attention_bwd)
@@ -179,6 +246,7 @@ class Attention(nnx.Module):
         self.dtype = cfg.compute_dtype
         self.mxfp8_proj = cfg.attention_precision == "mxfp8"  # projection GEMMs in MXFP8
         self.impl = cfg.attention_impl  # resolved by the plan (module docstring)
+        self.cudnn_max_docs = cfg.cudnn_max_docs  # document masking on cuDNN
         self.mxfp8_impl = cfg.mxfp8_gemm_impl  # likewise (model/mxfp8_gemm.py)
 
     def _proj(self, spec: str, x, w):
@@ -186,8 +254,11 @@ class Attention(nnx.Module):
             return mxfp8_gemm.einsum(spec, x, w, impl=self.mxfp8_impl)
         return jnp.einsum(spec, x, w)
 
-    @shapes.check("-> B T D")
-    def __call__(self, x_BTD: jax.Array, cos_TH: jax.Array, sin_TH: jax.Array) -> jax.Array:
+    @shapes.check("cos_TH: ... T H", "sin_TH: ... T H", "-> B T D")
+    def __call__(self, x_BTD: jax.Array, cos_TH: jax.Array, sin_TH: jax.Array,
+                 segment_ids_BT: jax.Array | None = None) -> jax.Array:
+        """`cos_TH` / `sin_TH`: the RoPE tables, [T, H] or per row [B, T, H];
+        `segment_ids_BT`: document masking (module docstring), None = causal only."""
         dt = self.dtype
         B, T, D = x_BTD.shape
         N, K, H = self.q_proj.shape[1], self.k_proj.shape[1], self.q_proj.shape[2]
@@ -210,14 +281,15 @@ class Attention(nnx.Module):
                 qkv_SJ.reshape(B, T, -1), N, K, cos_TH, sin_TH, norm=self.qk_norm_span,
                 clip=self.clip_qkv, **norms)
             with jax.named_scope("attention_scores"):  # named for olmo_jax/planner
-                o_BTNH = cpu_attention.causal_attention(q_BTNH, k_BTKH, v_BTKH)
+                o_BTNH = cpu_attention.causal_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
         else:
-            o_BTNH = self._xla_or_cudnn(impl, qkv_SJ, B, T, N, K, H, cos_TH, sin_TH)
+            o_BTNH = self._xla_or_cudnn(impl, qkv_SJ, B, T, N, K, H, cos_TH, sin_TH,
+                                        segment_ids_BT)
         o_SJ = o_BTNH.reshape(B * T, N * H)
         y_SD = self._proj("rj,jd->rd", o_SJ, self.o_proj[...].reshape(N * H, D).astype(dt))
         return y_SD.reshape(B, T, D)
 
-    def _xla_or_cudnn(self, impl, qkv_SJ, B, T, N, K, H, cos_TH, sin_TH):
+    def _xla_or_cudnn(self, impl, qkv_SJ, B, T, N, K, H, cos_TH, sin_TH, segment_ids_BT):
         # sliced as [B * T, J] rows (2-D slices, then free reshapes)
         q_BTNH = qkv_SJ[:, : N * H].reshape(B, T, N, H)
         k_BTKH = qkv_SJ[:, N * H : (N + K) * H].reshape(B, T, K, H)
@@ -232,9 +304,10 @@ class Attention(nnx.Module):
         k_BTKH = apply_rope(k_BTKH, cos_TH, sin_TH)
         with jax.named_scope("attention_scores"):  # named for olmo_jax/planner
             if impl == "cudnn":
-                return cudnn_attention(q_BTNH, k_BTKH, v_BTKH)
+                return cudnn_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT,
+                                       self.cudnn_max_docs)
             # Head-major for the core: one 4-D transpose each (XLA fuses it into the
             # norm / RoPE element-wise work that produces q and k), none per chunk.
             q_BNTH, k_BKAH, v_BKAH = (a.transpose(0, 2, 1, 3) for a in (q_BTNH, k_BTKH, v_BTKH))
-            o_BNTH = causal_attention_heads(q_BNTH, k_BKAH, v_BKAH)
+            o_BNTH = causal_attention_heads(q_BNTH, k_BKAH, v_BKAH, segment_ids_BT)
             return o_BNTH.transpose(0, 2, 1, 3)  # fused with the chunks' concatenation

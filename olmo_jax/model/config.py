@@ -248,6 +248,16 @@ class TransformerConfig:
     # MXFP8_GEMM_IMPLS, the MXFP8 GEMMs (model/mxfp8_gemm.py): auto | scaled_matmul (cuDNN's
     # block-scaled GEMM, Blackwell) | dequantize; which runs where: olmo_jax/kernels/select.py
     mxfp8_gemm_impl: Mxfp8GemmImpl = "auto"
+    # Document masking (model/attention.py): >= 0 = the token id that ends a document (EOS);
+    # attention stays inside each document of a packed sequence and RoPE positions restart
+    # at each document's start. -1 = off. The trainer sets it from data.doc_mask and the
+    # tokenizer's eos_id (olmo_jax.config.RunConfig.model_config).
+    doc_mask_eos: int = -1
+    # Document masking on cuDNN (attention_impl cudnn): the documents a row may hold in
+    # cuDNN's packed layout, whose softmax statistics are [B * this, heads, T] float32 (this
+    # times the unmasked step's). A row with more attends its documents past the last slot
+    # as one; the xla and blas cores have no limit. data/loader.document_lengths counts them.
+    cudnn_max_docs: int = 16
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     @property
@@ -307,6 +317,13 @@ class TransformerConfig:
             )
         if self.scan_unroll < 1:
             raise ConfigError(f"{prefix}.scan_unroll must be >= 1, got {self.scan_unroll}")
+        if self.cudnn_max_docs < 1:
+            raise ConfigError(f"{prefix}.cudnn_max_docs must be >= 1, got {self.cudnn_max_docs}")
+        if not -1 <= self.doc_mask_eos < self.vocab_size:
+            raise ConfigError(
+                f"{prefix}.doc_mask_eos={self.doc_mask_eos} must be -1 (off) or a token id below "
+                f"{prefix}.vocab_size={self.vocab_size}; turn document masking on with "
+                "data.doc_mask=True instead (it takes the tokenizer's EOS id)")
         check_choice(f"{prefix}.block_norm", self.block_norm, BLOCK_NORMS)
         check_choice(f"{prefix}.remat", self.remat, REMATS, one_of=False)
         check_choice(f"{prefix}.attention_precision", self.attention_precision, PRECISIONS, one_of=False)

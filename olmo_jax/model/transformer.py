@@ -24,7 +24,7 @@ from olmo_jax.model.moe.layer import Dispatcher, MoELayer
 from olmo_jax.model.moe.losses import RouterStats
 from olmo_jax.model.norm import RMSNorm
 from olmo_jax.model.params import normal_param
-from olmo_jax.model.rope import rope_tables
+from olmo_jax.model.rope import document_positions, rope_tables, rope_tables_batch
 
 
 class Block(nnx.Module):
@@ -51,13 +51,13 @@ class Block(nnx.Module):
         self.is_moe = moe
         self.remat_attention = cfg.remat == "attention"
 
-    @shapes.check("-> B T D, _")
-    def __call__(self, x_BTD, cos_TH, sin_TH, rng=None):
+    @shapes.check("cos_TH: ... T H", "sin_TH: ... T H", "-> B T D, _")
+    def __call__(self, x_BTD, cos_TH, sin_TH, rng=None, segment_ids_BT=None):
         attn = self.attn
         if self.remat_attention:
             attn = nnx.remat(attn)
         with jax.named_scope("attention"):  # scopes name the HLO ops (olmo_jax/planner)
-            a_BTD = attn(self._in(self.attn_norm, x_BTD), cos_TH, sin_TH)
+            a_BTD = attn(self._in(self.attn_norm, x_BTD), cos_TH, sin_TH, segment_ids_BT)
             h_BTD = x_BTD + self._out(self.attn_norm, self.attn_post_norm, a_BTD).astype(x_BTD.dtype)
         f_in_BTD = self._in(self.ffn_norm, h_BTD)
         if self.is_moe:
@@ -88,29 +88,30 @@ def _stacked_blocks(cfg: TransformerConfig, n: int, moe: bool, rngs: nnx.Rngs, d
     return make(rngs)
 
 
-@shapes.check("-> B T D, _")
+@shapes.check("cos_TH: ... T H", "sin_TH: ... T H", "-> B T D, _")
 def run_blocks(blocks: Block, x_BTD, cos_TH, sin_TH, remat: str = "none", rng=None, unroll: int = 1,
-               *, keys=None, keep_L=None):
+               *, keys=None, keep_L=None, segment_ids_BT=None):
     """Scan x through stacked blocks; returns (x, per-layer stats stacked on axis 0).
     `rng` (training only): a key, split into one per block; or `keys`: the blocks' keys.
     `keep_L` (bool per block, pipeline padding): a False block passes x through unchanged
-    (its stats are still computed; the caller drops them)."""
+    (its stats are still computed; the caller drops them). `segment_ids_BT`: document
+    masking (model/attention.py; the tables then per row, [B, T, H]); None = causal only."""
     graphdef, state = nnx.split(blocks)
     n_layers = jax.tree.leaves(state)[0].shape[0]
     if keys is None and rng is not None:
         keys = jax.random.split(rng, n_layers)
-    return jax.lax.scan(block_step(graphdef, cos_TH, sin_TH, remat), x_BTD, (state, keys, keep_L),
-                        unroll=unroll)
+    return jax.lax.scan(block_step(graphdef, cos_TH, sin_TH, remat, segment_ids_BT), x_BTD,
+                        (state, keys, keep_L), unroll=unroll)
 
 
-def block_step(graphdef, cos_TH, sin_TH, remat: str = "none"):
+def block_step(graphdef, cos_TH, sin_TH, remat: str = "none", segment_ids_BT=None):
     """run_blocks' scan body: (x, (one block's state, key, keep)) -> (x, stats), checkpointed
     with model.remat = block; `graphdef` the stacked blocks' (a pipeline stage runs the
     body one block at a time, parallel/pipeline/run.py)."""
 
     def body(x, xs):
         layer_state, key, keep = xs
-        y, stats = nnx.merge(graphdef, layer_state)(x, cos_TH, sin_TH, key)
+        y, stats = nnx.merge(graphdef, layer_state)(x, cos_TH, sin_TH, key, segment_ids_BT)
         return (y if keep is None else jnp.where(keep, y, x)), stats
 
     return jax.checkpoint(body) if remat == "block" else body
@@ -154,17 +155,28 @@ class Transformer(nnx.Module):
         return x_BTD.astype(self.cfg.compute_dtype)
 
     @shapes.check("-> B T D, _")
-    def blocks(self, x_BTD: jax.Array, positions_T: jax.Array | None = None, rng=None):
-        """`rng`: a key in training (router jitter, random routing); None = deterministic."""
+    def blocks(self, x_BTD: jax.Array, positions_T: jax.Array | None = None, rng=None,
+               segment_ids_BT: jax.Array | None = None):
+        """`rng`: a key in training (router jitter, random routing); None = deterministic.
+        `segment_ids_BT` (int32, document masking): a query attends only to earlier keys
+        with the same id, and the RoPE positions restart at each document's start
+        (`rope.document_positions`, as OLMo-core's RotaryEmbedding with cu_doc_lens);
+        None = plain causal attention over positions `positions_T` (default 0 .. T-1)."""
         cfg = self.cfg
         T = x_BTD.shape[1]
-        positions_T = jnp.arange(T) if positions_T is None else positions_T
-        cos_TH, sin_TH = rope_tables(positions_T, cfg.head_size, cfg.rope_theta)
+        if segment_ids_BT is not None:
+            cos_TH, sin_TH = rope_tables_batch(document_positions(segment_ids_BT),
+                                               cfg.head_size, cfg.rope_theta)
+        else:
+            positions_T = jnp.arange(T) if positions_T is None else positions_T
+            cos_TH, sin_TH = rope_tables(positions_T, cfg.head_size, cfg.rope_theta)
         stats = None
         if self.dense_blocks is not None:
-            x_BTD, _ = run_blocks(self.dense_blocks, x_BTD, cos_TH, sin_TH, cfg.remat, unroll=cfg.scan_unroll)
+            x_BTD, _ = run_blocks(self.dense_blocks, x_BTD, cos_TH, sin_TH, cfg.remat,
+                                  unroll=cfg.scan_unroll, segment_ids_BT=segment_ids_BT)
         if self.moe_blocks is not None:
-            x_BTD, stats = run_blocks(self.moe_blocks, x_BTD, cos_TH, sin_TH, cfg.remat, rng, cfg.scan_unroll)
+            x_BTD, stats = run_blocks(self.moe_blocks, x_BTD, cos_TH, sin_TH, cfg.remat, rng,
+                                      cfg.scan_unroll, segment_ids_BT=segment_ids_BT)
         return x_BTD, stats
 
     @shapes.check("-> B T V")
@@ -177,8 +189,9 @@ class Transformer(nnx.Module):
                               preferred_element_type=jnp.float32)
 
     @shapes.check("-> *")
-    def __call__(self, tokens_BT: jax.Array, rng: jax.Array | None = None) -> Output:
+    def __call__(self, tokens_BT: jax.Array, rng: jax.Array | None = None,
+                 segment_ids_BT: jax.Array | None = None) -> Output:
         """`rng` is given in training only (router jitter, random routing); evaluation and
-        sampling call without it."""
-        x_BTD, stats = self.blocks(self.embed(tokens_BT), rng=rng)
+        sampling call without it. `segment_ids_BT`: document masking (`blocks`)."""
+        x_BTD, stats = self.blocks(self.embed(tokens_BT), rng=rng, segment_ids_BT=segment_ids_BT)
         return Output(self.head(x_BTD), stats)

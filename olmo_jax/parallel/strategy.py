@@ -356,6 +356,10 @@ def build_plan(parallel: ParallelConfig, trainer: BatchSettings, model_cfg: Tran
     shard = p.zero1 or p.strategy == "fsdp"
     pipeline = None
     if mesh.shape["pipe"] > 1:
+        if model_cfg.doc_mask_eos >= 0:
+            raise ConfigError(
+                f"data.doc_mask with parallel.pipe={mesh.shape['pipe']}: the pipeline's stages "
+                "do not carry document masks yet; set parallel.pipe=1 or data.doc_mask=False")
         pipeline = build_pipeline(p, model_cfg, mesh, abstract_params, compute, shard)
         layouts = pipeline.layouts
     else:

@@ -62,7 +62,9 @@ BLOCK_SCALED_DOT = "__cudnn$blockScaledDot"
 UNREWRITTEN_BLOCK_SCALED_DOT = "__op$block_scaled_dot"
 MOSAIC_GPU = ("mosaic_gpu_v2", "mosaic_gpu")
 CPU_SWIGLU = {"olmo_cpu_swiglu_fwd": (3, 3), "olmo_cpu_swiglu_bwd": (6, 5)}  # GEMMs, w_gate operand
-CPU_ATTENTION = {"olmo_cpu_attention_fwd": 2, "olmo_cpu_attention_bwd": 5}  # GEMMs
+CPU_ATTENTION = {"olmo_cpu_attention_fwd": 2, "olmo_cpu_attention_bwd": 5,  # GEMMs; the
+                 # document-masked ones compute at most the causal share (counted as it)
+                 "olmo_cpu_attention_doc_fwd": 2, "olmo_cpu_attention_doc_bwd": 5}
 # every CPU FFI kernel (olmo_jax/kernels/cpu_ffi.py): opaque to XLA's own cost analysis
 CPU_FFI = frozenset({*CPU_SWIGLU, *CPU_ATTENTION, "olmo_cpu_attention_prep_fwd",
                      "olmo_cpu_attention_prep_bwd", "olmo_cpu_rms_norm_fwd",

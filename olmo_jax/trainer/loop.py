@@ -125,7 +125,7 @@ class _Run:
 
 
 def _model_config(cfg: RunConfig, data) -> TransformerConfig:
-    model_cfg = cfg.model_config(data.vocab_size)
+    model_cfg = cfg.model_config(data.vocab_size, data.tokenizer.eos_id)
     if data.vocab_size > model_cfg.vocab_size:
         raise ConfigError(
             f"model.vocab_size={model_cfg.vocab_size} is smaller than the data's vocabulary "
