@@ -24,7 +24,7 @@ from olmo_jax.model.moe.layer import Dispatcher, MoELayer
 from olmo_jax.model.moe.losses import RouterStats
 from olmo_jax.model.norm import RMSNorm
 from olmo_jax.model.params import normal_param
-from olmo_jax.model.rope import rope_tables
+from olmo_jax.model.rope import rope_tables, scaling_of
 
 
 class Block(nnx.Module):
@@ -159,7 +159,7 @@ class Transformer(nnx.Module):
         cfg = self.cfg
         T = x_BTD.shape[1]
         positions_T = jnp.arange(T) if positions_T is None else positions_T
-        cos_TH, sin_TH = rope_tables(positions_T, cfg.head_size, cfg.rope_theta)
+        cos_TH, sin_TH = rope_tables(positions_T, cfg.head_size, cfg.rope_theta, scaling_of(cfg))
         stats = None
         if self.dense_blocks is not None:
             x_BTD, _ = run_blocks(self.dense_blocks, x_BTD, cos_TH, sin_TH, cfg.remat, unroll=cfg.scan_unroll)

@@ -60,7 +60,7 @@ from flax import nnx
 from olmo_jax.kernels.vma import varying_axes
 from olmo_jax.model.config import TransformerConfig
 from olmo_jax.model.moe.losses import RouterStats
-from olmo_jax.model.rope import rope_tables
+from olmo_jax.model.rope import rope_tables, scaling_of
 from olmo_jax.model.transformer import block_step, run_blocks
 from olmo_jax.objective import LossParts, Plan, loss_parts, total_loss
 from olmo_jax.parallel.mesh import AXES
@@ -318,7 +318,8 @@ class _Ticks:
         self.prog, self.cfg, self.M, self.slots = prog, cfg, schedule.microbatches, schedule.slots
         self.micro = batch_BX.reshape(self.M, -1, batch_BX.shape[-1])
         T = self.micro.shape[-1] - 1
-        self.cos_TH, self.sin_TH = rope_tables(jnp.arange(T), cfg.head_size, cfg.rope_theta)
+        self.cos_TH, self.sin_TH = rope_tables(jnp.arange(T), cfg.head_size, cfg.rope_theta,
+                                               scaling_of(cfg))
 
     def inputs(self, m):
         return self.micro[m, :, :-1]
