@@ -43,8 +43,11 @@ COMPUTE_DTYPES = ("float32", "bfloat16")
 # model.norm_impl, model.mxfp8_gemm_impl) are the lower kernels layer's table,
 # olmo_jax/kernels/select.py, imported above.
 # model.remat: none | block (each block's activations recomputed in the backward pass,
-# transformer.run_blocks) | attention (the attention sub-layer only, transformer.Block)
-Remat = Literal["none", "block", "attention"]
+# transformer.run_blocks) | attention (the attention sub-layer only, transformer.Block) |
+# mlp (the feed-forward sub-layer only, dense or MoE: the attention's activations kept) |
+# dots (the block, keeping every weight GEMM's output: norms, RoPE, SwiGLU and the
+# attention core recomputed; OLMo-core's "selected ops", transformer.block_step)
+Remat = Literal["none", "block", "attention", "mlp", "dots"]
 REMATS = get_args(Remat)
 # model.block_norm, OLMo-core's block layouts (nn/transformer/block.py, nn/ddp/block.py):
 # pre = x + f(norm(x)); post = its "reordered" norm, x + norm(f(x)); peri = x + norm(f(norm(x))).
@@ -253,8 +256,12 @@ class TransformerConfig:
     # The LM head's z-loss: coef * mean over labelled tokens of logsumexp(logits)^2
     # (OLMo-core's z_loss_multiplier; its reference runs use 1e-4). 0 = off.
     lm_z_loss_coef: float = 0.0
+    # The LM loss chunked over this many tokens with its own VJP (model/lm_loss.py): no
+    # float32 [B, T, V] logits are held, one chunk's at a time (the head's forward GEMM is
+    # recomputed in the backward). 0 = off: the whole batch's logits, then the loss.
+    lm_loss_chunk: int = 0
     dtype: str = "float32"  # compute dtype, COMPUTE_DTYPES: float32 | bfloat16 (params: float32)
-    remat: Remat = "none"  # REMATS: none | block | attention
+    remat: Remat = "none"  # REMATS: none | block | attention | mlp | dots
     scan_unroll: int = 1  # blocks per layer-scan iteration (= n_layers unrolls; compile time grows)
     attention_precision: str = "bf16"  # model/mxfp8_gemm.PRECISIONS: bf16 (= dtype) | mxfp8 (q/k/v/o GEMMs)
     # ATTENTION_IMPLS, the softmax(q k^T) v core (model/attention.py): auto | cudnn | blas |
@@ -307,6 +314,10 @@ class TransformerConfig:
         if self.head_size % 2:
             raise ConfigError(f"head size {self.head_size} must be even for RoPE")
         self._validate_rope(prefix)
+        if self.lm_loss_chunk < 0:
+            raise ConfigError(
+                f"{prefix}.lm_loss_chunk must be >= 0 (0 = off; else tokens per chunk, e.g. "
+                f"1024), got {self.lm_loss_chunk}")
         if self.lm_z_loss_coef < 0:
             raise ConfigError(f"{prefix}.lm_z_loss_coef must be >= 0 (0 = off), got {self.lm_z_loss_coef}")
         if self.n_heads % self.kv_heads:
