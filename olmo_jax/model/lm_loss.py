@@ -6,9 +6,9 @@ no float32 [tokens, vocab] logits are ever held (model.lm_loss_chunk > 0).
 The forward computes each chunk's logits (h @ w, float32 accumulation), keeps only their
 logsumexp per token, and sums lse - logit[target] and lse^2 over the tokens `loss_S`
 marks. The backward recomputes each chunk's logits from h and w and forms the logits'
-cotangent, g_ce * (softmax - onehot) + g_z * 2 lse * softmax, in float32, cast to the
-compute dtype for the two backward GEMMs: dh per chunk, dw accumulated over the chunks in
-float32. The peak is one chunk's [chunk, vocab]
+cotangent, g_ce * (softmax - onehot) + g_z * 2 lse * softmax, in float32, and its two
+float32 GEMMs (as the whole-logits head's autodiff has them): dh per chunk, dw accumulated
+over the chunks. The peak is one chunk's [chunk, vocab]
 logits (and their cotangent) instead of the whole batch's; the head's FLOPs grow by one
 recomputed forward GEMM (3 of the head's GEMMs become 4).
 """
@@ -77,9 +77,10 @@ def _bwd(chunk, res, g):
         coef_C = jnp.where(mask_C, 1.0, 0.0)
         dlogits_CV = coef_C[:, None] * (g_ce * (p_CV - onehot_CV)
                                         + (g_z * 2.0 * lse_C)[:, None] * p_CV)
-        d_CV = dlogits_CV.astype(w_DV.dtype)
-        dh_CD = jnp.einsum("cv,dv->cd", d_CV, w_DV, preferred_element_type=jnp.float32)
-        dw_DV = jnp.einsum("cd,cv->dv", h_CD, d_CV, preferred_element_type=jnp.float32)
+        # float32 GEMMs, as the whole-logits head's autodiff runs them (its float32 logits'
+        # cotangent against the upcast weights): bfloat16 gradients then agree to ~1e-4
+        dh_CD = jnp.einsum("cv,dv->cd", dlogits_CV, w_DV.astype(jnp.float32))
+        dw_DV = jnp.einsum("cd,cv->dv", h_CD.astype(jnp.float32), dlogits_CV)
         return dw_DV, dh_CD.astype(h_SD.dtype)
 
     # The first chunk's dw starts the sum: the accumulator then has the type (inside
