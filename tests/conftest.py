@@ -42,6 +42,7 @@ SLOW = (
     "tests/olmo_core/test_model_parity.py",
     "tests/olmo_core/test_reference_numbers.py",
     "tests/olmo_core/test_router_parity.py",
+    "tests/olmo_core/test_rope_scaling.py",
     "tests/checkpoint/test_hf_parity.py",
     "tests/parallel/test_gpu_paths.py",
     "tests/parallel/test_parallel_bf16.py",
