@@ -53,6 +53,10 @@ def rope_fields_of(hf: dict, where: str) -> dict:
     key = "rope_parameters" if hf.get("rope_parameters") is not None else "rope_scaling"
     params = dict(hf.get(key) or {})
     rope_type = params.pop("rope_type", params.pop("type", "default"))
+    legacy = hf.get("rope_scaling") if key == "rope_parameters" else None
+    if legacy and legacy.get("rope_type", legacy.get("type", "default")) != rope_type:
+        raise _refuse(where, "rope_scaling", legacy,
+                      f"it disagrees with rope_parameters.rope_type={rope_type!r}; keep one")
     theta = float(params.pop("rope_theta", hf.get("rope_theta") or 10000.0))
     if rope_type not in _HF_ROPE_KINDS:
         raise _refuse(where, f"{key}.rope_type", rope_type,

@@ -172,3 +172,12 @@ def test_unrepresentable_hf_rope_is_refused_by_field(params, field):
 def test_bad_rope_fields_are_refused_by_name(change, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         TransformerConfig(**change).validate()
+
+
+def test_a_legacy_rope_scaling_that_disagrees_is_refused():
+    hf = {**to_hf_config(model("pi")), "rope_scaling": {"type": "yarn", "factor": 4.0}}
+    with pytest.raises(CheckpointError, match=r"rope_scaling=.*disagrees with rope_parameters"):
+        from_hf_config(hf, "config.json")
+    same = {**to_hf_config(model("pi")), "rope_scaling": {"type": "linear", "factor": 2.0}}
+    assert from_hf_config(same).rope_scaling == "pi"
+
