@@ -182,17 +182,32 @@ def forward_losses(graphdef, params, model_state, batch_BX, cfg: TransformerConf
     documents of a row are masked from each other (`document_segments`)."""
     model = nnx.merge(graphdef, params, model_state)
     inputs_BT, targets_BT = batch_BX[:, :-1], batch_BX[:, 1:]
-    out = model(inputs_BT, rng=rng, segment_ids_BT=document_segments(inputs_BT, cfg))
+    segment_ids_BT = document_segments(inputs_BT, cfg)
+    if cfg.lm_loss_chunk:  # the head and loss chunked, no [B, T, V] logits
+        x_BTD, stats = model.blocks(model.embed(inputs_BT), rng=rng, segment_ids_BT=segment_ids_BT)
+        return loss_parts(None, targets_BT, stats, cfg, parallel,
+                          sums=head_loss_sums(model, x_BTD, targets_BT, cfg.lm_loss_chunk))
+    out = model(inputs_BT, rng=rng, segment_ids_BT=segment_ids_BT)
     return loss_parts(out.logits_BTV, targets_BT, out.router_stats, cfg, parallel)
 
 
+def head_loss_sums(model, x_BTD, targets_BT, chunk: int) -> tuple[jax.Array, jax.Array]:
+    """cross_entropy_sums of the model's head on the final hidden states, chunked over
+    `chunk` tokens (model.lm_loss_chunk; Transformer.head_losses): what loss_parts takes
+    instead of the logits."""
+    return model.head_losses(x_BTD, targets_BT, labelled(targets_BT)[0], chunk)
+
+
 def loss_parts(logits_BTV, targets_BT, stats: RouterStats | None, cfg: TransformerConfig,
-               parallel: BatchReduction = SINGLE_DEVICE) -> LossParts:
+               parallel: BatchReduction = SINGLE_DEVICE, sums=None) -> LossParts:
     """LossParts of one (micro)batch from the model's logits and stacked RouterStats
-    (the pipeline's last stage calls this with the statistics of every stage)."""
+    (the pipeline's last stage calls this with the statistics of every stage). `sums`:
+    the (cross-entropy, logsumexp^2) sums head_loss_sums gives with model.lm_loss_chunk,
+    instead of the logits (then None)."""
+    sums = cross_entropy_sums(logits_BTV, targets_BT) if sums is None else sums
     # One all-reduce for the four sums: the losses, the labels counted, the positions.
     ce_sum, lm_z_sum, n, positions = parallel.allsum(jnp.stack([
-        *cross_entropy_sums(logits_BTV, targets_BT),
+        *sums,
         jnp.sum(labelled(targets_BT)[1], dtype=jnp.float32),
         jnp.asarray(targets_BT.size, jnp.float32)]))
     routing = routing_parts(stats, cfg, parallel)

@@ -47,6 +47,7 @@ SLOW = (
     "tests/olmo_core/test_router_parity.py",
     "tests/olmo_core/test_schedulers.py",
     "tests/olmo_core/test_sliding_window_oracle.py",
+    "tests/olmo_core/test_rope_scaling.py",
     "tests/checkpoint/test_hf_parity.py",
     "tests/checkpoint/test_generate_hf.py",
     "tests/parallel/test_gpu_paths.py",

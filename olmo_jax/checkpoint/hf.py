@@ -334,7 +334,7 @@ def get_config():
 # Model fields that are run settings, not properties of the converted weights: config.py
 # leaves them at their defaults.
 _RUN_SETTINGS = ("model.dtype", "model.remat", "model.moe.gmm_impl", "model.attention_impl",
-                 "model.norm_impl", "model.mxfp8_gemm_impl")
+                 "model.norm_impl", "model.mxfp8_gemm_impl", "model.lm_loss_chunk")
 
 
 def _model_assignments(cfg: TransformerConfig) -> list[tuple[str, object]]:

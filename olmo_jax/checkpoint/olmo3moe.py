@@ -5,8 +5,10 @@ the config of `_get_olmo3moe_config` (nn/hf/config.py): its reordered-norm ("pos
 peri-norm (`use_peri_ln`) blocks, per-head QK-norm, optional scaled embedding norm,
 dense first layers, one optional shared expert. Config map (config.json -> model.*):
   hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim,
-  vocab_size, rope_theta (or rope_parameters), rms_norm_eps -> d_model, n_layers, n_heads,
-  n_kv_heads, head_dim, vocab_size, rope_theta, norm_eps; initializer_range -> init_std
+  vocab_size, rms_norm_eps -> d_model, n_layers, n_heads, n_kv_heads, head_dim, vocab_size,
+  norm_eps; initializer_range -> init_std; rope_parameters (or OLMo-core's rope_theta and
+  rope_scaling) -> rope_theta, rope_scaling* (hf_config.rope_fields_of: linear -> pi,
+  llama3 -> stepwise, yarn -> yarn)
   use_peri_ln -> block_norm peri (else post); use_head_qk_norm -> head_qk_norm
   embed_scale (1.0 = off) -> embed_scale (0 = off); embed_norm -> embedding_norm
   dense_layers_indices [0..n) + dense_mlp_intermediate_size -> n_dense_layers, dense_hidden
@@ -16,8 +18,8 @@ dense first layers, one optional shared expert. Config map (config.json -> model
   (softmax) / moe.sigmoid_renorm (sigmoid, with sigmoid_eps 1e-7, OLMo-core's);
   restore_weight_scale -> moe.router_weight_scale = top_k (else 1)
 Anything else OLMo-core can write there (sliding windows, attention gates, scalable
-softmax, latent MoE, linear attention, per-head gains, original_num_experts_per_tok, RoPE
-scaling, an L2 weight norm) is refused naming the field, and so is an olmo_jax model the
+softmax, latent MoE, linear attention, per-head gains, original_num_experts_per_tok, an L2
+weight norm) is refused naming the field, and so is an olmo_jax model the
 format cannot hold (pre-norm blocks, no or whole-projection QK-norm, clipping, grouped or
 biased routing, topk_softmax gating).
 
@@ -59,7 +61,7 @@ from olmo_jax.checkpoint.hf import (
     save_init_checkpoint,
     split_module,
 )
-from olmo_jax.checkpoint.hf_config import rope_theta_of
+from olmo_jax.checkpoint.hf_config import check_yarn_exact, hf_rope_parameters, rope_fields_of
 from olmo_jax.checkpoint.tree import flatten_named, nest
 from olmo_jax.errors import CheckpointError
 from olmo_jax.model import TransformerConfig
@@ -73,7 +75,7 @@ _LAYER = "model.layers.{l}."
 _REFUSED = {
     "attention_gate_type": None, "scalable_softmax": False, "latent_moe_dim": None,
     "qk_norm_per_head_gains": False, "original_num_experts_per_tok": None,
-    "rope_scaling": None, "emo_eval_document_expert_pool": None, "attention_bias": False,
+    "emo_eval_document_expert_pool": None, "attention_bias": False,
     "use_rope": True,
 }
 
@@ -90,9 +92,6 @@ def from_config(hf: dict, where: str = "config.json") -> TransformerConfig:
     for field, ok in _REFUSED.items():
         if hf.get(field, ok) not in (ok, None) and not (ok is False and not hf.get(field)):
             raise _refuse(where, field, hf[field], "olmo_jax has no such option")
-    rope = hf.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise _refuse(where, "rope_parameters.rope_type", rope["rope_type"], "no RoPE scaling")
     L = int(hf["num_hidden_layers"])
     types = hf.get("layer_types") or ["full_attention"] * L
     if any(t != "full_attention" for t in types):
@@ -127,20 +126,22 @@ def from_config(hf: dict, where: str = "config.json") -> TransformerConfig:
         sigmoid_eps=SIGMOID_EPS if gating == "sigmoid" else 0.0,
         router_weight_scale=float(top_k) if hf.get("restore_weight_scale") else 1.0,
         n_shared_experts=1 if shared else 0, shared_hidden=int(shared or 0))
-    return TransformerConfig(
+    cfg = TransformerConfig(
         vocab_size=int(hf["vocab_size"]), d_model=int(hf["hidden_size"]), n_layers=L,
         n_heads=n_heads, n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
         head_dim=0 if head_dim * n_heads == int(hf["hidden_size"]) else head_dim,
         n_dense_layers=len(dense),
         dense_hidden=int(hf.get("dense_mlp_intermediate_size") or 0) if dense else 0,
-        rope_theta=rope_theta_of(hf, where), norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+        **rope_fields_of(hf, where), norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
         qk_norm=True, head_qk_norm=True,
         block_norm="peri" if hf.get("use_peri_ln") else "post",
         embed_scale=0.0 if embed_scale == 1.0 else embed_scale,
         embedding_norm=bool(hf.get("embed_norm", False)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         init_std=float(hf.get("initializer_range", 0.02)), moe=moe,
-    ).validate()
+    )
+    check_yarn_exact(cfg, where)
+    return cfg.validate()
 
 
 def check_representable(cfg: TransformerConfig) -> None:
@@ -180,7 +181,9 @@ def to_config(cfg: TransformerConfig, base: dict | None = None, dtype: str = "fl
     check_representable(cfg)
     m = cfg.moe
     renorm = m.norm_topk_prob if m.gating == "softmax" else m.sigmoid_renorm
+    rope = hf_rope_parameters(cfg, "olmo3moe export")
     out = dict(base or {})
+    out.pop("rope_scaling", None)  # OLMo-core's legacy key: rope_parameters holds it
     out.update({
         "model_type": MODEL_TYPE, "architectures": ["Olmo3MoeForCausalLM"],
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
@@ -196,8 +199,7 @@ def to_config(cfg: TransformerConfig, base: dict | None = None, dtype: str = "fl
             m.n_shared_experts * m.shared_hidden if m.n_shared_experts else None,
         "gating_function": m.gating, "normalize_expert_weights": 1.0 if renorm else None,
         "restore_weight_scale": m.router_weight_scale != 1.0,
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_theta": rope["rope_theta"], "rope_parameters": rope,
         "rms_norm_eps": cfg.norm_eps, "use_head_qk_norm": True,
         "layer_types": ["full_attention"] * cfg.n_layers,
         "embed_scale": cfg.embedding_scale or 1.0, "embed_norm": cfg.embedding_norm,

@@ -43,8 +43,11 @@ COMPUTE_DTYPES = ("float32", "bfloat16")
 # model.norm_impl, model.mxfp8_gemm_impl) are the lower kernels layer's table,
 # olmo_jax/kernels/select.py, imported above.
 # model.remat: none | block (each block's activations recomputed in the backward pass,
-# transformer.run_blocks) | attention (the attention sub-layer only, transformer.Block)
-Remat = Literal["none", "block", "attention"]
+# transformer.run_blocks) | attention (the attention sub-layer only, transformer.Block) |
+# mlp (the feed-forward sub-layer only, dense or MoE: the attention's activations kept) |
+# dots (the block, keeping every weight GEMM's output: norms, RoPE, SwiGLU and the
+# attention core recomputed; OLMo-core's "selected ops", transformer.block_step)
+Remat = Literal["none", "block", "attention", "mlp", "dots"]
 REMATS = get_args(Remat)
 # model.block_norm, OLMo-core's block layouts (nn/transformer/block.py, nn/ddp/block.py):
 # pre = x + f(norm(x)); post = its "reordered" norm, x + norm(f(x)); peri = x + norm(f(norm(x))).
@@ -52,6 +55,10 @@ BlockNorm = Literal["pre", "post", "peri"]
 BLOCK_NORMS = get_args(BlockNorm)
 Gating = Literal["softmax", "sigmoid", "topk_softmax"]  # model.moe.gating (router.gate_scores)
 GATINGS = get_args(Gating)
+# model.rope_scaling, OLMo-core's RoPE scalings (nn/rope.py; model/rope.inv_freq): none |
+# abf (a new base) | pi (position interpolation) | stepwise (Llama 3.1's per-band) | yarn
+RopeScalingKind = Literal["none", "abf", "pi", "stepwise", "yarn"]
+ROPE_SCALINGS = get_args(RopeScalingKind)
 # model.moe.routing_mode (router.route): learned | random (OLMo-core: U(0,1) scores replace
 # the gate) | random_choice (random experts, learned weights) | uniform (round-robin)
 RoutingMode = Literal["learned", "random", "random_choice", "uniform"]
@@ -74,7 +81,7 @@ ABSENT_FIELD_MEANING = {"block_norm": "pre", "head_qk_norm": False, "embed_scale
                         "embedding_norm": False, "lm_z_loss_coef": 0.0}
 
 __all__ = ["ABSENT_FIELD_MEANING", "COMPUTE_DTYPES", "DTYPES", "HF_OLMOE_LAYOUT", "MoEConfig",
-           "TransformerConfig"]
+           "ROPE_SCALINGS", "TransformerConfig"]
 
 
 @dataclass(frozen=True)
@@ -221,6 +228,19 @@ class TransformerConfig:
     n_dense_layers: int = 0  # the first blocks use a dense SwiGLU MLP instead of MoE
     dense_hidden: int = 0  # hidden size of those dense MLPs (0 = 4 * d_model)
     rope_theta: float = 500_000.0
+    # RoPE scaling for long context (model/rope.py, OLMo-core's nn/rope.py; docs/training.md).
+    rope_scaling: RopeScalingKind = "none"  # ROPE_SCALINGS: none | abf | pi | stepwise | yarn
+    # pi / stepwise / yarn: the context expansion multiplier; 0 = OLMo-core's default (2 / 32 / 8)
+    rope_scaling_factor: float = 0.0
+    rope_new_theta: float = 0.0  # abf: the new RoPE base; 0 = OLMo-core's 8,000,000
+    rope_old_context_len: int = 8192  # stepwise / yarn: the length the base model trained at
+    rope_low_freq_proportion: float = 0.0  # stepwise: the low-frequency (fully scaled) band
+    rope_high_freq_proportion: float = 0.25  # stepwise: the high-frequency (unchanged) band
+    rope_beta_fast: float = 32.0  # yarn: the ramp's high-frequency end, in rotations
+    rope_beta_slow: float = 1.0  # yarn: the ramp's low-frequency end, in rotations
+    # The factor the cos / sin tables are multiplied by (q and k each, so the attention
+    # scores by its square); 0 = the scaling's own: yarn 0.1 ln(factor) + 1, the others 1.
+    rope_attention_factor: float = 0.0
     norm_eps: float = 1e-6  # RMSNorm epsilon (OLMo-core 3 reference: 1e-6; HF OLMoE: 1e-5)
     qk_norm: bool = True
     head_qk_norm: bool = True  # QK-norm per head over head_dim, one [head_dim] weight (OLMo-core's use_head_qk_norm)
@@ -236,8 +256,12 @@ class TransformerConfig:
     # The LM head's z-loss: coef * mean over labelled tokens of logsumexp(logits)^2
     # (OLMo-core's z_loss_multiplier; its reference runs use 1e-4). 0 = off.
     lm_z_loss_coef: float = 0.0
+    # The LM loss chunked over this many tokens with its own VJP (model/lm_loss.py): no
+    # float32 [B, T, V] logits are held, one chunk's at a time (the head's forward GEMM is
+    # recomputed in the backward). 0 = off: the whole batch's logits, then the loss.
+    lm_loss_chunk: int = 0
     dtype: str = "float32"  # compute dtype, COMPUTE_DTYPES: float32 | bfloat16 (params: float32)
-    remat: Remat = "none"  # REMATS: none | block | attention
+    remat: Remat = "none"  # REMATS: none | block | attention | mlp | dots
     scan_unroll: int = 1  # blocks per layer-scan iteration (= n_layers unrolls; compile time grows)
     attention_precision: str = "bf16"  # model/mxfp8_gemm.PRECISIONS: bf16 (= dtype) | mxfp8 (q/k/v/o GEMMs)
     # ATTENTION_IMPLS, the softmax(q k^T) v core (model/attention.py): auto | cudnn | blas |
@@ -299,6 +323,11 @@ class TransformerConfig:
             )
         if self.head_size % 2:
             raise ConfigError(f"head size {self.head_size} must be even for RoPE")
+        self._validate_rope(prefix)
+        if self.lm_loss_chunk < 0:
+            raise ConfigError(
+                f"{prefix}.lm_loss_chunk must be >= 0 (0 = off; else tokens per chunk, e.g. "
+                f"1024), got {self.lm_loss_chunk}")
         if self.lm_z_loss_coef < 0:
             raise ConfigError(f"{prefix}.lm_z_loss_coef must be >= 0 (0 = off), got {self.lm_z_loss_coef}")
         if self.n_heads % self.kv_heads:
@@ -343,3 +372,32 @@ class TransformerConfig:
             )
         self.moe.validate(prefix + ".moe")
         return self
+
+    def _validate_rope(self, prefix: str) -> None:
+        check_choice(f"{prefix}.rope_scaling", self.rope_scaling, ROPE_SCALINGS, one_of=False)
+        if self.rope_theta <= 0:
+            raise ConfigError(f"{prefix}.rope_theta must be > 0, got {self.rope_theta}")
+        for name in ("rope_scaling_factor", "rope_new_theta", "rope_attention_factor"):
+            value = getattr(self, name)
+            if value < 0:
+                raise ConfigError(f"{prefix}.{name} must be >= 0 (0 = the default), got {value}")
+            if value and self.rope_scaling == "none":
+                raise ConfigError(
+                    f"{prefix}.{name}={value} has no effect with {prefix}.rope_scaling=none; "
+                    f"choose a scaling (abf | pi | stepwise | yarn) or leave it at 0"
+                )
+        if self.rope_old_context_len < 1:
+            raise ConfigError(
+                f"{prefix}.rope_old_context_len must be >= 1, got {self.rope_old_context_len}")
+        low, high = self.rope_low_freq_proportion, self.rope_high_freq_proportion
+        if not (0 <= low < 1 and 0 < high <= 1 and low + high < 1):
+            raise ConfigError(
+                f"{prefix}.rope_low_freq_proportion={low} and {prefix}.rope_high_freq_proportion="
+                f"{high} must satisfy 0 <= low < 1, 0 < high <= 1 and low + high < 1 (the "
+                "stepwise bands may not overlap)"
+            )
+        if not 0 < self.rope_beta_slow < self.rope_beta_fast:
+            raise ConfigError(
+                f"{prefix}.rope_beta_slow={self.rope_beta_slow} and {prefix}.rope_beta_fast="
+                f"{self.rope_beta_fast} must satisfy 0 < beta_slow < beta_fast"
+            )

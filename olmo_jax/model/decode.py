@@ -47,7 +47,7 @@ from olmo_jax import shapes
 from olmo_jax.errors import ConfigError
 from olmo_jax.model.abstract import abstract_model
 from olmo_jax.model.config import TransformerConfig
-from olmo_jax.model.rope import rope_tables
+from olmo_jax.model.rope import apply_rope, rope_tables_batch, scaling_of
 from olmo_jax.model.transformer import Block, Transformer
 
 
@@ -101,16 +101,6 @@ def init_cache(cfg: TransformerConfig, rows: int, slots: int, start_B) -> Cache:
                  zeros(cfg.n_moe_layers), jnp.asarray(start_B, jnp.int32))
 
 
-@shapes.check("-> B T N H")
-def _rope(x_BTNH, cos_BTH, sin_BTH):
-    """model/rope.apply_rope with a table per row (each row has its own positions)."""
-    half = x_BTNH.shape[-1] // 2
-    rotated = jnp.concatenate([-x_BTNH[..., half:], x_BTNH[..., :half]], axis=-1)
-    cos = cos_BTH[:, :, None, :].astype(x_BTNH.dtype)
-    sin = sin_BTH[:, :, None, :].astype(x_BTNH.dtype)
-    return x_BTNH * cos + rotated * sin
-
-
 def _attend(attn, x_BTD, cos_BTH, sin_BTH, k_LBAKH, v_LBAKH, layer, index, mask_BTA):
     """The layer's attention for the queries of slots [index, index + T): their keys and
     values written into the cache at those slots, then softmax(q k^T / sqrt(H)) v over the
@@ -130,7 +120,7 @@ def _attend(attn, x_BTD, cos_BTH, sin_BTH, k_LBAKH, v_LBAKH, layer, index, mask_
     if attn.clip_qkv:
         c = attn.clip_qkv
         q_BTNH, k_BTKH, v_BTKH = (jnp.clip(a, -c, c) for a in (q_BTNH, k_BTKH, v_BTKH))
-    q_BTNH, k_BTKH = _rope(q_BTNH, cos_BTH, sin_BTH), _rope(k_BTKH, cos_BTH, sin_BTH)
+    q_BTNH, k_BTKH = apply_rope(q_BTNH, cos_BTH, sin_BTH), apply_rope(k_BTKH, cos_BTH, sin_BTH)
     at = (layer, 0, index, 0, 0)
     k_LBAKH = jax.lax.dynamic_update_slice(k_LBAKH, k_BTKH[None].astype(k_LBAKH.dtype), at)
     v_LBAKH = jax.lax.dynamic_update_slice(v_LBAKH, v_BTKH[None].astype(v_LBAKH.dtype), at)
@@ -183,8 +173,8 @@ def forward(model: Transformer, tokens_BT: jax.Array, cache: Cache, index) -> tu
     start_B = cache.start_B
     slot_T = index + jnp.arange(T)
     positions_BT = jnp.maximum(slot_T[None, :] - start_B[:, None], 0)
-    cos, sin = rope_tables(positions_BT.reshape(-1), cfg.head_size, cfg.rope_theta)
-    cos_BTH, sin_BTH = cos.reshape(B, T, -1), sin.reshape(B, T, -1)
+    cos_BTH, sin_BTH = rope_tables_batch(positions_BT, cfg.head_size, cfg.rope_theta,
+                                         scaling_of(cfg))
     a_A = jnp.arange(A)
     q_BT1 = slot_T[None, :, None]
     mask_BTA = (a_A <= q_BT1) & ((a_A >= start_B[:, None, None]) | (a_A == q_BT1))

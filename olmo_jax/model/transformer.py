@@ -19,12 +19,13 @@ from flax import nnx
 from olmo_jax import shapes
 from olmo_jax.model.attention import Attention
 from olmo_jax.model.config import TransformerConfig
+from olmo_jax.model.lm_loss import chunked_lm_losses
 from olmo_jax.model.mlp import MLP
 from olmo_jax.model.moe.layer import Dispatcher, MoELayer
 from olmo_jax.model.moe.losses import RouterStats
 from olmo_jax.model.norm import RMSNorm
 from olmo_jax.model.params import normal_param
-from olmo_jax.model.rope import document_positions, rope_tables, rope_tables_batch
+from olmo_jax.model.rope import document_positions, rope_tables, rope_tables_batch, scaling_of
 
 
 class Block(nnx.Module):
@@ -50,6 +51,7 @@ class Block(nnx.Module):
             self.ffn = MLP(D, cfg.dense_hidden_size, cfg.init_std, cfg.compute_dtype, rngs=rngs)
         self.is_moe = moe
         self.remat_attention = cfg.remat == "attention"
+        self.remat_ffn = cfg.remat == "mlp"
 
     @shapes.check("cos_TH: ... T H", "sin_TH: ... T H", "-> B T D, _")
     def __call__(self, x_BTD, cos_TH, sin_TH, rng=None, segment_ids_BT=None):
@@ -60,11 +62,12 @@ class Block(nnx.Module):
             a_BTD = attn(self._in(self.attn_norm, x_BTD), cos_TH, sin_TH, segment_ids_BT)
             h_BTD = x_BTD + self._out(self.attn_norm, self.attn_post_norm, a_BTD).astype(x_BTD.dtype)
         f_in_BTD = self._in(self.ffn_norm, h_BTD)
+        ffn = nnx.remat(self.ffn) if self.remat_ffn else self.ffn
         if self.is_moe:
-            f_BTD, stats = self.ffn(f_in_BTD, rng)
+            f_BTD, stats = ffn(f_in_BTD, rng)
         else:
             with jax.named_scope("dense_mlp"):
-                f_BTD, stats = self.ffn(f_in_BTD), None
+                f_BTD, stats = ffn(f_in_BTD), None
         f_BTD = self._out(self.ffn_norm, self.ffn_post_norm, f_BTD)
         return h_BTD + f_BTD.astype(h_BTD.dtype), stats
 
@@ -106,14 +109,17 @@ def run_blocks(blocks: Block, x_BTD, cos_TH, sin_TH, remat: str = "none", rng=No
 
 def block_step(graphdef, cos_TH, sin_TH, remat: str = "none", segment_ids_BT=None):
     """run_blocks' scan body: (x, (one block's state, key, keep)) -> (x, stats), checkpointed
-    with model.remat = block; `graphdef` the stacked blocks' (a pipeline stage runs the
-    body one block at a time, parallel/pipeline/run.py)."""
+    with model.remat = block (all recomputed) or dots (the weight GEMMs' outputs kept);
+    `graphdef` the stacked blocks' (a pipeline stage runs the body one block at a time,
+    parallel/pipeline/run.py)."""
 
     def body(x, xs):
         layer_state, key, keep = xs
         y, stats = nnx.merge(graphdef, layer_state)(x, cos_TH, sin_TH, key, segment_ids_BT)
         return (y if keep is None else jnp.where(keep, y, x)), stats
 
+    if remat == "dots":
+        return jax.checkpoint(body, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
     return jax.checkpoint(body) if remat == "block" else body
 
 
@@ -166,10 +172,10 @@ class Transformer(nnx.Module):
         T = x_BTD.shape[1]
         if segment_ids_BT is not None:
             cos_TH, sin_TH = rope_tables_batch(document_positions(segment_ids_BT),
-                                               cfg.head_size, cfg.rope_theta)
+                                               cfg.head_size, cfg.rope_theta, scaling_of(cfg))
         else:
             positions_T = jnp.arange(T) if positions_T is None else positions_T
-            cos_TH, sin_TH = rope_tables(positions_T, cfg.head_size, cfg.rope_theta)
+            cos_TH, sin_TH = rope_tables(positions_T, cfg.head_size, cfg.rope_theta, scaling_of(cfg))
         stats = None
         if self.dense_blocks is not None:
             x_BTD, _ = run_blocks(self.dense_blocks, x_BTD, cos_TH, sin_TH, cfg.remat,
@@ -187,6 +193,19 @@ class Transformer(nnx.Module):
         with jax.named_scope("lm_head"):
             return jnp.einsum("btd,dv->btv", h_BTD, w_DV.astype(dt),
                               preferred_element_type=jnp.float32)
+
+    def head_losses(self, x_BTD: jax.Array, targets_BT: jax.Array, loss_BT: jax.Array,
+                    chunk: int) -> tuple[jax.Array, jax.Array]:
+        """(summed cross-entropy, summed logsumexp^2) over the targets `loss_BT` marks, what
+        `head` + the loss compute, chunked over `chunk` tokens (model.lm_loss_chunk) without
+        the [B, T, V] logits (model/lm_loss.py)."""
+        dt = self.cfg.compute_dtype
+        h_BTD = self.final_norm(x_BTD).astype(dt)
+        w_DV = self.embedding[...].T if self.lm_head is None else self.lm_head[...]
+        B, T, D = h_BTD.shape
+        with jax.named_scope("lm_head"):
+            return chunked_lm_losses(h_BTD.reshape(B * T, D), w_DV.astype(dt),
+                                     targets_BT.reshape(-1), loss_BT.reshape(-1), chunk)
 
     @shapes.check("-> *")
     def __call__(self, tokens_BT: jax.Array, rng: jax.Array | None = None,

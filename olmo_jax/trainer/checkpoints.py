@@ -41,9 +41,14 @@ from olmo_jax.trainer.config import TrainerConfig
 from olmo_jax.trainer.state import TrainState, initial_rng
 
 # Model fields that change numerics or cost but not what the weights mean: a checkpoint
-# may be resumed / fine-tuned with other values (the kernel choices among them).
+# may be resumed / fine-tuned with other values (the kernel choices among them). The RoPE
+# scaling too (not rope_theta): extending the context of a trained checkpoint is starting
+# from it (trainer.init_from) with a new scaling, e.g. YaRN or ABF's new base.
 FREE_MODEL_FIELDS = {"dtype", "remat", "init_std", "scan_unroll", "attention_impl", "norm_impl",
-                     "mxfp8_gemm_impl"}
+                     "mxfp8_gemm_impl", "lm_loss_chunk", "rope_scaling", "rope_scaling_factor",
+                     "rope_new_theta", "rope_old_context_len", "rope_low_freq_proportion",
+                     "rope_high_freq_proportion", "rope_beta_fast", "rope_beta_slow",
+                     "rope_attention_factor"}
 FREE_MOE_FIELDS = {
     "capacity_factor", "gmm_impl", "lb_loss_coef", "z_loss_coef", "lb_loss_type", "lb_granularity",
     "routing_mode", "router_jitter",

@@ -45,6 +45,14 @@ CASES = {
         {},
     ),
     "clip_qkv": ({"clip_qkv": 0.3}, 5, {}),
+    # YaRN RoPE scaling past its original 8 positions (16 are run): the ramp, the blended
+    # frequencies and the attention factor on the cos / sin tables, as transformers has them.
+    "yarn": (
+        {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                             "original_max_position_embeddings": 8}},
+        7,
+        {},
+    ),
     # The loss / gradient case combines GQA, top-k renormalization and clipping.
     "loss": (
         {

@@ -75,3 +75,21 @@ def test_the_kernel_choices_are_free_and_a_config_saved_without_them_reads_as_au
     assert architecture_difference(read, run) is None
     assert architecture_difference(read, today.replace(n_heads=2)) == ("model.n_heads", 4, 2)
     assert all(_is_free(f"model.{name}") for name in ("attention_impl", *new, "moe.gmm_impl"))
+
+
+def test_a_checkpoint_is_continued_with_a_new_rope_scaling():
+    """Long-context extension starts from a trained checkpoint with a RoPE scaling (the
+    rope_scaling* fields are free, as the kernel choices are); rope_theta stays the
+    architecture's."""
+    from olmo_jax.model.config import TransformerConfig
+    from olmo_jax.trainer.checkpoints import architecture_difference
+    from olmo_jax.trainer.run_dir import _is_free
+
+    saved = TransformerConfig(d_model=32, n_heads=4)
+    longer = saved.replace(rope_scaling="yarn", rope_scaling_factor=8.0, rope_old_context_len=4096,
+                           rope_attention_factor=1.5, lm_loss_chunk=1024, remat="dots")
+    assert architecture_difference(saved, longer) is None
+    assert architecture_difference(saved, saved.replace(rope_theta=1e4)) == (
+        "model.rope_theta", 500_000.0, 1e4)
+    assert _is_free("model.rope_scaling") and not _is_free("model.rope_theta")
+

@@ -52,6 +52,10 @@ def test_logits_match_transformers(hf_cases, case):
     if case == "clip_qkv":  # clipping is active here: without it the logits are far off
         unclipped = hf.HFModel(model.config.replace(clip_qkv=0.0), model.params, model.model_state)
         assert np.abs(np.asarray(unclipped(np.asarray(INPUT_IDS, np.int32))) - ref_BTV).max() > 1e-2
+    if case == "yarn":  # the scaling is active here: plain RoPE's logits are far off
+        plain = hf.HFModel(model.config.replace(rope_scaling="none", rope_scaling_factor=0.0),
+                           model.params, model.model_state)
+        assert np.abs(np.asarray(plain(np.asarray(INPUT_IDS, np.int32))) - ref_BTV).max() > 1e-2
 
 
 def test_packed_and_per_expert_layouts_read_identically(hf_cases):

@@ -29,14 +29,14 @@ HF = {**BASE, "model_type": "olmoe", "architectures": ["OlmoeForCausalLM"]}
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
         ({"attention_dropout": 0.1}, "attention_dropout=0.1"),
         (
-            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
-            "rope_parameters.rope_type='yarn'",
+            {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}},
+            "rope_parameters.rope_type='dynamic'",
         ),
         (
             {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "factor": 2.0}},
             "rope_parameters.factor",
         ),
-        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling="),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0, "mscale": 1.0}}, "rope_scaling.mscale"),
         ({"head_dim": 16}, "head_dim=16"),
         ({"clip_qkv": -1.0}, "clip_qkv=-1.0"),
     ],
@@ -50,6 +50,8 @@ def test_unrepresentable_hf_configs_are_refused_by_field(change, field):
 def test_legacy_rope_theta_and_missing_kv_heads_are_read():
     cfg = from_hf_config({**HF, "rope_theta": 500000.0, "rope_scaling": None})
     assert cfg.rope_theta == 500000.0 and cfg.kv_heads == BASE["num_attention_heads"]
+    cfg = from_hf_config({**HF, "rope_theta": 1e4, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    assert (cfg.rope_theta, cfg.rope_scaling, cfg.rope_scaling_factor) == (1e4, "pi", 2.0)
 
 
 @pytest.mark.parametrize(

@@ -168,16 +168,18 @@ def reference_run(grad_accum=1, batch=BATCH, layers=(2, 0), moe=(), width=32,
 def plan_run(data, expert, dispatch="rowwise", strategy="ddp", zero1=True, grad_accum=1,
              batch=BATCH, capacity_factor=NO_DROP_CF, layers=(2, 0), pipe: Pipe = NO_PIPE,
              remat="none", abstract=False, moe=(), width=32, optim="adamw",
-             dtype="float32", steps=STEPS) -> Run:
+             dtype="float32", steps=STEPS, lm_loss_chunk=0) -> Run:
     """The same on a pipe x data x expert mesh through the trainer's ParallelPlan and
-    its jitted step (state shardings, donation). `remat`: model.remat (same weights);
+    its jitted step (state shardings, donation). `remat`, `lm_loss_chunk`: model.remat,
+    model.lm_loss_chunk (same weights);
     `abstract`: compile from ShapeDtypeStructs; `moe`, `dtype`: as host_state; `optim`:
     optim.name; `steps`: the first `steps` of the reference's batches (fewer for slow paths)."""
     model_cfg, tx, schedule, _, state = host_state(layers=layers, moe=moe, width=width,
                                                    optim=optim, dtype=dtype)
     cfg = make_cfg(data, expert, dispatch, strategy, zero1, grad_accum, capacity_factor,
                    batch=batch, layers=layers, pipe=pipe, width=width, optim=optim)
-    model_cfg = with_capacity(dataclasses.replace(model_cfg, remat=remat), cfg)
+    model_cfg = with_capacity(dataclasses.replace(model_cfg, remat=remat,
+                                                  lm_loss_chunk=lm_loss_chunk), cfg)
     plan = plan_for(cfg, model_cfg)
     model_cfg = plan.model_cfg  # kernels resolved for the mesh
     graphdef = abstract_model(model_cfg, plan.dispatcher)[0]

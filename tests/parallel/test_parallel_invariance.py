@@ -70,3 +70,10 @@ def test_grad_accumulation_microbatches_are_mesh_independent():
     # losses (nonlinear in the counts) match too.
     run = plan_run(4, 2, "ragged", grad_accum=2, batch=16)
     assert_matches_reference(run, reference_run(grad_accum=2, batch=16))
+
+
+def test_chunked_lm_loss_and_dots_remat_match_single_device():
+    """model.lm_loss_chunk (48 tokens: the last chunk padded) and model.remat=dots under the
+    step's shard_map on data 2 x expert 4 with FSDP: the same loss, gradients and curve."""
+    assert_matches_reference(plan_run(2, 4, strategy="fsdp", lm_loss_chunk=48, remat="dots"),
+                             reference_run())

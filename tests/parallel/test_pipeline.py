@@ -7,7 +7,8 @@ expert parallelism, every schedule: loss (with the router losses), load-balancin
 losses within 1e-5 relative, every gradient within 1e-5 relative, five AdamW steps'
 losses within 1e-4 (tests/parallel/test_parallel_invariance.py's checks). The model has
 a dense-first block and 9 MoE blocks, so stages get uneven chunks with padding slots;
-the cases also cover model.remat (none / block / attention), ZeRO-1 on and off, every
+the cases also cover model.remat (none / block / attention / mlp / dots), the chunked LM
+loss (model.lm_loss_chunk, in GPipe's autodiff and 1F1B's stashed VJPs), ZeRO-1 on and off, every
 dispatch backend, gradient accumulation around the pipeline (trainer.grad_accum x
 parallel.microbatches = 4 microbatches everywhere) and an ahead-of-time compile from
 ShapeDtypeStructs (nothing allocated).
@@ -49,10 +50,10 @@ ACCUM = 4  # the reference's microbatches = trainer.grad_accum x parallel.microb
 
 # (schedule, (pipe, data, expert), microbatches, virtual stages, grad_accum, other options)
 CASES = [
-    ("gpipe", (2, 2, 2), 4, 1, 1, {}),
+    ("gpipe", (2, 2, 2), 4, 1, 1, dict(remat="mlp", lm_loss_chunk=24)),  # 24: a padded chunk
     ("gpipe", (4, 1, 2), 2, 1, 2, dict(remat="block", zero1=False, dispatch="allgather")),
     ("gpipe", (2, 4, 1), 4, 2, 1, dict(remat="attention")),  # circular GPipe
-    ("1f1b", (2, 2, 2), 2, 1, 2, dict(remat="block", dispatch="ragged")),
+    ("1f1b", (2, 2, 2), 2, 1, 2, dict(remat="dots", dispatch="ragged", lm_loss_chunk=16)),
     ("1f1b", (4, 1, 2), 4, 1, 1, dict(abstract=True)),
     ("interleaved_1f1b", (2, 4, 1), 4, 2, 1, {}),
     ("interleaved_1f1b", (4, 1, 2), 4, 2, 1, dict(remat="attention")),

@@ -60,9 +60,9 @@ from flax import nnx
 from olmo_jax.kernels.vma import varying_axes
 from olmo_jax.model.config import TransformerConfig
 from olmo_jax.model.moe.losses import RouterStats
-from olmo_jax.model.rope import rope_tables
+from olmo_jax.model.rope import rope_tables, scaling_of
 from olmo_jax.model.transformer import block_step, run_blocks
-from olmo_jax.objective import LossParts, Plan, loss_parts, total_loss
+from olmo_jax.objective import LossParts, Plan, head_loss_sums, loss_parts, total_loss
 from olmo_jax.parallel.mesh import AXES
 from olmo_jax.parallel.pipeline import schedule as sched_lib
 from olmo_jax.parallel.pipeline.layout import PIPE, STAGE_KEY, Chunking
@@ -82,10 +82,11 @@ def _stash_policy(prim, *_, **__) -> bool:
 
 
 def _stashable(fn, remat: str):
-    """`fn` as its VJP is stashed: with model.remat = none, everything is kept except the
-    cheap ops above (so the stash holds activations, not per-microbatch copies of the
-    weights); block / attention keep the model's own checkpointing."""
-    return jax.checkpoint(fn, policy=_stash_policy) if remat == "none" else fn
+    """`fn` as its VJP is stashed: with model.remat = none (and mlp, whose feed-forward
+    sub-layers checkpoint themselves inside), everything is kept except the cheap ops above
+    (so the stash holds activations, not per-microbatch copies of the weights); block /
+    attention / dots keep the model's own checkpointing."""
+    return jax.checkpoint(fn, policy=_stash_policy) if remat in ("none", "mlp") else fn
 
 
 # ---- small tree helpers --------------------------------------------------------------------
@@ -245,10 +246,13 @@ class StageProgram:
 
     def head_loss(self, head_params, x_BTD, stats: RouterStats, targets_BT, microbatches: int):
         """Final norm, LM head and this microbatch's share of the step's loss."""
-        logits_BTV = self._model(head_params).head(x_BTD)
+        model = self._model(head_params)
+        chunked = self.cfg.lm_loss_chunk  # the loss's sums without the [B, T, V] logits
+        sums = head_loss_sums(model, x_BTD, targets_BT, chunked) if chunked else None
         L = self.chunks.n_layers
         stats = jax.tree.map(lambda a: a[:L], stats)
-        parts = loss_parts(logits_BTV, targets_BT, stats, self.cfg, self.ops)
+        parts = loss_parts(None if chunked else model.head(x_BTD), targets_BT, stats, self.cfg,
+                           self.ops, sums=sums)
         return total_loss(parts, self.cfg) / microbatches, parts
 
     def layer_keys(self, key_m, v):
@@ -318,7 +322,8 @@ class _Ticks:
         self.prog, self.cfg, self.M, self.slots = prog, cfg, schedule.microbatches, schedule.slots
         self.micro = batch_BX.reshape(self.M, -1, batch_BX.shape[-1])
         T = self.micro.shape[-1] - 1
-        self.cos_TH, self.sin_TH = rope_tables(jnp.arange(T), cfg.head_size, cfg.rope_theta)
+        self.cos_TH, self.sin_TH = rope_tables(jnp.arange(T), cfg.head_size, cfg.rope_theta,
+                                               scaling_of(cfg))
 
     def inputs(self, m):
         return self.micro[m, :, :-1]
