@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from olmo_jax.kernels.ring_attention import CONTEXT_AXIS, zigzag_positions, zigzag_shard
 from olmo_jax.labels import FILTERED
 from olmo_jax.model import TransformerConfig
 from olmo_jax.model.moe.losses import (
@@ -138,20 +139,24 @@ SINGLE_DEVICE = SingleDevice()
 
 
 # ---- the losses ------------------------------------------------------------------------------
-def labelled(targets_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+def labelled(targets_BT: jax.Array, row_end_B1: jax.Array | None = None
+             ) -> tuple[jax.Array, jax.Array]:
     """(loss_BT, counted_BT) masks of a batch's targets (olmo_jax/labels.py): a target is
     counted in the loss's denominator when it is a token id, and adds to the loss unless its
     row ends in FILTERED (an instance the repetition filter dropped, counted as OLMo-core
-    does)."""
+    does). `row_end_B1`: each row's last target when `targets_BT` holds only a shard of the
+    row's positions (context parallelism); default its last column."""
     counted_BT = targets_BT >= 0
-    return counted_BT & (targets_BT[:, -1:] != FILTERED), counted_BT
+    end_B1 = targets_BT[:, -1:] if row_end_B1 is None else row_end_B1
+    return counted_BT & (end_B1 != FILTERED), counted_BT
 
 
-def cross_entropy_sums(logits_BTV: jax.Array, targets_BT: jax.Array
+def cross_entropy_sums(logits_BTV: jax.Array, targets_BT: jax.Array, row_end_B1=None
                        ) -> tuple[jax.Array, jax.Array]:
-    """(summed cross-entropy, summed logsumexp^2) over the labelled targets."""
+    """(summed cross-entropy, summed logsumexp^2) over the labelled targets (`row_end_B1`:
+    as `labelled`)."""
     logits_BTV = logits_BTV.astype(jnp.float32)
-    loss_BT, _ = labelled(targets_BT)
+    loss_BT, _ = labelled(targets_BT, row_end_B1)
     lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
     target_logit_BT = jnp.take_along_axis(
         logits_BTV, jnp.maximum(targets_BT, 0)[..., None], axis=-1)[..., 0]
@@ -169,17 +174,27 @@ def forward_losses(graphdef, params, model_state, batch_BX, cfg: TransformerConf
     key in training (router jitter, random routing)."""
     model = nnx.merge(graphdef, params, model_state)
     inputs_BT, targets_BT = batch_BX[:, :-1], batch_BX[:, 1:]
-    out = model(inputs_BT, rng=rng)
-    return loss_parts(out.logits_BTV, targets_BT, out.router_stats, cfg, parallel)
+    C = cfg.context_parallel
+    if C == 1:
+        out = model(inputs_BT, rng=rng)
+        return loss_parts(out.logits_BTV, targets_BT, out.router_stats, cfg, parallel)
+    # Context parallelism: every context rank holds the whole rows and takes its zig-zag
+    # shard of the inputs and targets; RoPE positions are the shard's global indices.
+    rank = jax.lax.axis_index(CONTEXT_AXIS)
+    out = model(zigzag_shard(inputs_BT, C, rank), rng=rng,
+                positions_T=zigzag_positions(inputs_BT.shape[1], C, rank))
+    return loss_parts(out.logits_BTV, zigzag_shard(targets_BT, C, rank), out.router_stats,
+                      cfg, parallel, row_end_B1=targets_BT[:, -1:])
 
 
 def loss_parts(logits_BTV, targets_BT, stats: RouterStats | None, cfg: TransformerConfig,
-               parallel: BatchReduction = SINGLE_DEVICE) -> LossParts:
+               parallel: BatchReduction = SINGLE_DEVICE, row_end_B1=None) -> LossParts:
     """LossParts of one (micro)batch from the model's logits and stacked RouterStats
-    (the pipeline's last stage calls this with the statistics of every stage)."""
+    (the pipeline's last stage calls this with the statistics of every stage).
+    `row_end_B1`: as `labelled` (a context-parallel shard of the rows)."""
     # One all-reduce for the four sums: the losses, the labels counted, the positions.
     ce_sum, lm_z_sum, n, positions = parallel.allsum(jnp.stack([
-        *cross_entropy_sums(logits_BTV, targets_BT),
+        *cross_entropy_sums(logits_BTV, targets_BT, row_end_B1),
         jnp.sum(labelled(targets_BT)[1], dtype=jnp.float32),
         jnp.asarray(targets_BT.size, jnp.float32)]))
     routing = routing_parts(stats, cfg, parallel)

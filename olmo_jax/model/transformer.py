@@ -177,8 +177,10 @@ class Transformer(nnx.Module):
                               preferred_element_type=jnp.float32)
 
     @shapes.check("-> *")
-    def __call__(self, tokens_BT: jax.Array, rng: jax.Array | None = None) -> Output:
+    def __call__(self, tokens_BT: jax.Array, rng: jax.Array | None = None,
+                 positions_T: jax.Array | None = None) -> Output:
         """`rng` is given in training only (router jitter, random routing); evaluation and
-        sampling call without it."""
-        x_BTD, stats = self.blocks(self.embed(tokens_BT), rng=rng)
+        sampling call without it. `positions_T`: the tokens' RoPE positions (default
+        0..T-1; a context-parallel shard passes its global indices)."""
+        x_BTD, stats = self.blocks(self.embed(tokens_BT), positions_T, rng=rng)
         return Output(self.head(x_BTD), stats)
