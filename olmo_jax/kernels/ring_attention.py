@@ -34,6 +34,7 @@ The kernels run inside a shard_map whose mesh has `axis_name`; outside one, with
 from __future__ import annotations
 
 from functools import partial
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +43,8 @@ import numpy as np
 from olmo_jax.kernels.vma import cotangent_like, like
 
 CONTEXT_AXIS = "context"  # the mesh axis name (olmo_jax/parallel/mesh.py uses this one)
-CONTEXT_ATTENTIONS = ("ring", "allgather")
+ContextAttention = Literal["ring", "allgather"]  # model.context_attention
+CONTEXT_ATTENTIONS = get_args(ContextAttention)
 _MASKED = -1e30
 
 
@@ -178,38 +180,70 @@ def _ring_setup(q, seg, C, axis):
     return r, pos
 
 
+def _ring_loop(C, axis, src, state, step0, step):
+    """step0(src, state) -> (rest, state) on this rank's own K/V `src`, then
+    step(src, rest, j, state) for the K/V of ranks j = r-1, ..., r-C+1, `src` passed one
+    hop around the ring before each (`rest`: what the steps carry besides, e.g. the
+    backward pass's dK / dV). Steps 1..C-2 are a `lax.scan` (one step's blocks alive at a
+    time); each hop is issued before the step it does not feed, so XLA may overlap it
+    with that step's matmuls."""
+    r = jax.lax.axis_index(axis)
+    nxt = jax.lax.ppermute(src, axis, _perm(C)) if C > 1 else None
+    rest, state = step0(src, state)
+    if C == 1:
+        return rest, state
+
+    def body(carry, s):
+        src, rest, state = carry
+        nxt = jax.lax.ppermute(src, axis, _perm(C))  # the next step's K/V (prefetch)
+        rest, state = step(src, rest, (r - s) % C, state)
+        return (nxt, rest, state), None
+
+    carry = (nxt, rest, state)
+    if C > 2:
+        carry, _ = jax.lax.scan(body, carry, jnp.arange(1, C - 1))
+    src, rest, state = carry
+    return step(src, rest, (r - (C - 1)) % C, state)
+
+
+def _key_parts(kv_src, j, Lk, C):
+    ks, vs, kseg = kv_src
+    kpos = zigzag_positions(2 * C * Lk, C, j)
+    return _halves(ks, 2), _halves(vs, 2), _halves(kpos, 0), _halves(kseg, 1)
+
+
 def _ring_fwd(q, k, v, seg, C, axis, masked):
     r, pos = _ring_setup(q, seg, C, axis)
     qs = _scaled(_heads(q, k))  # [B, K, G, 2L, H]
     kh, vh = _kv_heads(k), _kv_heads(v)
+    Lk = kh.shape[2] // 2
     qh0, qh1 = _halves(qs, 3)
     p0, p1 = _halves(pos, 0)
     s0, s1 = _halves(seg, 1)
     msk = (lambda x: x) if masked else (lambda x: None)
-    st0, st1 = _init_state(qh0), _init_state(qh1)
-    kv = (kh, vh, seg)
-    for step in range(C):
-        ks, vs, kseg = kv
-        j = (r - step) % C  # the rank these keys come from
-        kpos = zigzag_positions(2 * C * (kh.shape[2] // 2), C, j)
-        k0, k1 = _halves(ks, 2)
-        v0, v1 = _halves(vs, 2)
-        kp0, kp1 = _halves(kpos, 0)
-        ks0, ks1 = _halves(kseg, 1)
-        # Query chunk 2C-1-r sees key chunk j in every step.
+
+    def step0(kv, state):  # own keys: both diagonal blocks (causal) and chunk 2C-1-r x r
+        st0, st1 = state
+        (k0, k1), (v0, v1), (kp0, kp1), (ks0, ks1) = _key_parts(kv, r, Lk, C)
         st1 = _block_fwd(qh1, k0, v0, p1, kp0, msk(s1), msk(ks0), st1)
-        if step == 0:  # own keys: both diagonal blocks (causal)
-            st0 = _block_fwd(qh0, k0, v0, p0, kp0, msk(s0), msk(ks0), st0)
-            st1 = _block_fwd(qh1, k1, v1, p1, kp1, msk(s1), msk(ks1), st1)
-        else:  # j < r: query chunk r sees key chunk j; j > r: chunk 2C-1-r sees 2C-1-j
-            lo = j < r
-            qx, px, sx = _where(lo, (qh0, p0, s0), (qh1, p1, s1))
-            kx, vx, kpx, ksx = _where(lo, (k0, v0, kp0, ks0), (k1, v1, kp1, ks1))
-            stx = _block_fwd(qx, kx, vx, px, kpx, msk(sx), msk(ksx), _where(lo, st0, st1))
-            st0 = _where(lo, stx, st0)
-            st1 = _where(lo, st1, stx)
-        if step < C - 1:
-            kv = jax.lax.ppermute(kv, axis, _perm(C))
+        st0 = _block_fwd(qh0, k0, v0, p0, kp0, msk(s0), msk(ks0), st0)
+        st1 = _block_fwd(qh1, k1, v1, p1, kp1, msk(s1), msk(ks1), st1)
+        return (), (st0, st1)
+
+    def step(kv, rest, j, state):
+        # Keys of rank j != r: query chunk 2C-1-r sees key chunk j; and j < r: query chunk
+        # r sees key chunk j too; j > r: chunk 2C-1-r sees 2C-1-j too.
+        st0, st1 = state
+        (k0, k1), (v0, v1), (kp0, kp1), (ks0, ks1) = _key_parts(kv, j, Lk, C)
+        st1 = _block_fwd(qh1, k0, v0, p1, kp0, msk(s1), msk(ks0), st1)
+        lo = j < r
+        qx, px, sx = _where(lo, (qh0, p0, s0), (qh1, p1, s1))
+        kx, vx, kpx, ksx = _where(lo, (k0, v0, kp0, ks0), (k1, v1, kp1, ks1))
+        stx = _block_fwd(qx, kx, vx, px, kpx, msk(sx), msk(ksx), _where(lo, st0, st1))
+        return rest, (_where(lo, stx, st0), _where(lo, st1, stx))
+
+    _, (st0, st1) = _ring_loop(C, axis, (kh, vh, seg), (_init_state(qh0), _init_state(qh1)),
+                               step0, step)
     outs, lses = [], []
     for m, l, acc in (st0, st1):
         outs.append(acc / l)
@@ -235,51 +269,52 @@ def _ring_bwd(C, axis, masked, res, do):
     p0, p1 = _halves(pos, 0)
     s0, s1 = _halves(seg, 1)
     kh, vh = _kv_heads(k), _kv_heads(v)
+    Lk = kh.shape[2] // 2
     dq0 = like(jnp.zeros(qh0.shape, jnp.float32), q, k)
     dq1 = like(jnp.zeros(qh1.shape, jnp.float32), q, k)
     zero_kv = like(jnp.zeros(kh.shape, jnp.float32), k, q)
-    kv = (kh, vh, seg)
-    dkv = (zero_kv, zero_kv)
-    Lk = kh.shape[2] // 2
-    for step in range(C):
-        ks, vs, kseg = kv
-        j = (r - step) % C
-        kpos = zigzag_positions(2 * C * Lk, C, j)
-        k0, k1 = _halves(ks, 2)
-        v0, v1 = _halves(vs, 2)
-        kp0, kp1 = _halves(kpos, 0)
-        ks0, ks1 = _halves(kseg, 1)
-        dk, dv = dkv
-        dk0, dk1 = _halves(dk, 2)
-        dv0, dv1 = _halves(dv, 2)
-        a, b, c_ = _block_bwd(qh1, k0, v0, p1, kp0, msk(s1), msk(ks0), ls1, do1, dl1)
-        dq1, dk0, dv0 = dq1 + a, dk0 + b, dv0 + c_
-        if step == 0:
-            a, b, c_ = _block_bwd(qh0, k0, v0, p0, kp0, msk(s0), msk(ks0), ls0, do0, dl0)
-            dq0, dk0, dv0 = dq0 + a, dk0 + b, dv0 + c_
-            a, b, c_ = _block_bwd(qh1, k1, v1, p1, kp1, msk(s1), msk(ks1), ls1, do1, dl1)
-            dq1, dk1, dv1 = dq1 + a, dk1 + b, dv1 + c_
-        else:
-            lo = j < r
-            qx, px, sx, lx, dox, dlx = _where(lo, (qh0, p0, s0, ls0, do0, dl0),
-                                              (qh1, p1, s1, ls1, do1, dl1))
-            kx, vx, kpx, ksx = _where(lo, (k0, v0, kp0, ks0), (k1, v1, kp1, ks1))
-            a, b, c_ = _block_bwd(qx, kx, vx, px, kpx, msk(sx), msk(ksx), lx, dox, dlx)
-            dq0 = jnp.where(lo, dq0 + a, dq0)
-            dq1 = jnp.where(lo, dq1, dq1 + a)
-            dk0 = jnp.where(lo, dk0 + b, dk0)
-            dv0 = jnp.where(lo, dv0 + c_, dv0)
-            dk1 = jnp.where(lo, dk1, dk1 + b)
-            dv1 = jnp.where(lo, dv1, dv1 + c_)
-        dkv = (jnp.concatenate([dk0, dk1], axis=2), jnp.concatenate([dv0, dv1], axis=2))
-        if step < C - 1:
-            kv, dkv = jax.lax.ppermute((kv, dkv), axis, _perm(C))
-        else:  # home: the gradients of rank r+1's keys are here
-            dkv = jax.lax.ppermute(dkv, axis, _perm(C)) if C > 1 else dkv
+
+    def add(dkv, d0, d1):
+        """dK or dV [B, K, 2L, H] plus the two halves' contributions."""
+        a, b = _halves(dkv, 2)
+        return jnp.concatenate([a + d0, b + d1], axis=2)
+
+    def step0(kv, state):
+        dq0, dq1 = state
+        (k0, k1), (v0, v1), (kp0, kp1), (ks0, ks1) = _key_parts(kv, r, Lk, C)
+        a1, b1, c1 = _block_bwd(qh1, k0, v0, p1, kp0, msk(s1), msk(ks0), ls1, do1, dl1)
+        a0, b0, c0 = _block_bwd(qh0, k0, v0, p0, kp0, msk(s0), msk(ks0), ls0, do0, dl0)
+        a2, b2, c2 = _block_bwd(qh1, k1, v1, p1, kp1, msk(s1), msk(ks1), ls1, do1, dl1)
+        dk = add(zero_kv, b1 + b0, b2)
+        dv = add(zero_kv, c1 + c0, c2)
+        return (dk, dv), (dq0 + a0, dq1 + a1 + a2)
+
+    def step(src, rest, j, state):
+        dq0, dq1 = state
+        dk, dv = rest
+        # the K/V gradients of rank j's keys arrive with them (one hop behind)
+        dk, dv = jax.lax.ppermute((dk, dv), axis, _perm(C))
+        (k0, k1), (v0, v1), (kp0, kp1), (ks0, ks1) = _key_parts(src, j, Lk, C)
+        a1, b1, c1 = _block_bwd(qh1, k0, v0, p1, kp0, msk(s1), msk(ks0), ls1, do1, dl1)
+        lo = j < r
+        qx, px, sx, lx, dox, dlx = _where(lo, (qh0, p0, s0, ls0, do0, dl0),
+                                          (qh1, p1, s1, ls1, do1, dl1))
+        kx, vx, kpx, ksx = _where(lo, (k0, v0, kp0, ks0), (k1, v1, kp1, ks1))
+        a, b, c_ = _block_bwd(qx, kx, vx, px, kpx, msk(sx), msk(ksx), lx, dox, dlx)
+        zero = jnp.zeros_like(b)
+        dk = add(dk, b1 + jnp.where(lo, b, zero), jnp.where(lo, zero, b))
+        dv = add(dv, c1 + jnp.where(lo, c_, zero), jnp.where(lo, zero, c_))
+        dq0 = jnp.where(lo, dq0 + a, dq0)
+        dq1 = dq1 + a1 + jnp.where(lo, jnp.zeros_like(a), a)
+        return (dk, dv), (dq0, dq1)
+
+    (dk, dv), (dq0, dq1) = _ring_loop(C, axis, (kh, vh, seg), (dq0, dq1), step0, step)
+    if C > 1:  # home: the gradients of this rank's keys come from rank r-1
+        dk, dv = jax.lax.ppermute((dk, dv), axis, _perm(C))
     B, T2, N, H = q.shape
     dqs = jnp.concatenate([dq0, dq1], axis=3)
     dq = _scaled(dqs).transpose(0, 3, 1, 2, 4).reshape(B, T2, N, H)
-    dk, dv = (x.transpose(0, 2, 1, 3) for x in dkv)
+    dk, dv = (x.transpose(0, 2, 1, 3) for x in (dk, dv))
     return (cotangent_like(dq.astype(q.dtype), q), cotangent_like(dk.astype(k.dtype), k),
             cotangent_like(dv.astype(v.dtype), v), None)
 
@@ -341,5 +376,5 @@ _masked_attention.defvjp(_masked_fwd, _masked_bwd)
 def context_attention(impl: str, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT=None, *,
                       context: int, axis_name: str = CONTEXT_AXIS):
     """`impl` (CONTEXT_ATTENTIONS) of this rank's zig-zag shard."""
-    fn = {"ring": ring_attention, "allgather": allgather_attention}[impl]
+    fn = ring_attention if impl == "ring" else allgather_attention
     return fn(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, context=context, axis_name=axis_name)

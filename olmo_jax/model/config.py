@@ -19,7 +19,7 @@ from typing import Literal, get_args
 import jax.numpy as jnp
 
 from olmo_jax.errors import ConfigError, check_choice
-from olmo_jax.kernels.ring_attention import CONTEXT_ATTENTIONS
+from olmo_jax.kernels.ring_attention import CONTEXT_ATTENTIONS, ContextAttention
 from olmo_jax.kernels.select import (
     ATTENTION_IMPLS,
     GMM_IMPLS,
@@ -253,7 +253,7 @@ class TransformerConfig:
     # attention over the sequence's shards, CONTEXT_ATTENTIONS: ring (K/V passed around the
     # ring) | allgather (K/V all-gathered). `context_parallel` is set by the parallel plan
     # from parallel.context (the model then runs inside the plan's shard_map); leave it 1.
-    context_attention: str = "ring"
+    context_attention: ContextAttention = "ring"
     context_parallel: int = 1
     moe: MoEConfig = field(default_factory=MoEConfig)
 

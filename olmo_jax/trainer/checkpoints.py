@@ -37,7 +37,10 @@ from olmo_jax.trainer.state import TrainState, initial_rng
 # Model fields that change numerics or cost but not what the weights mean: a checkpoint
 # may be resumed / fine-tuned with other values (the kernel choices among them).
 FREE_MODEL_FIELDS = {"dtype", "remat", "init_std", "scan_unroll", "attention_impl", "norm_impl",
-                     "mxfp8_gemm_impl"}
+                     "mxfp8_gemm_impl",
+                     # context parallelism: how attention runs over the sequence's shards (a
+                     # run resumes onto another parallel.context)
+                     "context_attention", "context_parallel"}
 FREE_MOE_FIELDS = {
     "capacity_factor", "gmm_impl", "lb_loss_coef", "z_loss_coef", "lb_loss_type", "lb_granularity",
     "routing_mode", "router_jitter",
