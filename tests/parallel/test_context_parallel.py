@@ -2,33 +2,78 @@
 one-device reference against the trainer's step with each sequence split over the
 `context` axis (zig-zag, ring or all-gather attention), alone on 2 and 4 devices and with
 data 2 / expert 2 (MoE dispatch over the tokens of data x context x expert, ZeRO-1
-sharding over them) on 8: loss, router losses and every gradient within 1e-5 relative,
+sharding over them; AdamW and Muon) on 8: loss, router losses and every gradient within 1e-5 relative,
 five AdamW steps' losses within 1e-4 (tests/parallel/test_parallel_invariance.py's
-tolerances); and the compiled step holds the design's collectives."""
+tolerances). The compiled step holds the design's collectives: ring attention moves K/V
+by collective-permute and gathers no K/V; all-gather attention permutes nothing. Bad
+settings are refused naming the field."""
 
 import pytest
 
+from olmo_jax.errors import ConfigError
+from olmo_jax.model.config import TransformerConfig
 from olmo_jax.planner import comms
-from tests.parallel.harness import plan_run, reference_run
+from olmo_jax.trainer.checkpoints import architecture_difference
+from tests.parallel.harness import make_cfg, plan_run, reference_run
 from tests.parallel.test_parallel_invariance import assert_matches_reference
+from tests.sections import plan_for
 
-# (data, context, expert, dispatch, context_attention)
+# (data, context, expert, dispatch, context_attention, optim.name)
 CASES = [
-    (1, 2, 1, "rowwise", "ring"),
-    (1, 4, 1, "rowwise", "ring"),
-    (2, 2, 2, "rowwise", "ring"),
-    (1, 4, 2, "ragged", "allgather"),
+    (1, 2, 1, "rowwise", "ring", "adamw"),
+    (1, 4, 1, "rowwise", "ring", "adamw"),
+    (2, 2, 2, "rowwise", "ring", "adamw"),
+    (1, 4, 2, "ragged", "allgather", "adamw"),
+    (2, 2, 2, "rowwise", "ring", "muon"),
 ]
 
 
-def _run(case):
-    data, context, expert, dispatch, how = case
-    return plan_run(data, expert, dispatch, context=context, context_attention=how)
+def _attention_collectives(run):
+    """The attention's collectives between devices (a mesh axis of size 1 leaves trivial
+    all-reduces of the QK-norm weights' gradients)."""
+    return [c for c in comms.collectives(run.hlo) if "attention" in c.op_name and c.group_size > 1]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "data{}xcontext{}xexpert{}-{}-{}".format(*c))
+@pytest.mark.parametrize("case", CASES,
+                         ids=lambda c: "data{}xcontext{}xexpert{}-{}-{}-{}".format(*c))
 def test_context_parallel_matches_single_device(case):
-    run = _run(case)
-    assert_matches_reference(run, reference_run())
-    kinds = {c.kind for c in comms.collectives(run.hlo)}
-    print(sorted(kinds))
+    data, context, expert, dispatch, how, optim = case
+    run = plan_run(data, expert, dispatch, context=context, context_attention=how, optim=optim)
+    assert_matches_reference(run, reference_run(optim=optim))
+    kinds = {c.kind for c in _attention_collectives(run)}
+    if how == "ring":  # K/V (forward), K/V and dK/dV (backward) hop around the ring
+        assert kinds == {"collective-permute"}, kinds
+    else:  # K/V gathered (forward), dK/dV reduce-scattered (backward)
+        assert kinds == {"all-gather", "reduce-scatter"}, kinds
+
+
+def _cfg(**parallel):
+    cfg = make_cfg(data=1)
+    for k, v in parallel.items():
+        setattr(cfg.parallel, k, v)
+    return cfg
+
+
+def test_bad_context_settings_are_refused_by_name():
+    from olmo_jax.config import model_config
+
+    with pytest.raises(ConfigError, match=r"parallel.context=0 must be a positive size"):
+        plan_for(_cfg(context=0), model_config(make_cfg()))
+    cfg = _cfg(context=4, data=2)
+    cfg.trainer.seq_len = 12
+    with pytest.raises(ConfigError, match=r"trainer.seq_len=12 must be divisible by 2 x "
+                                          r"parallel.context = 8"):
+        plan_for(cfg, model_config(cfg))
+    cfg = _cfg(context=2, data=2, pipe=2)
+    with pytest.raises(ConfigError, match=r"parallel.context=2 does not run with parallel.pipe=2"):
+        plan_for(cfg, model_config(cfg))
+    with pytest.raises(ConfigError, match=r"model.context_attention='nonsense': choose"):
+        TransformerConfig(context_attention="nonsense").validate()
+
+
+def test_a_checkpoint_resumes_onto_another_context_size():
+    # The parameters do not depend on the context axis (replicated over it, ZeRO-1 shards
+    # are resharded on restore): the run's context fields are not architecture.
+    saved = TransformerConfig()
+    run = saved.replace(context_parallel=4, context_attention="allgather")
+    assert architecture_difference(saved, run) is None

@@ -1,14 +1,18 @@
 """Ring attention vs all-gather KV for context parallelism, measured on the compiled
 programs (olmo_jax/kernels/ring_attention.py): one attention layer's forward and backward
 over a `context` axis of fake CPU devices, per device: the collectives' bytes (from the
-HLO, olmo_jax.planner.comms), XLA's temporary buffers (memory_analysis: the peak working
-set beyond arguments and outputs), and the largest single buffer.
+HLO, olmo_jax.planner.comms, at the program's dtypes: XLA:CPU widens bf16
+collectives to f32), and XLA's temporary buffers (memory_analysis: the peak
+working set beyond arguments and outputs).
 
     .venv/bin/python tools/bench/bench_context.py [--seq 16384 --context 4 8 --heads 8 ...]
+    .venv-gpu/bin/python tools/bench/bench_context.py --target h200   # deviceless XLA:GPU
 
-Nothing runs: the numbers are the compiler's. The bytes do not depend on the platform;
-CPU temporaries are XLA:CPU's (XLA:GPU's fused cuDNN blocks would hold less, but the ratio
-of whole-sequence K/V and [2L, T] score blocks to [L, L] ones is the design's).
+Nothing runs: the numbers are the compiler's (each compiler's: XLA:CPU and XLA:GPU differ
+in what they widen and merge, so quote the --target ones for GPUs).
+With --target (a GPU kind of olmo_jax.targets) the layer is compiled by XLA:GPU for
+abstract GPUs and its schedule replayed (olmo_jax.planner.overlap): how much of each
+collective's link time the latency-hiding scheduler hides behind the attention's matmuls.
 """
 
 from __future__ import annotations
@@ -30,9 +34,14 @@ from olmo_jax.planner import comms  # noqa: E402
 
 
 def compile_layer(impl: str, C: int, T: int, B: int, N: int, K: int, H: int, segments: bool,
-                  dtype=jnp.bfloat16):
+                  dtype=jnp.bfloat16, target: str | None = None):
     """The compiled forward + backward of one context-parallel attention call."""
-    mesh = Mesh(np.asarray(jax.devices()[:C]), ("context",))
+    if target:
+        from olmo_jax import targets
+
+        mesh = targets.make_mesh(target, (C,), ("context",))
+    else:
+        mesh = Mesh(np.asarray(jax.devices()[:C]), ("context",))
     spec = PartitionSpec(None, "context")
 
     def local(q, k, v, seg, do):
@@ -50,15 +59,27 @@ def compile_layer(impl: str, C: int, T: int, B: int, N: int, K: int, H: int, seg
     return fn.lower(*args).compile()
 
 
-def measure(impl, C, T, B, N, K, H, segments=True) -> dict:
-    compiled = compile_layer(impl, C, T, B, N, K, H, segments)
+def measure(impl, C, T, B, N, K, H, segments=True, target=None) -> dict:
+    compiled = compile_layer(impl, C, T, B, N, K, H, segments, target=target)
     colls = comms.collectives(compiled.as_text())
     mem = compiled.memory_analysis()
     by_kind: dict[str, int] = {}
     for c in colls:
-        by_kind[c.kind] = by_kind.get(c.kind, 0) + int(c.bytes * c.count)
-    return {"impl": impl, "context": C, "bytes": sum(by_kind.values()), "by_kind": by_kind,
-            "temp": int(mem.temp_size_in_bytes)}
+        by_kind[c.kind] = by_kind.get(c.kind, 0) + int(c.jax_bytes_per_run)  # at the program dtype
+    out = {"impl": impl, "context": C, "bytes": sum(by_kind.values()), "by_kind": by_kind,
+           "temp": int(mem.temp_size_in_bytes)}
+    if target:
+        from olmo_jax.planner import hardware, hlo, hlo_cost, overlap, roofline
+
+        module = hlo.parse_module(compiled.as_text())
+        ops = hlo_cost.program_cost(module).ops
+        s = overlap.simulate(module, ops, hardware.DEVICES[target], "bfloat16", {"context": C},
+                             roofline.Accounting.for_program(True, True))
+        out["schedule"] = {"step_us": s.step_s * 1e6, "compute_us": s.compute_s * 1e6,
+                           "link_us": s.link_s * 1e6, "hidden_us": sum(r.hidden_s for r in s.rows) * 1e6,
+                           "async": sum(r.async_runs for r in s.rows),
+                           "runs": sum(r.runs for r in s.rows)}
+    return out
 
 
 def main() -> None:
@@ -69,15 +90,21 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--target", default=None, help="a GPU kind (olmo_jax.targets): XLA:GPU")
     a = ap.parse_args()
     print(f"seq {a.seq}, batch {a.batch}, heads {a.heads}/{a.kv_heads} x {a.head_dim}, bf16, "
           "document segments on; per device, forward + backward of one layer")
     print(f"{'impl':10s} {'context':>7s} {'coll MiB':>9s} {'temp MiB':>9s}  collectives (MiB)")
     for C in a.context:
         for impl in CONTEXT_ATTENTIONS:
-            m = measure(impl, C, a.seq, a.batch, a.heads, a.kv_heads, a.head_dim)
+            m = measure(impl, C, a.seq, a.batch, a.heads, a.kv_heads, a.head_dim, target=a.target)
             kinds = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in sorted(m["by_kind"].items()))
             print(f"{impl:10s} {C:7d} {m['bytes'] / 2**20:9.1f} {m['temp'] / 2**20:9.1f}  {kinds}")
+            if "schedule" in m:
+                sc = m["schedule"]
+                print(f"{'':18s} schedule: step {sc['step_us']:.0f} us, compute {sc['compute_us']:.0f}"
+                      f" us, links {sc['link_us']:.0f} us of which hidden {sc['hidden_us']:.0f} us;"
+                      f" {sc['async']:.0f} of {sc['runs']:.0f} collective runs async")
 
 
 if __name__ == "__main__":
