@@ -50,7 +50,7 @@ from olmo_jax.parallel import mesh as mesh_lib
 from olmo_jax.parallel import muon_owners as muon_lib
 from olmo_jax.parallel import rules, zero
 from olmo_jax.parallel.config import ParallelConfig
-from olmo_jax.parallel.mesh import TOKEN_AXES
+from olmo_jax.parallel.mesh import BATCH_AXES, TOKEN_AXES
 from olmo_jax.parallel.pipeline import Pipeline, build_pipeline, check_unpipelined
 
 BATCH_SPEC = rules.logical_to_spec((None, "act_batch", None))  # [microbatch, rows, tokens]
@@ -184,19 +184,27 @@ class ParallelPlan:
 
         return traced
 
+    @property
+    def token_axes(self) -> tuple[str, ...]:
+        """The axes whose devices hold different tokens: data x expert (the batch's rows),
+        and `context` with context parallelism (without it the programs name only the
+        batch axes, as before the axis existed)."""
+        return TOKEN_AXES if self.mesh.shape[mesh_lib.CONTEXT_AXIS] > 1 else BATCH_AXES
+
     def allsum(self, tree):
         """Sum over every device holding a different part of the batch (its rows over
         data x expert, their tokens over context)."""
         with jax.named_scope("loss_allsum"):
-            return jax.lax.psum(tree, TOKEN_AXES)
+            return jax.lax.psum(tree, self.token_axes)
 
     def allgather(self, x):
         """Stack x over the devices holding the batch's parts, in batch order: [shards, ...].
         A psum of each device's slot (not all_gather), so the result is typed replicated."""
         shards = mesh_lib.token_shards(self.mesh)
         with jax.named_scope("metrics_allgather"):
-            slot = jax.nn.one_hot(jax.lax.axis_index(TOKEN_AXES), shards, dtype=x.dtype)
-            return jax.lax.psum(slot.reshape((shards,) + (1,) * x.ndim) * x[None], TOKEN_AXES)
+            axes = self.token_axes
+            slot = jax.nn.one_hot(jax.lax.axis_index(axes), shards, dtype=x.dtype)
+            return jax.lax.psum(slot.reshape((shards,) + (1,) * x.ndim) * x[None], axes)
 
     def use_params(self, params):
         """Applied inside each microbatch's loss: FSDP gathers here, ddp already has them."""
@@ -217,7 +225,7 @@ class ParallelPlan:
         @self._for_target
         def local(params, model_state, batch, rng):
             params = self._outer_gather(params)
-            rng = jax.random.fold_in(rng, jax.lax.axis_index(TOKEN_AXES))
+            rng = jax.random.fold_in(rng, jax.lax.axis_index(self.token_axes))
             grads, parts = grads_and_parts(params, model_state, batch.reshape(-1, batch.shape[-1]), rng)
             if self.pipeline is not None:
                 grads = self.pipeline.reduce(grads)

@@ -333,8 +333,8 @@ def _sample(run: _Run, state) -> str:
     """A text sample from trainer.sample_prompt (single-program sampling: the model with
     its local dispatch, on one process's devices)."""
     t_cfg, tokenizer = run.t, run.data.tokenizer
-    sample_ids = generate(
-        abstract_model(run.model_cfg)[0], state.params, state.model_state,
+    sample_ids = generate(  # outside the step's shard_map: no context parallelism
+        abstract_model(run.model_cfg.replace(context_parallel=1))[0], state.params, state.model_state,
         tokenizer.encode(t_cfg.sample_prompt), t_cfg.sample_tokens, t_cfg.seq_len,
         tokenizer.pad_id, temperature=t_cfg.sample_temperature, seed=t_cfg.seed,
     )
