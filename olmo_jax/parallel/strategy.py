@@ -41,6 +41,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from olmo_jax.errors import ConfigError
 from olmo_jax.kernels import platform
 from olmo_jax.kernels.select import KernelChoice, resolve_kernels
+from olmo_jax.kernels.vma import varying_axes
 from olmo_jax.model.abstract import abstract_model
 from olmo_jax.model.config import TransformerConfig
 from olmo_jax.model.params import compute_copy_dtype, path_name
@@ -191,18 +192,30 @@ class ParallelPlan:
         batch axes, as before the axis existed)."""
         return TOKEN_AXES if self.mesh.shape[mesh_lib.CONTEXT_AXIS] > 1 else BATCH_AXES
 
+    def _sum_axes(self, x) -> tuple[str, ...]:
+        """token_axes, and the size-1 `context` too where x is typed varying over it (the
+        pipeline types its values varying over every mesh axis)."""
+        axes = self.token_axes
+        if mesh_lib.CONTEXT_AXIS not in axes and mesh_lib.CONTEXT_AXIS in varying_axes(x):
+            return TOKEN_AXES
+        return axes
+
     def allsum(self, tree):
         """Sum over every device holding a different part of the batch (its rows over
         data x expert, their tokens over context)."""
+        leaves = jax.tree.leaves(tree)
+        axes = {self._sum_axes(x) for x in leaves}
         with jax.named_scope("loss_allsum"):
-            return jax.lax.psum(tree, self.token_axes)
+            if len(axes) <= 1:  # one (variadic) all-reduce
+                return jax.lax.psum(tree, axes.pop() if axes else self.token_axes)
+            return jax.tree.map(lambda x: jax.lax.psum(x, self._sum_axes(x)), tree)
 
     def allgather(self, x):
         """Stack x over the devices holding the batch's parts, in batch order: [shards, ...].
         A psum of each device's slot (not all_gather), so the result is typed replicated."""
         shards = mesh_lib.token_shards(self.mesh)
         with jax.named_scope("metrics_allgather"):
-            axes = self.token_axes
+            axes = self._sum_axes(x)
             slot = jax.nn.one_hot(jax.lax.axis_index(axes), shards, dtype=x.dtype)
             return jax.lax.psum(slot.reshape((shards,) + (1,) * x.ndim) * x[None], axes)
 
@@ -325,6 +338,10 @@ def check_context(p: ParallelConfig, trainer: BatchSettings, model_cfg: Transfor
     if pipe != 1:
         raise ConfigError(f"parallel.context={C} does not run with parallel.pipe={pipe} yet: "
                           "use parallel.pipe=1 or parallel.context=1")
+    if model_cfg.moe.lb_granularity == "instance":
+        raise ConfigError(
+            f"model.moe.lb_granularity=instance needs each row's router counts on one device, "
+            f"but parallel.context={C} splits the rows; use global or local")
     seq_len = getattr(trainer, "seq_len", None)
     if seq_len is not None and seq_len % (2 * C):
         raise ConfigError(

@@ -1,12 +1,12 @@
 """Context parallelism (parallel.context) gives the single-device results: the harness's
 one-device reference against the trainer's step with each sequence split over the
-`context` axis (zig-zag, ring or all-gather attention), alone on 2 and 4 devices and with
+`context` axis (zig-zag, ring or all-gather attention), alone on 2 and 4 devices, with
 data 2 / expert 2 (MoE dispatch over the tokens of data x context x expert, ZeRO-1
-sharding over them; AdamW and Muon) on 8: loss, router losses and every gradient within 1e-5 relative,
-five AdamW steps' losses within 1e-4 (tests/parallel/test_parallel_invariance.py's
-tolerances). The compiled step holds the design's collectives: ring attention moves K/V
-by collective-permute and gathers no K/V; all-gather attention permutes nothing. Bad
-settings are refused naming the field."""
+sharding over them; AdamW and Muon) on 8: loss, router losses and every gradient within
+1e-5 relative, five steps' losses within 1e-4 (tests/parallel/test_parallel_invariance.py's
+tolerances). The compiled step holds the
+design's collectives: ring attention moves K/V by collective-permute and gathers no
+K/V; all-gather attention permutes nothing. Bad settings are refused naming the field."""
 
 import pytest
 
@@ -66,6 +66,10 @@ def test_bad_context_settings_are_refused_by_name():
         plan_for(cfg, model_config(cfg))
     cfg = _cfg(context=2, data=2, pipe=2)
     with pytest.raises(ConfigError, match=r"parallel.context=2 does not run with parallel.pipe=2"):
+        plan_for(cfg, model_config(cfg))
+    cfg = _cfg(context=2, data=4)
+    cfg.model.moe.lb_granularity = "instance"
+    with pytest.raises(ConfigError, match=r"model.moe.lb_granularity=instance needs each row's"):
         plan_for(cfg, model_config(cfg))
     with pytest.raises(ConfigError, match=r"model.context_attention='nonsense': choose"):
         TransformerConfig(context_attention="nonsense").validate()
