@@ -8,10 +8,15 @@ tolerances). The compiled step holds the
 design's collectives: ring attention moves K/V by collective-permute and gathers no
 K/V; all-gather attention permutes nothing. Bad settings are refused naming the field."""
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from olmo_jax.errors import ConfigError
+from olmo_jax.kernels.ring_attention import zigzag_shard
+from olmo_jax.labels import FILTERED, NO_LABEL
 from olmo_jax.model.config import TransformerConfig
+from olmo_jax.objective import labelled
 from olmo_jax.planner import comms
 from olmo_jax.trainer.checkpoints import architecture_difference
 from tests.parallel.harness import make_cfg, plan_run, reference_run
@@ -81,3 +86,16 @@ def test_a_checkpoint_resumes_onto_another_context_size():
     saved = TransformerConfig()
     run = saved.replace(context_parallel=4, context_attention="allgather")
     assert architecture_difference(saved, run) is None
+
+
+def test_a_context_shard_keeps_its_rows_filtered_flag():
+    # A filtered instance's labels add no loss on every context rank, though only rank 0
+    # holds the row's last target (objective.labelled's row_end_B1).
+    targets = jnp.asarray([[1, 2, 3, 4, 5, 6, 7, NO_LABEL], [1, 2, 3, 4, 5, 6, 7, FILTERED]])
+    want_loss, want_counted = labelled(targets)
+    assert not bool(want_loss[1].any()) and bool(want_loss[0, :-1].all())
+    for C in (2, 4):
+        for r in range(C):
+            loss, counted = labelled(zigzag_shard(targets, C, r), targets[:, -1:])
+            np.testing.assert_array_equal(loss, zigzag_shard(want_loss, C, r))
+            np.testing.assert_array_equal(counted, zigzag_shard(want_counted, C, r))
