@@ -327,7 +327,7 @@ def check_model_fits(model_cfg: TransformerConfig, mesh: Mesh, strategy: str, di
 def check_context(p: ParallelConfig, trainer: BatchSettings, model_cfg: TransformerConfig,
                   pipe: int) -> None:
     """parallel.context > 1: the sequence must split into 2 x context zig-zag chunks, and
-    the pipeline does not run context-parallel stages yet."""
+    pipeline stages attend by all-gather."""
     C = p.context
     if model_cfg.context_parallel not in (1, C):
         raise ConfigError(
@@ -335,9 +335,12 @@ def check_context(p: ParallelConfig, trainer: BatchSettings, model_cfg: Transfor
             f"parallel.context={C}; leave it 1 and set parallel.context")
     if C == 1:
         return
-    if pipe != 1:
-        raise ConfigError(f"parallel.context={C} does not run with parallel.pipe={pipe} yet: "
-                          "use parallel.pipe=1 or parallel.context=1")
+    if pipe != 1 and model_cfg.context_attention == "ring":
+        # A stage's ops run in conds the other stages skip; the ring's collective-permute
+        # spans every device of the mesh (all-gather's groups stay inside a stage).
+        raise ConfigError(
+            f"model.context_attention=ring does not run with parallel.pipe={pipe} yet: set "
+            "model.context_attention=allgather (or parallel.pipe=1)")
     if model_cfg.moe.lb_granularity == "instance":
         raise ConfigError(
             f"model.moe.lb_granularity=instance needs each row's router counts on one device, "

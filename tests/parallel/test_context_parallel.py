@@ -2,11 +2,12 @@
 one-device reference against the trainer's step with each sequence split over the
 `context` axis (zig-zag, ring or all-gather attention), alone on 2 and 4 devices, with
 data 2 / expert 2 (MoE dispatch over the tokens of data x context x expert, ZeRO-1
-sharding over them; AdamW and Muon) on 8: loss, router losses and every gradient within
-1e-5 relative, five steps' losses within 1e-4 (tests/parallel/test_parallel_invariance.py's
-tolerances). The compiled step holds the
-design's collectives: ring attention moves K/V by collective-permute and gathers no
-K/V; all-gather attention permutes nothing. Bad settings are refused naming the field."""
+sharding over them; AdamW and Muon) on 8, and as pipe 2 x data 2 x context 2 (all-gather
+attention; the ring is refused with a pipeline): loss, router losses and every gradient
+within 1e-5 relative, five steps' losses within 1e-4 (test_parallel_invariance.py's
+tolerances). The compiled step holds the design's collectives: ring attention moves K/V
+by collective-permute and gathers no K/V; all-gather attention permutes nothing. Bad
+settings are refused naming the field."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +20,7 @@ from olmo_jax.model.config import TransformerConfig
 from olmo_jax.objective import labelled
 from olmo_jax.planner import comms
 from olmo_jax.trainer.checkpoints import architecture_difference
-from tests.parallel.harness import make_cfg, plan_run, reference_run
+from tests.parallel.harness import Pipe, make_cfg, plan_run, reference_run
 from tests.parallel.test_parallel_invariance import assert_matches_reference
 from tests.sections import plan_for
 
@@ -52,6 +53,16 @@ def test_context_parallel_matches_single_device(case):
         assert kinds == {"all-gather", "reduce-scatter"}, kinds
 
 
+def test_context_parallel_pipeline_matches_single_device():
+    # pipe 2 x data 2 x context 2 (GPipe): each stage's blocks run on the zig-zag shards
+    # with all-gather attention, the last stage's loss on the sharded targets.
+    layers, batch = (4, 0), 8
+    run = plan_run(2, 1, "rowwise", batch=batch, layers=layers, pipe=Pipe(2, "gpipe", 1),
+                   context=2, context_attention="allgather")
+    assert_matches_reference(run, reference_run(batch=batch, layers=layers))
+    assert {c.kind for c in _attention_collectives(run)} == {"all-gather", "reduce-scatter"}
+
+
 def _cfg(**parallel):
     cfg = make_cfg(data=1)
     for k, v in parallel.items():
@@ -70,7 +81,8 @@ def test_bad_context_settings_are_refused_by_name():
                                           r"parallel.context = 8"):
         plan_for(cfg, model_config(cfg))
     cfg = _cfg(context=2, data=2, pipe=2)
-    with pytest.raises(ConfigError, match=r"parallel.context=2 does not run with parallel.pipe=2"):
+    with pytest.raises(ConfigError, match=r"model.context_attention=ring does not run with "
+                                          r"parallel.pipe=2"):
         plan_for(cfg, model_config(cfg))
     cfg = _cfg(context=2, data=4)
     cfg.model.moe.lb_granularity = "instance"
