@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from olmo_jax.kernels.ring_attention import CONTEXT_AXIS, zigzag_positions, zigzag_shard
 from olmo_jax.labels import FILTERED
 from olmo_jax.model import TransformerConfig
 from olmo_jax.model.moe.losses import (
@@ -138,20 +139,24 @@ SINGLE_DEVICE = SingleDevice()
 
 
 # ---- the losses ------------------------------------------------------------------------------
-def labelled(targets_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+def labelled(targets_BT: jax.Array, row_end_B1: jax.Array | None = None
+             ) -> tuple[jax.Array, jax.Array]:
     """(loss_BT, counted_BT) masks of a batch's targets (olmo_jax/labels.py): a target is
     counted in the loss's denominator when it is a token id, and adds to the loss unless its
     row ends in FILTERED (an instance the repetition filter dropped, counted as OLMo-core
-    does)."""
+    does). `row_end_B1`: each row's last target when `targets_BT` holds only a shard of the
+    row's positions (context parallelism); default its last column."""
     counted_BT = targets_BT >= 0
-    return counted_BT & (targets_BT[:, -1:] != FILTERED), counted_BT
+    end_B1 = targets_BT[:, -1:] if row_end_B1 is None else row_end_B1
+    return counted_BT & (end_B1 != FILTERED), counted_BT
 
 
-def cross_entropy_sums(logits_BTV: jax.Array, targets_BT: jax.Array
+def cross_entropy_sums(logits_BTV: jax.Array, targets_BT: jax.Array, row_end_B1=None
                        ) -> tuple[jax.Array, jax.Array]:
-    """(summed cross-entropy, summed logsumexp^2) over the labelled targets."""
+    """(summed cross-entropy, summed logsumexp^2) over the labelled targets (`row_end_B1`:
+    as `labelled`)."""
     logits_BTV = logits_BTV.astype(jnp.float32)
-    loss_BT, _ = labelled(targets_BT)
+    loss_BT, _ = labelled(targets_BT, row_end_B1)
     lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
     target_logit_BT = jnp.take_along_axis(
         logits_BTV, jnp.maximum(targets_BT, 0)[..., None], axis=-1)[..., 0]
@@ -182,29 +187,43 @@ def forward_losses(graphdef, params, model_state, batch_BX, cfg: TransformerConf
     documents of a row are masked from each other (`document_segments`)."""
     model = nnx.merge(graphdef, params, model_state)
     inputs_BT, targets_BT = batch_BX[:, :-1], batch_BX[:, 1:]
-    segment_ids_BT = document_segments(inputs_BT, cfg)
+    segment_ids_BT = document_segments(inputs_BT, cfg)  # None without document masking
+    positions_T = row_end_B1 = None
+    C = cfg.context_parallel
+    if C > 1:
+        # Context parallelism: every context rank holds the whole rows and takes its zig-zag
+        # shard of the inputs and targets; RoPE positions are the shard's global indices.
+        # (Document masking with context > 1 is refused by the config.)
+        rank = jax.lax.axis_index(CONTEXT_AXIS)
+        positions_T = zigzag_positions(inputs_BT.shape[1], C, rank)
+        row_end_B1 = targets_BT[:, -1:]
+        inputs_BT, targets_BT = zigzag_shard(inputs_BT, C, rank), zigzag_shard(targets_BT, C, rank)
     if cfg.lm_loss_chunk:  # the head and loss chunked, no [B, T, V] logits
-        x_BTD, stats = model.blocks(model.embed(inputs_BT), rng=rng, segment_ids_BT=segment_ids_BT)
-        return loss_parts(None, targets_BT, stats, cfg, parallel,
-                          sums=head_loss_sums(model, x_BTD, targets_BT, cfg.lm_loss_chunk))
-    out = model(inputs_BT, rng=rng, segment_ids_BT=segment_ids_BT)
-    return loss_parts(out.logits_BTV, targets_BT, out.router_stats, cfg, parallel)
+        x_BTD, stats = model.blocks(model.embed(inputs_BT), positions_T, rng=rng,
+                                    segment_ids_BT=segment_ids_BT)
+        return loss_parts(None, targets_BT, stats, cfg, parallel, row_end_B1,
+                          sums=head_loss_sums(model, x_BTD, targets_BT, cfg.lm_loss_chunk,
+                                              row_end_B1))
+    out = model(inputs_BT, rng=rng, segment_ids_BT=segment_ids_BT, positions_T=positions_T)
+    return loss_parts(out.logits_BTV, targets_BT, out.router_stats, cfg, parallel, row_end_B1)
 
 
-def head_loss_sums(model, x_BTD, targets_BT, chunk: int) -> tuple[jax.Array, jax.Array]:
+def head_loss_sums(model, x_BTD, targets_BT, chunk: int,
+                   row_end_B1=None) -> tuple[jax.Array, jax.Array]:
     """cross_entropy_sums of the model's head on the final hidden states, chunked over
     `chunk` tokens (model.lm_loss_chunk; Transformer.head_losses): what loss_parts takes
-    instead of the logits."""
-    return model.head_losses(x_BTD, targets_BT, labelled(targets_BT)[0], chunk)
+    instead of the logits (`row_end_B1`: as `labelled`)."""
+    return model.head_losses(x_BTD, targets_BT, labelled(targets_BT, row_end_B1)[0], chunk)
 
 
 def loss_parts(logits_BTV, targets_BT, stats: RouterStats | None, cfg: TransformerConfig,
-               parallel: BatchReduction = SINGLE_DEVICE, sums=None) -> LossParts:
+               parallel: BatchReduction = SINGLE_DEVICE, row_end_B1=None, sums=None) -> LossParts:
     """LossParts of one (micro)batch from the model's logits and stacked RouterStats
-    (the pipeline's last stage calls this with the statistics of every stage). `sums`:
-    the (cross-entropy, logsumexp^2) sums head_loss_sums gives with model.lm_loss_chunk,
+    (the pipeline's last stage calls this with the statistics of every stage).
+    `row_end_B1`: as `labelled` (a context-parallel shard of the rows). `sums`: the
+    (cross-entropy, logsumexp^2) sums head_loss_sums gives with model.lm_loss_chunk,
     instead of the logits (then None)."""
-    sums = cross_entropy_sums(logits_BTV, targets_BT) if sums is None else sums
+    sums = cross_entropy_sums(logits_BTV, targets_BT, row_end_B1) if sums is None else sums
     # One all-reduce for the four sums: the losses, the labels counted, the positions.
     ce_sum, lm_z_sum, n, positions = parallel.allsum(jnp.stack([
         *sums,

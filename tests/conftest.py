@@ -51,6 +51,7 @@ SLOW = (
     "tests/checkpoint/test_hf_parity.py",
     "tests/checkpoint/test_generate_hf.py",
     "tests/parallel/test_gpu_paths.py",
+    "tests/parallel/test_context_parallel.py",
     "tests/parallel/test_parallel_bf16.py",
     "tests/parallel/test_parallel_invariance.py",
     "tests/parallel/test_pipeline.py",

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from olmo_jax import shapes
-from olmo_jax.kernels import select
+from olmo_jax.kernels import ring_attention, select
 from olmo_jax.kernels.vma import cotangent_like
 from olmo_jax.model import mxfp8_gemm
 from olmo_jax.model.config import TransformerConfig
@@ -248,6 +248,9 @@ class Attention(nnx.Module):
         self.impl = cfg.attention_impl  # resolved by the plan (module docstring)
         self.cudnn_max_docs = cfg.cudnn_max_docs  # document masking on cuDNN
         self.mxfp8_impl = cfg.mxfp8_gemm_impl  # likewise (model/mxfp8_gemm.py)
+        # Context parallelism: the sequence's zig-zag shard, attended over the plan's
+        # `context` axis (olmo_jax/kernels/ring_attention.py; set by the plan).
+        self.context = (cfg.context_parallel, cfg.context_attention)
 
     def _proj(self, spec: str, x, w):
         if self.mxfp8_proj:
@@ -270,7 +273,7 @@ class Attention(nnx.Module):
              self.v_proj[...].reshape(D, K * H)], axis=1,
         ).astype(dt)
         qkv_SJ = self._proj("rd,dj->rj", x_BTD.astype(dt).reshape(B * T, D), w_qkv_DJ)
-        impl = attention_impl(self.impl, dt)
+        impl = "context" if self.context[0] > 1 else attention_impl(self.impl, dt)
         if impl == "blas":  # QK-norm, clipping, RoPE and the core: CPU FFI calls
             from olmo_jax.kernels import cpu_attention
 
@@ -303,6 +306,9 @@ class Attention(nnx.Module):
         q_BTNH = apply_rope(q_BTNH, cos_TH, sin_TH)
         k_BTKH = apply_rope(k_BTKH, cos_TH, sin_TH)
         with jax.named_scope("attention_scores"):  # named for olmo_jax/planner
+            if impl == "context":
+                C, how = self.context
+                return ring_attention.context_attention(how, q_BTNH, k_BTKH, v_BTKH, context=C)
             if impl == "cudnn":
                 return cudnn_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT,
                                        self.cudnn_max_docs)

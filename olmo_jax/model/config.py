@@ -19,6 +19,7 @@ from typing import Literal, get_args
 import jax.numpy as jnp
 
 from olmo_jax.errors import ConfigError, check_choice
+from olmo_jax.kernels.ring_attention import CONTEXT_ATTENTIONS, ContextAttention
 from olmo_jax.kernels.select import (
     ATTENTION_IMPLS,
     GMM_IMPLS,
@@ -282,6 +283,12 @@ class TransformerConfig:
     # times the unmasked step's). A row with more attends its documents past the last slot
     # as one; the xla and blas cores have no limit. data/loader.document_lengths counts them.
     cudnn_max_docs: int = 16
+    # Context parallelism (parallel.context > 1; olmo_jax/kernels/ring_attention.py): the
+    # attention over the sequence's shards, CONTEXT_ATTENTIONS: ring (K/V passed around the
+    # ring) | allgather (K/V all-gathered). `context_parallel` is set by the parallel plan
+    # from parallel.context (the model then runs inside the plan's shard_map); leave it 1.
+    context_attention: ContextAttention = "ring"
+    context_parallel: int = 1
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     @property
@@ -359,6 +366,10 @@ class TransformerConfig:
         check_choice(f"{prefix}.attention_impl", self.attention_impl, ATTENTION_IMPLS)
         check_choice(f"{prefix}.norm_impl", self.norm_impl, NORM_IMPLS)
         check_choice(f"{prefix}.mxfp8_gemm_impl", self.mxfp8_gemm_impl, MXFP8_GEMM_IMPLS)
+        check_choice(f"{prefix}.context_attention", self.context_attention, CONTEXT_ATTENTIONS)
+        if self.context_parallel < 1:
+            raise ConfigError(f"{prefix}.context_parallel must be >= 1 (set by the plan from "
+                              f"parallel.context), got {self.context_parallel}")
         widths = (self.d_model, self.n_heads * self.head_size, self.kv_heads * self.head_size)
         if self.attention_precision == "mxfp8" and any(w % 32 for w in widths):
             raise ConfigError(

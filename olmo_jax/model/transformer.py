@@ -209,8 +209,12 @@ class Transformer(nnx.Module):
 
     @shapes.check("-> *")
     def __call__(self, tokens_BT: jax.Array, rng: jax.Array | None = None,
-                 segment_ids_BT: jax.Array | None = None) -> Output:
+                 segment_ids_BT: jax.Array | None = None,
+                 positions_T: jax.Array | None = None) -> Output:
         """`rng` is given in training only (router jitter, random routing); evaluation and
-        sampling call without it. `segment_ids_BT`: document masking (`blocks`)."""
-        x_BTD, stats = self.blocks(self.embed(tokens_BT), rng=rng, segment_ids_BT=segment_ids_BT)
+        sampling call without it. `segment_ids_BT`: document masking (`blocks`).
+        `positions_T`: the tokens' RoPE positions (default 0..T-1; a context-parallel shard
+        passes its global indices)."""
+        x_BTD, stats = self.blocks(self.embed(tokens_BT), positions_T, rng=rng,
+                                   segment_ids_BT=segment_ids_BT)
         return Output(self.head(x_BTD), stats)

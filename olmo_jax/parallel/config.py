@@ -17,6 +17,10 @@ class ParallelConfig:
     pipe: int = 1
     data: int = -1  # -1 = fill the remaining devices
     expert: int = 1
+    # Context parallelism: each sequence's tokens split over this many devices (the mesh's
+    # `context` axis) in the zig-zag layout; attention by model.context_attention (ring |
+    # allgather; olmo_jax/kernels/ring_attention.py). trainer.seq_len must divide by 2 x it.
+    context: int = 1
     strategy: str = "ddp"  # rules.STRATEGIES: ddp (experts resident, tokens travel) | fsdp (baseline)
     # Expert-parallel dispatch with expert > 1 (parallel/expert BACKENDS): rowwise (receive
     # slots sized by model.moe.capacity_factor) | ragged | allgather (both dropless).
@@ -31,7 +35,7 @@ class ParallelConfig:
         check_choice(f"{prefix}.strategy", self.strategy, STRATEGIES)
         check_choice(f"{prefix}.dispatch", self.dispatch, BACKENDS)
         check_choice(f"{prefix}.pipeline_schedule", self.pipeline_schedule, PIPELINE_SCHEDULES)
-        for name in ("microbatches", "virtual_stages"):
+        for name in ("context", "microbatches", "virtual_stages"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{prefix}.{name} must be >= 1, got {getattr(self, name)}")
         return self

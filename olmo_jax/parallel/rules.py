@@ -8,7 +8,8 @@ replicated. A parameter has two placements:
   storage  how it lives in the TrainState, with its AdamW moments (zero.py adds the
            data-parallel split of ZeRO-1 and FSDP to the compute placement).
 
-Placement (mesh axes pipe x data x expert; tokens always split over data x expert):
+Placement (mesh axes pipe x data x context x expert; rows split over data x expert, their
+tokens over context; the data-parallel axes below include context when it is > 1):
 
   strategy          parameter        compute      storage (params + AdamW moments)
   ddp, zero1 on     routed experts   expert       expert, and data on one more dim

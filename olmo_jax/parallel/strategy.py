@@ -19,7 +19,8 @@ rank (muon_owners.py, `optimizer_args`).
     state, metrics = step(state, plan.place_batch(batch_BX))
 
 Batch layout: a global batch [B, T+1] is placed as [grad_accum, B / grad_accum, T+1]
-with the middle axis split over data x expert, so microbatch i is the same set of
+with the middle axis split over data x expert (and replicated over `context`: each
+context rank takes its zig-zag shard of the tokens inside the step, objective.py), so microbatch i is the same set of
 sequences on any mesh (rows i*B/ga .. (i+1)*B/ga - 1 of the global batch). With a
 pipeline (parallel.pipe > 1, `pipeline`: olmo_jax/parallel/pipeline) the leading axis is
 grad_accum x parallel.microbatches: every pipeline microbatch is such a row block too.
@@ -40,6 +41,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from olmo_jax.errors import ConfigError
 from olmo_jax.kernels import platform
 from olmo_jax.kernels.select import KernelChoice, resolve_kernels
+from olmo_jax.kernels.vma import varying_axes
 from olmo_jax.model.abstract import abstract_model
 from olmo_jax.model.config import TransformerConfig
 from olmo_jax.model.params import compute_copy_dtype, path_name
@@ -49,7 +51,7 @@ from olmo_jax.parallel import mesh as mesh_lib
 from olmo_jax.parallel import muon_owners as muon_lib
 from olmo_jax.parallel import rules, zero
 from olmo_jax.parallel.config import ParallelConfig
-from olmo_jax.parallel.mesh import BATCH_AXES
+from olmo_jax.parallel.mesh import BATCH_AXES, TOKEN_AXES
 from olmo_jax.parallel.pipeline import Pipeline, build_pipeline, check_unpipelined
 
 BATCH_SPEC = rules.logical_to_spec((None, "act_batch", None))  # [microbatch, rows, tokens]
@@ -183,18 +185,39 @@ class ParallelPlan:
 
         return traced
 
+    @property
+    def token_axes(self) -> tuple[str, ...]:
+        """The axes whose devices hold different tokens: data x expert (the batch's rows),
+        and `context` with context parallelism (without it the programs name only the
+        batch axes, as before the axis existed)."""
+        return TOKEN_AXES if self.mesh.shape[mesh_lib.CONTEXT_AXIS] > 1 else BATCH_AXES
+
+    def _sum_axes(self, x) -> tuple[str, ...]:
+        """token_axes, and the size-1 `context` too where x is typed varying over it (the
+        pipeline types its values varying over every mesh axis)."""
+        axes = self.token_axes
+        if mesh_lib.CONTEXT_AXIS not in axes and mesh_lib.CONTEXT_AXIS in varying_axes(x):
+            return TOKEN_AXES
+        return axes
+
     def allsum(self, tree):
-        """Sum over every device holding a different part of the batch."""
+        """Sum over every device holding a different part of the batch (its rows over
+        data x expert, their tokens over context)."""
+        leaves = jax.tree.leaves(tree)
+        axes = {self._sum_axes(x) for x in leaves}
         with jax.named_scope("loss_allsum"):
-            return jax.lax.psum(tree, BATCH_AXES)
+            if len(axes) <= 1:  # one (variadic) all-reduce
+                return jax.lax.psum(tree, axes.pop() if axes else self.token_axes)
+            return jax.tree.map(lambda x: jax.lax.psum(x, self._sum_axes(x)), tree)
 
     def allgather(self, x):
         """Stack x over the devices holding the batch's parts, in batch order: [shards, ...].
         A psum of each device's slot (not all_gather), so the result is typed replicated."""
-        shards = mesh_lib.batch_shards(self.mesh)
+        shards = mesh_lib.token_shards(self.mesh)
         with jax.named_scope("metrics_allgather"):
-            slot = jax.nn.one_hot(jax.lax.axis_index(BATCH_AXES), shards, dtype=x.dtype)
-            return jax.lax.psum(slot.reshape((shards,) + (1,) * x.ndim) * x[None], BATCH_AXES)
+            axes = self._sum_axes(x)
+            slot = jax.nn.one_hot(jax.lax.axis_index(axes), shards, dtype=x.dtype)
+            return jax.lax.psum(slot.reshape((shards,) + (1,) * x.ndim) * x[None], axes)
 
     def use_params(self, params):
         """Applied inside each microbatch's loss: FSDP gathers here, ddp already has them."""
@@ -215,7 +238,7 @@ class ParallelPlan:
         @self._for_target
         def local(params, model_state, batch, rng):
             params = self._outer_gather(params)
-            rng = jax.random.fold_in(rng, jax.lax.axis_index(BATCH_AXES))
+            rng = jax.random.fold_in(rng, jax.lax.axis_index(self.token_axes))
             grads, parts = grads_and_parts(params, model_state, batch.reshape(-1, batch.shape[-1]), rng)
             if self.pipeline is not None:
                 grads = self.pipeline.reduce(grads)
@@ -301,6 +324,38 @@ def check_model_fits(model_cfg: TransformerConfig, mesh: Mesh, strategy: str, di
         )
 
 
+def check_context(p: ParallelConfig, trainer: BatchSettings, model_cfg: TransformerConfig,
+                  pipe: int) -> None:
+    """parallel.context > 1: the sequence must split into 2 x context zig-zag chunks, and
+    pipeline stages attend by all-gather."""
+    C = p.context
+    if model_cfg.context_parallel not in (1, C):
+        raise ConfigError(
+            f"model.context_parallel={model_cfg.context_parallel} is set by the plan from "
+            f"parallel.context={C}; leave it 1 and set parallel.context")
+    if C == 1:
+        return
+    if model_cfg.doc_mask_eos >= 0:
+        raise ConfigError(
+            f"data.doc_mask with parallel.context={C}: the context shards do not carry "
+            "document masks yet; set parallel.context=1 or data.doc_mask=False")
+    if pipe != 1 and model_cfg.context_attention == "ring":
+        # A stage's ops run in conds the other stages skip; the ring's collective-permute
+        # spans every device of the mesh (all-gather's groups stay inside a stage).
+        raise ConfigError(
+            f"model.context_attention=ring does not run with parallel.pipe={pipe} yet: set "
+            "model.context_attention=allgather (or parallel.pipe=1)")
+    if model_cfg.moe.lb_granularity == "instance":
+        raise ConfigError(
+            f"model.moe.lb_granularity=instance needs each row's router counts on one device, "
+            f"but parallel.context={C} splits the rows; use global or local")
+    seq_len = getattr(trainer, "seq_len", None)
+    if seq_len is not None and seq_len % (2 * C):
+        raise ConfigError(
+            f"trainer.seq_len={seq_len} must be divisible by 2 x parallel.context = {2 * C} "
+            f"(the zig-zag layout's chunks); change trainer.seq_len or parallel.context")
+
+
 def plan_target(mesh: Mesh) -> platform.Target:
     """The target a plan over `mesh` traces for (ParallelPlan.target)."""
     return platform.cross_lowering_target() or platform.target_of(mesh.devices)
@@ -339,6 +394,7 @@ def build_plan(parallel: ParallelConfig, trainer: BatchSettings, model_cfg: Tran
     mesh = mesh_lib.make_mesh(p, devices)
     if mesh.shape["pipe"] == 1:
         check_unpipelined(p)
+    check_context(p, trainer, model_cfg, mesh.shape["pipe"])
     check_model_fits(model_cfg, mesh, p.strategy, p.dispatch)
     kernels = plan_kernels(model_cfg, plan_target(mesh))
     check_batch(trainer.global_batch_size, mesh, trainer.grad_accum,
@@ -377,5 +433,6 @@ def build_plan(parallel: ParallelConfig, trainer: BatchSettings, model_cfg: Tran
                 f"optim.name=muon does not support parallel.pipe={mesh.shape['pipe']} yet: "
                 "use parallel.pipe=1 or optim.name=adamw")
         muon = muon_lib.ownership(abstract_params, layouts, mesh)
+    model_cfg = dataclasses.replace(kernels.apply(model_cfg), context_parallel=p.context)
     return ParallelPlan(mesh, p.strategy, bool(p.zero1), trainer.grad_accum, dispatch,
-                        dispatcher, layouts, pipeline, muon, kernels, kernels.apply(model_cfg))
+                        dispatcher, layouts, pipeline, muon, kernels, model_cfg)

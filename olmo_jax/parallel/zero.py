@@ -1,8 +1,9 @@
 """Data-parallel sharding of stored parameters and optimizer state (ZeRO-1 and FSDP),
 and the collectives that move between stored and compute placements.
 
-A parameter replicated over some batch axes in its compute placement (its data-parallel
-axes: data x expert for non-expert weights, data for experts) is stored split over those
+A parameter replicated over some token axes in its compute placement (its data-parallel
+axes: data x context x expert for non-expert weights, data x context for experts; a mesh
+axis of size 1 drops out) is stored split over those
 axes on one dimension (`ParamLayout.dim`).
 
 Compute copies in the compute dtype. A weight the model casts to the compute dtype at
@@ -41,7 +42,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from olmo_jax.model.params import path_name
-from olmo_jax.parallel.mesh import BATCH_AXES
+from olmo_jax.parallel.mesh import TOKEN_AXES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +68,7 @@ def param_layout(shape: tuple[int, ...], compute: PartitionSpec, mesh: Mesh,
     """Storage placement: `compute` plus, when `shard`, its data-parallel axes on the first
     free dimension they divide."""
     spec = tuple(compute) + (None,) * (len(shape) - len(compute))
-    axes = tuple(a for a in BATCH_AXES if a not in _used_axes(compute) and mesh.shape[a] > 1)
+    axes = tuple(a for a in TOKEN_AXES if a not in _used_axes(compute) and mesh.shape[a] > 1)
     dp = math.prod(mesh.shape[a] for a in axes)
     dim = None
     if shard and axes:

@@ -93,9 +93,12 @@ def mesh_section(cfg, model_cfg, plan) -> dict:
     for leaf in leaves:
         for i in range(len(flat)):
             per_device[leaf["category"]][i] += leaf["shard_bytes"]
-    coords = [list(map(int, c)) for c in np.ndindex(*mesh.devices.shape)]
+    # Three drawn axes: pipe, the rows (data, or data x context with context parallelism:
+    # row d * context + c), expert.
+    P, D, C, X = (int(mesh.shape[a]) for a in AXES)
+    coords = [[p, d * C + c, x] for p, d, c, x in np.ndindex(P, D, C, X)]
     return {
-        "axes": list(AXES), "shape": [int(mesh.shape[a]) for a in AXES],
+        "axes": ["pipe", "data" if C == 1 else "data x context", "expert"], "shape": [P, D * C, X],
         "device_ids": [int(d.id) for d in flat], "coords": coords,
         "strategy": plan.strategy, "zero1": plan.zero1, "dispatch": plan.dispatch,
         "leaves": leaves, "device_bytes": per_device,

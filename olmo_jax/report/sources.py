@@ -90,6 +90,7 @@ def device_count(cfg: RunConfig, mesh_shape: dict[str, int] | None,
     if devices > 0:
         return devices
     if mesh_shape is not None:
+        mesh_shape = {"context": 1, **mesh_shape}  # runs from before the context axis
         missing = [a for a in AXES if a not in mesh_shape]
         if missing:
             raise ReportError(f"mesh.json lacks the axes {missing}; expected {list(AXES)}")

@@ -340,10 +340,10 @@ def _sample(run: _Run, state) -> str:
     """A text sample from trainer.sample_prompt (single-program sampling with the KV-cache
     decoder: the model with its local dispatch, on one process's devices)."""
     t_cfg, tokenizer = run.t, run.data.tokenizer
-    sample_ids = generate(
-        run.model_cfg, state.params, state.model_state, tokenizer.encode(t_cfg.sample_prompt),
-        t_cfg.sample_tokens, temperature=t_cfg.sample_temperature, seed=t_cfg.seed,
-        stop_id=tokenizer.eos_id,
+    sample_ids = generate(  # outside the step's shard_map: no context parallelism
+        dataclasses.replace(run.model_cfg, context_parallel=1), state.params, state.model_state,
+        tokenizer.encode(t_cfg.sample_prompt), t_cfg.sample_tokens,
+        temperature=t_cfg.sample_temperature, seed=t_cfg.seed, stop_id=tokenizer.eos_id,
     )
     return tokenizer.decode(sample_ids)
 

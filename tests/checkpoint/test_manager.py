@@ -58,9 +58,9 @@ def random_state(cfg: TransformerConfig, seed: int = 0) -> TrainState:
 
 def mesh_of(layout: str) -> Mesh:
     if layout == "single":
-        return Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), mesh_lib.AXES)
+        return Mesh(np.asarray(jax.devices()[:1]).reshape((1,) * len(mesh_lib.AXES)), mesh_lib.AXES)
     data, expert = {"replicated8": (8, 1), "expert8": (1, 8)}[layout]
-    return mesh_lib.make_mesh(ml_collections.ConfigDict(dict(pipe=1, data=data, expert=expert)))
+    return mesh_lib.make_mesh(ml_collections.ConfigDict(dict(pipe=1, data=data, expert=expert, context=1)))
 
 
 def state_shardings(state: TrainState, tx, mesh: Mesh) -> TrainState:

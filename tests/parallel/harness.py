@@ -46,7 +46,7 @@ NO_PIPE = Pipe()
 
 def make_cfg(data=1, expert=1, dispatch="rowwise", strategy="ddp", zero1=True, grad_accum=1,
              capacity_factor=NO_DROP_CF, lb_granularity="global", batch=BATCH, seq=SEQ,
-             layers=(2, 0), pipe: Pipe = NO_PIPE, width=32, optim="adamw"):
+             layers=(2, 0), pipe: Pipe = NO_PIPE, width=32, optim="adamw", context=1):
     """`layers`: (model.n_layers, model.n_dense_layers); `width`: model.d_model and
     model.moe.expert_hidden (64 for the Pallas kernels' tiles); `optim`: optim.name."""
     c = default_config()
@@ -61,7 +61,7 @@ def make_cfg(data=1, expert=1, dispatch="rowwise", strategy="ddp", zero1=True, g
     c.optim.lr, c.optim.warmup_steps, c.optim.name = 3e-3, 1, optim
     p = c.parallel
     p.data, p.expert, p.dispatch, p.strategy = data, expert, dispatch, strategy
-    p.zero1 = zero1
+    p.zero1, p.context = zero1, context
     # The capacity of rowwise dispatch's receive slots; every other dispatch stays dropless.
     rowwise = strategy == "ddp" and expert > 1 and dispatch == "rowwise"
     m.moe.capacity_factor = capacity_factor if rowwise else 0.0
@@ -168,19 +168,24 @@ def reference_run(grad_accum=1, batch=BATCH, layers=(2, 0), moe=(), width=32,
 def plan_run(data, expert, dispatch="rowwise", strategy="ddp", zero1=True, grad_accum=1,
              batch=BATCH, capacity_factor=NO_DROP_CF, layers=(2, 0), pipe: Pipe = NO_PIPE,
              remat="none", abstract=False, moe=(), width=32, optim="adamw",
-             dtype="float32", steps=STEPS, lm_loss_chunk=0) -> Run:
+             dtype="float32", steps=STEPS, lm_loss_chunk=0, context=1,
+             context_attention="ring") -> Run:
     """The same on a pipe x data x expert mesh through the trainer's ParallelPlan and
     its jitted step (state shardings, donation). `remat`, `lm_loss_chunk`: model.remat,
     model.lm_loss_chunk (same weights);
     `abstract`: compile from ShapeDtypeStructs; `moe`, `dtype`: as host_state; `optim`:
-    optim.name; `steps`: the first `steps` of the reference's batches (fewer for slow paths)."""
+    optim.name; `steps`: the first `steps` of the reference's batches (fewer for slow paths);
+    `context`, `context_attention`: parallel.context (on data x context x expert devices
+    of the 8) and model.context_attention."""
     model_cfg, tx, schedule, _, state = host_state(layers=layers, moe=moe, width=width,
                                                    optim=optim, dtype=dtype)
     cfg = make_cfg(data, expert, dispatch, strategy, zero1, grad_accum, capacity_factor,
-                   batch=batch, layers=layers, pipe=pipe, width=width, optim=optim)
-    model_cfg = with_capacity(dataclasses.replace(model_cfg, remat=remat,
-                                                  lm_loss_chunk=lm_loss_chunk), cfg)
-    plan = plan_for(cfg, model_cfg)
+                   batch=batch, layers=layers, pipe=pipe, width=width, optim=optim,
+                   context=context)
+    model_cfg = with_capacity(dataclasses.replace(model_cfg, remat=remat, lm_loss_chunk=lm_loss_chunk,
+                                                  context_attention=context_attention), cfg)
+    n = pipe.pipe * data * expert * context
+    plan = plan_for(cfg, model_cfg, devices=jax.devices()[:n] if n < jax.device_count() else None)
     model_cfg = plan.model_cfg  # kernels resolved for the mesh
     graphdef = abstract_model(model_cfg, plan.dispatcher)[0]
     shardings = plan.state_shardings(state, tx)

@@ -16,8 +16,9 @@ def _plan(cfg):
 
 
 def test_mesh_fill_and_product_errors():
-    assert mesh_shape(1, -1, 4, 8) == (1, 2, 4)
-    with pytest.raises(ConfigError, match=r"2 x 2 x 4 = 16 does not match the 8 available"):
+    assert mesh_shape(1, -1, 4, 8) == (1, 2, 1, 4)
+    assert mesh_shape(1, -1, 2, 8, context=2) == (1, 2, 2, 2)
+    with pytest.raises(ConfigError, match=r"2 x 2 x 1 x 4 = 16 does not match the 8 available"):
         mesh_shape(2, 2, 4, 8)
     with pytest.raises(ConfigError, match="only one of parallel.pipe/data/expert may be -1"):
         mesh_shape(1, -1, -1, 8)

@@ -49,7 +49,7 @@ from olmo_jax.errors import ConfigError
 from olmo_jax.kernels.vma import varying_axes
 from olmo_jax.model.params import path_name
 from olmo_jax.parallel import zero
-from olmo_jax.parallel.mesh import BATCH_AXES
+from olmo_jax.parallel.mesh import TOKEN_AXES
 
 PIPE = "pipe"
 STAGE_KEY = "moe_blocks"  # the stacked layers split into chunks
@@ -142,7 +142,7 @@ def param_layout(shape: tuple[int, ...], compute: PartitionSpec, mesh: Mesh, sha
     """`compute`: the model's placement (experts over `expert`); `shard`: ZeRO-1."""
     spec = tuple(compute) + (None,) * (len(shape) - len(compute))
     used = zero._used_axes(compute)
-    dp_axes = tuple(a for a in BATCH_AXES if a not in used and mesh.shape[a] > 1)
+    dp_axes = tuple(a for a in TOKEN_AXES if a not in used and mesh.shape[a] > 1)
     dp = math.prod(mesh.shape[a] for a in dp_axes)
     P = mesh.shape[PIPE]
     free = _free_dims(spec, stage)

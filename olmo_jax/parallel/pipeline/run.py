@@ -57,6 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from olmo_jax.kernels.ring_attention import CONTEXT_AXIS, zigzag_positions, zigzag_shard
 from olmo_jax.kernels.vma import varying_axes
 from olmo_jax.model.config import TransformerConfig
 from olmo_jax.model.moe.losses import RouterStats
@@ -244,15 +245,17 @@ class StageProgram:
         step = block_step(graphdef, cos_TH, sin_TH, self.cfg.remat)
         return _vary(step(x_BTD, (state, key, keep)))
 
-    def head_loss(self, head_params, x_BTD, stats: RouterStats, targets_BT, microbatches: int):
-        """Final norm, LM head and this microbatch's share of the step's loss."""
+    def head_loss(self, head_params, x_BTD, stats: RouterStats, targets_BT, microbatches: int,
+                  row_end_B1=None):
+        """Final norm, LM head and this microbatch's share of the step's loss (`row_end_B1`:
+        the rows' last targets when `targets_BT` is a context shard, objective.labelled)."""
         model = self._model(head_params)
         chunked = self.cfg.lm_loss_chunk  # the loss's sums without the [B, T, V] logits
-        sums = head_loss_sums(model, x_BTD, targets_BT, chunked) if chunked else None
+        sums = head_loss_sums(model, x_BTD, targets_BT, chunked, row_end_B1) if chunked else None
         L = self.chunks.n_layers
         stats = jax.tree.map(lambda a: a[:L], stats)
         parts = loss_parts(None if chunked else model.head(x_BTD), targets_BT, stats, self.cfg,
-                           self.ops, sums=sums)
+                           self.ops, row_end_B1, sums=sums)
         return total_loss(parts, self.cfg) / microbatches, parts
 
     def layer_keys(self, key_m, v):
@@ -322,14 +325,23 @@ class _Ticks:
         self.prog, self.cfg, self.M, self.slots = prog, cfg, schedule.microbatches, schedule.slots
         self.micro = batch_BX.reshape(self.M, -1, batch_BX.shape[-1])
         T = self.micro.shape[-1] - 1
-        self.cos_TH, self.sin_TH = rope_tables(jnp.arange(T), cfg.head_size, cfg.rope_theta,
+        # Context parallelism: each context rank's zig-zag shard of the tokens, RoPE at
+        # their global positions (objective.forward_losses).
+        self.C = cfg.context_parallel
+        self.rank = jax.lax.axis_index(CONTEXT_AXIS) if self.C > 1 else 0
+        positions_T = zigzag_positions(T, self.C, self.rank) if self.C > 1 else jnp.arange(T)
+        self.cos_TH, self.sin_TH = rope_tables(positions_T, cfg.head_size, cfg.rope_theta,
                                                scaling_of(cfg))
 
     def inputs(self, m):
-        return self.micro[m, :, :-1]
+        return zigzag_shard(self.micro[m, :, :-1], self.C, self.rank)
 
     def targets(self, m):
-        return self.micro[m, :, 1:]
+        return zigzag_shard(self.micro[m, :, 1:], self.C, self.rank)
+
+    def row_end(self, m):
+        """The rows' last targets when `targets` holds a context shard of them."""
+        return self.micro[m, :, -1:] if self.C > 1 else None
 
     def run(self, carry, table):
         """The carry after every tick of `table`."""
@@ -439,7 +451,8 @@ class _TrainTicks(_Ticks):
         self.stats_shape = _stats_buffer_shape(stats_c_shape, prog.chunks.n_layers, prog.c)
         parts_shape = jax.eval_shape(
             lambda: prog.head_loss(prog.head_params, jnp.zeros(x_shape.shape, x_shape.dtype),
-                                   _zeros(self.stats_shape), self.targets(0), self.M)[1])
+                                   _zeros(self.stats_shape), self.targets(0), self.M,
+                                   self.row_end(0))[1])
         slots = self.slots
         act = (x_shape, self.stats_shape)
         return _Carry(
@@ -470,7 +483,7 @@ class _TrainTicks(_Ticks):
         bwd_in, g_head, parts = state
         prog = self.prog
         (loss, vjp, parts_m) = jax.vjp(
-            lambda p, x, st: prog.head_loss(p, x, st, self.targets(m), self.M),
+            lambda p, x, st: prog.head_loss(p, x, st, self.targets(m), self.M, self.row_end(m)),
             prog.head_params, y, stats, has_aux=True)
         # d(step loss) / d(this microbatch's share) = 1, typed like the loss
         g, dx, dstats = vjp(_vary(jnp.ones((), loss.dtype), _own_axes(loss)))
@@ -577,7 +590,8 @@ class _EvalTicks(_Ticks):
 
     def head(self, state, y, stats, m, cell):
         (sums,) = state
-        parts = self.prog.head_loss(self.prog.head_params, y, stats, self.targets(m), self.M)[1]
+        parts = self.prog.head_loss(self.prog.head_params, y, stats, self.targets(m), self.M,
+                                    self.row_end(m))[1]
         return (jax.tree.map(jnp.add, sums, _vary((parts.ce_sum, parts.n_tokens), (PIPE,))),)
 
 

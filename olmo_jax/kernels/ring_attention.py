@@ -1,0 +1,380 @@
+"""Context parallelism's kernels: the zig-zag load balancer and causal attention over a
+sequence split across the `context` mesh axis (inside `jax.shard_map`).
+
+Zig-zag layout (OLMo-core's `RingAttentionZigZagLoadBalancer.batch_shard`): a sequence of
+T tokens is cut into 2C chunks of L = T / (2C); context rank r holds chunks r and
+2C - 1 - r, concatenated ([2L] local tokens). Every rank then has the same share of the
+causal triangle's work. RoPE positions are the global token indices of the local tokens
+(`zigzag_positions`), computed before any model code runs.
+
+Two attention implementations over that layout (`CONTEXT_ATTENTIONS`), both exact
+float32 softmax(q k^T / sqrt(H)) v with the causal mask taken from the global positions
+and an optional segment mask (a query sees only keys with its segment id: packed
+documents that do not see each other), grouped-query heads:
+
+  ring       K and V (and the keys' segment ids) travel around the ring by
+             `jax.lax.ppermute`, one hop per step, C - 1 hops; each step adds one block
+             to an online softmax. Zig-zag makes every step after the first two [L, L]
+             blocks on every rank (rank r, keys from rank j: j < r, both query chunks
+             see key chunk j; j > r, query chunk 2C-1-r sees both key chunks), the
+             first step (its own keys) three; nothing else is computed. The backward
+             pass (custom VJP) recomputes each block's probabilities from the saved
+             log-sum-exp; dK and dV travel with K and V and arrive home after C hops.
+             No device ever holds the whole sequence's K, V or scores.
+  allgather  K and V all-gathered over `context` (MaxText's approach), then one masked
+             block of the local queries against all T keys; its VJP reduce-scatters
+             dK and dV (the transpose of the all-gather). Simple, but each device
+             holds the whole sequence's K and V and a [2L, T] score block, half of it
+             masked.
+
+The kernels run inside a shard_map whose mesh has `axis_name`; outside one, with
+`context == 1`, the layout is the identity and the kernels are plain attention.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Literal, get_args
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from olmo_jax.kernels.vma import cotangent_like, like
+
+CONTEXT_AXIS = "context"  # the mesh axis name (olmo_jax/parallel/mesh.py uses this one)
+ContextAttention = Literal["ring", "allgather"]  # model.context_attention
+CONTEXT_ATTENTIONS = get_args(ContextAttention)
+_MASKED = -1e30
+
+
+# ---- the zig-zag load balancer ---------------------------------------------------------
+def zigzag_indices(T: int, C: int, rank: int) -> np.ndarray:
+    """The global token indices context rank `rank` of `C` holds, in local order."""
+    if T % (2 * C):
+        raise ValueError(f"sequence length {T} must be divisible by 2 x context = {2 * C}")
+    L = T // (2 * C)
+    return np.concatenate([np.arange(rank * L, (rank + 1) * L),
+                           np.arange((2 * C - 1 - rank) * L, (2 * C - rank) * L)])
+
+
+def zigzag_positions(T: int, C: int, rank) -> jax.Array:
+    """zigzag_indices with a traced rank (jax.lax.axis_index), int32 [2L]."""
+    L = T // (2 * C)
+    ar = jnp.arange(L, dtype=jnp.int32)
+    return jnp.concatenate([rank * L + ar, (2 * C - 1 - rank) * L + ar])
+
+
+def zigzag_shard(x, C: int, rank, axis: int = 1):
+    """The local zig-zag shard of `x` along `axis` (size T): chunks rank and 2C-1-rank of
+    2C. `rank` may be traced (inside shard_map: jax.lax.axis_index(CONTEXT_AXIS))."""
+    if C == 1:
+        return x
+    T = x.shape[axis]
+    if T % (2 * C):
+        raise ValueError(f"sequence length {T} must be divisible by 2 x context = {2 * C}")
+    L = T // (2 * C)
+    first = jax.lax.dynamic_slice_in_dim(x, rank * L, L, axis)
+    second = jax.lax.dynamic_slice_in_dim(x, (2 * C - 1 - rank) * L, L, axis)
+    return jnp.concatenate([first, second], axis=axis)
+
+
+def zigzag_unshard(shards, axis: int = 1):
+    """The inverse on the host: `shards[r]` rank r's local arrays -> the whole sequence."""
+    C = len(shards)
+    halves = [np.split(np.asarray(s), 2, axis=axis) for s in shards]
+    chunks = [h[0] for h in halves] + [h[1] for h in reversed(halves)]
+    return np.concatenate(chunks, axis=axis) if C > 1 else np.asarray(shards[0])
+
+
+# ---- one masked block --------------------------------------------------------------------
+def _scores(qs_BKGQH, k_BKAH, qpos_Q, kpos_A, qseg_BQ, kseg_BA):
+    """Float32 scores of pre-scaled queries, and the visibility mask [B, 1, 1, Q, A]."""
+    s = jnp.einsum("bkgqh,bkah->bkgqa", qs_BKGQH, k_BKAH, preferred_element_type=jnp.float32)
+    vis = (qpos_Q[:, None] >= kpos_A[None, :])[None, None, None]
+    if qseg_BQ is not None:
+        vis = vis & (qseg_BQ[:, :, None] == kseg_BA[:, None, :])[:, None, None]
+    return jnp.where(vis, s, _MASKED), vis
+
+
+def _block_fwd(qs, k, v, qpos, kpos, qseg, kseg, state):
+    """One online-softmax step: state (m, l, acc) of the queries, updated with a key block."""
+    m, l, acc = state
+    s, vis = _scores(qs, k, qpos, kpos, qseg, kseg)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
+    p = jnp.where(vis, jnp.exp(s - m_new), 0.0)
+    corr = jnp.exp(m - m_new)
+    l = l * corr + jnp.sum(p, axis=-1, keepdims=True)
+    acc = acc * corr + jnp.einsum("bkgqa,bkah->bkgqh", p.astype(v.dtype), v,
+                                  preferred_element_type=jnp.float32)
+    return m_new, l, acc
+
+
+def _block_bwd(qs, k, v, qpos, kpos, qseg, kseg, lse, do, delta):
+    """dq (of the pre-scaled queries), dk, dv of one key block, in float32."""
+    s, vis = _scores(qs, k, qpos, kpos, qseg, kseg)
+    p = jnp.where(vis, jnp.exp(s - lse), 0.0)
+    dv = jnp.einsum("bkgqa,bkgqh->bkah", p.astype(do.dtype), do,
+                    preferred_element_type=jnp.float32)
+    dp = jnp.einsum("bkgqh,bkah->bkgqa", do, v, preferred_element_type=jnp.float32)
+    ds = (p * (dp - delta)).astype(qs.dtype)
+    dqs = jnp.einsum("bkgqa,bkah->bkgqh", ds, k, preferred_element_type=jnp.float32)
+    dk = jnp.einsum("bkgqa,bkgqh->bkah", ds, qs, preferred_element_type=jnp.float32)
+    return dqs, dk, dv
+
+
+def _init_state(q):
+    shape = q.shape[:-1] + (1,)
+    m = like(jnp.full(shape, _MASKED, jnp.float32), q)
+    return m, like(jnp.zeros(shape, jnp.float32), q), like(jnp.zeros(q.shape, jnp.float32), q)
+
+
+def _heads(q_BTNH, k_BTKH):
+    """[B, T, N, H] -> [B, K, G, T, H] (query head n = kv * G + g) and k -> [B, K, T, H]."""
+    B, T, N, H = q_BTNH.shape
+    K = k_BTKH.shape[2]
+    return q_BTNH.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4)
+
+
+def _kv_heads(x_BTKH):
+    return x_BTKH.transpose(0, 2, 1, 3)
+
+
+def _scaled(q):
+    return q * jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
+
+
+def _where(c, a, b):
+    return jax.tree.map(lambda x, y: jnp.where(c, x, y), a, b)
+
+
+# ---- ring attention ----------------------------------------------------------------------
+def ring_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT=None, *, context: int,
+                   axis_name: str = CONTEXT_AXIS):
+    """Causal attention of this rank's zig-zag shard ([B, 2L, ...], module docstring) with
+    K / V passed around `axis_name` (size `context`); out [B, 2L, N, H] in q's dtype.
+    `segment_ids_BT`: int32 [B, 2L] sharded like q, or None (no document masking)."""
+    seg = segment_ids_BT if segment_ids_BT is not None else jnp.zeros(q_BTNH.shape[:2], jnp.int32)
+    o = _ring(q_BTNH, k_BTKH, v_BTKH, seg, context, axis_name, segment_ids_BT is not None)
+    return o
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _ring(q, k, v, seg, C, axis, masked):
+    return _ring_fwd(q, k, v, seg, C, axis, masked)[0]
+
+
+def _halves(x, axis):
+    n = x.shape[axis] // 2
+    return (jax.lax.slice_in_dim(x, 0, n, axis=axis), jax.lax.slice_in_dim(x, n, 2 * n, axis=axis))
+
+
+def _perm(C):
+    return [(i, (i + 1) % C) for i in range(C)]
+
+
+def _ring_setup(q, seg, C, axis):
+    r = jax.lax.axis_index(axis)
+    T = 2 * C * (q.shape[1] // 2)
+    pos = zigzag_positions(T, C, r)
+    return r, pos
+
+
+def _ring_loop(C, axis, src, state, step0, step):
+    """step0(src, state) -> (rest, state) on this rank's own K/V `src`, then
+    step(src, rest, j, state) for the K/V of ranks j = r-1, ..., r-C+1, `src` passed one
+    hop around the ring before each (`rest`: what the steps carry besides, e.g. the
+    backward pass's dK / dV). Steps 1..C-2 are a `lax.scan` (one step's blocks alive at a
+    time); each hop is issued before the step it does not feed, so XLA may overlap it
+    with that step's matmuls."""
+    r = jax.lax.axis_index(axis)
+    nxt = jax.lax.ppermute(src, axis, _perm(C)) if C > 1 else None
+    rest, state = step0(src, state)
+    if C == 1:
+        return rest, state
+
+    def body(carry, s):
+        src, rest, state = carry
+        nxt = jax.lax.ppermute(src, axis, _perm(C))  # the next step's K/V (prefetch)
+        rest, state = step(src, rest, (r - s) % C, state)
+        return (nxt, rest, state), None
+
+    carry = (nxt, rest, state)
+    if C > 2:
+        carry, _ = jax.lax.scan(body, carry, jnp.arange(1, C - 1))
+    src, rest, state = carry
+    return step(src, rest, (r - (C - 1)) % C, state)
+
+
+def _key_parts(kv_src, j, Lk, C):
+    ks, vs, kseg = kv_src
+    kpos = zigzag_positions(2 * C * Lk, C, j)
+    return _halves(ks, 2), _halves(vs, 2), _halves(kpos, 0), _halves(kseg, 1)
+
+
+def _ring_fwd(q, k, v, seg, C, axis, masked):
+    r, pos = _ring_setup(q, seg, C, axis)
+    qs = _scaled(_heads(q, k))  # [B, K, G, 2L, H]
+    kh, vh = _kv_heads(k), _kv_heads(v)
+    Lk = kh.shape[2] // 2
+    qh0, qh1 = _halves(qs, 3)
+    p0, p1 = _halves(pos, 0)
+    s0, s1 = _halves(seg, 1)
+    msk = (lambda x: x) if masked else (lambda x: None)
+
+    def step0(kv, state):  # own keys: both diagonal blocks (causal) and chunk 2C-1-r x r
+        st0, st1 = state
+        (k0, k1), (v0, v1), (kp0, kp1), (ks0, ks1) = _key_parts(kv, r, Lk, C)
+        st1 = _block_fwd(qh1, k0, v0, p1, kp0, msk(s1), msk(ks0), st1)
+        st0 = _block_fwd(qh0, k0, v0, p0, kp0, msk(s0), msk(ks0), st0)
+        st1 = _block_fwd(qh1, k1, v1, p1, kp1, msk(s1), msk(ks1), st1)
+        return (), (st0, st1)
+
+    def step(kv, rest, j, state):
+        # Keys of rank j != r: query chunk 2C-1-r sees key chunk j; and j < r: query chunk
+        # r sees key chunk j too; j > r: chunk 2C-1-r sees 2C-1-j too.
+        st0, st1 = state
+        (k0, k1), (v0, v1), (kp0, kp1), (ks0, ks1) = _key_parts(kv, j, Lk, C)
+        st1 = _block_fwd(qh1, k0, v0, p1, kp0, msk(s1), msk(ks0), st1)
+        lo = j < r
+        qx, px, sx = _where(lo, (qh0, p0, s0), (qh1, p1, s1))
+        kx, vx, kpx, ksx = _where(lo, (k0, v0, kp0, ks0), (k1, v1, kp1, ks1))
+        stx = _block_fwd(qx, kx, vx, px, kpx, msk(sx), msk(ksx), _where(lo, st0, st1))
+        return rest, (_where(lo, stx, st0), _where(lo, st1, stx))
+
+    _, (st0, st1) = _ring_loop(C, axis, (kh, vh, seg), (_init_state(qh0), _init_state(qh1)),
+                               step0, step)
+    outs, lses = [], []
+    for m, l, acc in (st0, st1):
+        outs.append(acc / l)
+        lses.append(m + jnp.log(l))
+    o_h = jnp.concatenate(outs, axis=3).astype(q.dtype)  # [B, K, G, 2L, H]
+    lse = jnp.concatenate(lses, axis=3)
+    B, T2, N, H = q.shape
+    o = o_h.transpose(0, 3, 1, 2, 4).reshape(B, T2, N, H)
+    return o, (q, k, v, seg, o_h, lse)
+
+
+def _ring_bwd(C, axis, masked, res, do):
+    q, k, v, seg, o_h, lse = res
+    r, pos = _ring_setup(q, seg, C, axis)
+    qs = _scaled(_heads(q, k))
+    do_h = _heads(do, k)
+    delta = jnp.sum(do_h.astype(jnp.float32) * o_h.astype(jnp.float32), axis=-1, keepdims=True)
+    msk = (lambda x: x) if masked else (lambda x: None)
+    qh0, qh1 = _halves(qs, 3)
+    do0, do1 = _halves(do_h, 3)
+    dl0, dl1 = _halves(delta, 3)
+    ls0, ls1 = _halves(lse, 3)
+    p0, p1 = _halves(pos, 0)
+    s0, s1 = _halves(seg, 1)
+    kh, vh = _kv_heads(k), _kv_heads(v)
+    Lk = kh.shape[2] // 2
+    dq0 = like(jnp.zeros(qh0.shape, jnp.float32), q, k)
+    dq1 = like(jnp.zeros(qh1.shape, jnp.float32), q, k)
+    zero_kv = like(jnp.zeros(kh.shape, jnp.float32), k, q)
+
+    def add(dkv, d0, d1):
+        """dK or dV [B, K, 2L, H] plus the two halves' contributions."""
+        a, b = _halves(dkv, 2)
+        return jnp.concatenate([a + d0, b + d1], axis=2)
+
+    def step0(kv, state):
+        dq0, dq1 = state
+        (k0, k1), (v0, v1), (kp0, kp1), (ks0, ks1) = _key_parts(kv, r, Lk, C)
+        a1, b1, c1 = _block_bwd(qh1, k0, v0, p1, kp0, msk(s1), msk(ks0), ls1, do1, dl1)
+        a0, b0, c0 = _block_bwd(qh0, k0, v0, p0, kp0, msk(s0), msk(ks0), ls0, do0, dl0)
+        a2, b2, c2 = _block_bwd(qh1, k1, v1, p1, kp1, msk(s1), msk(ks1), ls1, do1, dl1)
+        dk = add(zero_kv, b1 + b0, b2)
+        dv = add(zero_kv, c1 + c0, c2)
+        return (dk, dv), (dq0 + a0, dq1 + a1 + a2)
+
+    def step(src, rest, j, state):
+        dq0, dq1 = state
+        dk, dv = rest
+        # the K/V gradients of rank j's keys arrive with them (one hop behind)
+        dk, dv = jax.lax.ppermute((dk, dv), axis, _perm(C))
+        (k0, k1), (v0, v1), (kp0, kp1), (ks0, ks1) = _key_parts(src, j, Lk, C)
+        a1, b1, c1 = _block_bwd(qh1, k0, v0, p1, kp0, msk(s1), msk(ks0), ls1, do1, dl1)
+        lo = j < r
+        qx, px, sx, lx, dox, dlx = _where(lo, (qh0, p0, s0, ls0, do0, dl0),
+                                          (qh1, p1, s1, ls1, do1, dl1))
+        kx, vx, kpx, ksx = _where(lo, (k0, v0, kp0, ks0), (k1, v1, kp1, ks1))
+        a, b, c_ = _block_bwd(qx, kx, vx, px, kpx, msk(sx), msk(ksx), lx, dox, dlx)
+        zero = jnp.zeros_like(b)
+        dk = add(dk, b1 + jnp.where(lo, b, zero), jnp.where(lo, zero, b))
+        dv = add(dv, c1 + jnp.where(lo, c_, zero), jnp.where(lo, zero, c_))
+        dq0 = jnp.where(lo, dq0 + a, dq0)
+        dq1 = dq1 + a1 + jnp.where(lo, jnp.zeros_like(a), a)
+        return (dk, dv), (dq0, dq1)
+
+    (dk, dv), (dq0, dq1) = _ring_loop(C, axis, (kh, vh, seg), (dq0, dq1), step0, step)
+    if C > 1:  # home: the gradients of this rank's keys come from rank r-1
+        dk, dv = jax.lax.ppermute((dk, dv), axis, _perm(C))
+    B, T2, N, H = q.shape
+    dqs = jnp.concatenate([dq0, dq1], axis=3)
+    dq = _scaled(dqs).transpose(0, 3, 1, 2, 4).reshape(B, T2, N, H)
+    dk, dv = (x.transpose(0, 2, 1, 3) for x in (dk, dv))
+    return (cotangent_like(dq.astype(q.dtype), q), cotangent_like(dk.astype(k.dtype), k),
+            cotangent_like(dv.astype(v.dtype), v), None)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+# ---- all-gather attention ------------------------------------------------------------------
+def allgather_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT=None, *, context: int,
+                        axis_name: str = CONTEXT_AXIS):
+    """The same result as ring_attention: K, V (and the keys' segment ids) all-gathered over
+    `axis_name`, one masked block against the whole sequence; autodiff turns the gather
+    into dK / dV reduce-scatters."""
+    r = jax.lax.axis_index(axis_name)
+    T = q_BTNH.shape[1] * context
+    qpos = zigzag_positions(T, context, r)
+    kpos = jnp.concatenate([zigzag_positions(T, context, j) for j in range(context)])
+    k_all = jax.lax.all_gather(k_BTKH, axis_name, axis=1, tiled=True)
+    v_all = jax.lax.all_gather(v_BTKH, axis_name, axis=1, tiled=True)
+    masked = segment_ids_BT is not None
+    seg = segment_ids_BT if masked else jnp.zeros(q_BTNH.shape[:2], jnp.int32)
+    kseg = jax.lax.all_gather(seg, axis_name, axis=1, tiled=True)
+    return _masked_attention(q_BTNH, k_all, v_all, qpos, kpos, seg, kseg, masked)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _masked_attention(q, k, v, qpos, kpos, qseg, kseg, masked):
+    return _masked_fwd(q, k, v, qpos, kpos, qseg, kseg, masked)[0]
+
+
+def _masked_fwd(q, k, v, qpos, kpos, qseg, kseg, masked):
+    qs = _scaled(_heads(q, k))
+    kh, vh = _kv_heads(k), _kv_heads(v)
+    sq, sk = (qseg, kseg) if masked else (None, None)
+    m, l, acc = _block_fwd(qs, kh, vh, qpos, kpos, sq, sk, _init_state(qs))
+    o_h = (acc / l).astype(q.dtype)
+    B, T, N, H = q.shape
+    o = o_h.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
+    return o, (q, k, v, qpos, kpos, qseg, kseg, o_h, m + jnp.log(l))
+
+
+def _masked_bwd(masked, res, do):
+    q, k, v, qpos, kpos, qseg, kseg, o_h, lse = res
+    qs = _scaled(_heads(q, k))
+    do_h = _heads(do, k)
+    delta = jnp.sum(do_h.astype(jnp.float32) * o_h.astype(jnp.float32), axis=-1, keepdims=True)
+    sq, sk = (qseg, kseg) if masked else (None, None)
+    dqs, dk, dv = _block_bwd(qs, _kv_heads(k), _kv_heads(v), qpos, kpos, sq, sk, lse, do_h, delta)
+    B, T, N, H = q.shape
+    dq = _scaled(dqs).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
+    dk, dv = (x.transpose(0, 2, 1, 3) for x in (dk, dv))
+    return (cotangent_like(dq.astype(q.dtype), q), cotangent_like(dk.astype(k.dtype), k),
+            cotangent_like(dv.astype(v.dtype), v), None, None, None, None)
+
+
+_masked_attention.defvjp(_masked_fwd, _masked_bwd)
+
+
+def context_attention(impl: str, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT=None, *,
+                      context: int, axis_name: str = CONTEXT_AXIS):
+    """`impl` (CONTEXT_ATTENTIONS) of this rank's zig-zag shard."""
+    fn = ring_attention if impl == "ring" else allgather_attention
+    return fn(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, context=context, axis_name=axis_name)

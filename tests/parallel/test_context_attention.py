@@ -1,0 +1,125 @@
+"""Context parallelism's kernels (olmo_jax/kernels/ring_attention.py): the zig-zag load
+balancer against OLMo-core's `RingAttentionZigZagLoadBalancer.batch_shard` (by subprocess
+in .venv-oracle), and ring / all-gather attention over a `context` mesh axis of 2 and 4
+fake devices against a naive float32 reference, with and without segment ids (packed
+documents, some crossing the shards' boundaries): outputs and the gradients of q, k, v
+within 1e-5."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec
+
+from olmo_jax.kernels.ring_attention import (
+    CONTEXT_ATTENTIONS,
+    context_attention,
+    zigzag_indices,
+    zigzag_shard,
+    zigzag_unshard,
+)
+from tests.parallel.harness import FAST_COMPILE, rel_err
+
+ROOT = Path(__file__).resolve().parents[2]
+ORACLE_PY = ROOT / ".venv-oracle" / "bin" / "python"
+B, T, N, K, H = 2, 32, 4, 2, 8
+
+
+def test_zigzag_matches_olmo_core(tmp_path):
+    if not ORACLE_PY.exists():
+        pytest.skip("no .venv-oracle (make oracle)")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(B, T, 3)).astype(np.float32)
+    ids = rng.integers(0, 1000, (B, T)).astype(np.int64)
+    sizes = (2, 4)
+    np.savez(tmp_path / "in.npz", x=x, ids=ids, cp=np.array(sizes))
+    subprocess.run([str(ORACLE_PY), str(ROOT / "tests" / "olmo_core" / "zigzag_oracle.py"),
+                    str(tmp_path / "in.npz"), str(tmp_path / "out.npz")], check=True, timeout=300)
+    want = np.load(tmp_path / "out.npz")
+    for C in sizes:
+        shards = []
+        for r in range(C):
+            got_x = np.asarray(zigzag_shard(jnp.asarray(x), C, r))
+            np.testing.assert_array_equal(got_x, want[f"x_{C}_{r}"])
+            np.testing.assert_array_equal(np.asarray(zigzag_shard(jnp.asarray(ids), C, r)),
+                                          want[f"ids_{C}_{r}"])
+            np.testing.assert_array_equal(ids[:, zigzag_indices(T, C, r)], want[f"ids_{C}_{r}"])
+            shards.append(got_x)
+        np.testing.assert_array_equal(zigzag_unshard(shards), x)
+
+
+def naive_segment_attention(q, k, v, seg):
+    """Causal attention with a segment mask, one head at a time (kv heads repeated)."""
+    G = q.shape[2] // k.shape[2]
+    vis = jnp.tril(jnp.ones((T, T), bool))[None] & (seg[:, :, None] == seg[:, None, :])
+    outs = []
+    for n in range(q.shape[2]):
+        s = jnp.einsum("bth,bsh->bts", q[:, :, n], k[:, :, n // G]) / np.sqrt(H)
+        p = jax.nn.softmax(jnp.where(vis, s, -jnp.inf), axis=-1)
+        outs.append(jnp.einsum("bts,bsh->bth", p, v[:, :, n // G]))
+    return jnp.stack(outs, axis=2)
+
+
+def _inputs():
+    rng = np.random.default_rng(1)
+    q, k, v, w = (rng.normal(size=s).astype(np.float32)
+                  for s in ((B, T, N, H), (B, T, K, H), (B, T, K, H), (B, T, N, H)))
+    # Row 0: documents of 5, 11, 3 and 13 tokens (boundaries inside the zig-zag chunks of
+    # C = 2 and 4); row 1: one document.
+    seg = np.zeros((B, T), np.int32)
+    seg[0] = np.repeat(np.arange(4), [5, 11, 3, 13])
+    return q, k, v, w, seg
+
+
+def _loss(attend, q, k, v, w, seg):
+    return jnp.sum(attend(q, k, v, seg) * w)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    q, k, v, w, seg = _inputs()
+    out = {}
+    for masked in (False, True):
+        s = jnp.asarray(seg if masked else np.zeros_like(seg))
+        grads = jax.grad(lambda q, k, v, s=s: _loss(naive_segment_attention, q, k, v, w, s),
+                         argnums=(0, 1, 2))(q, k, v)
+        out[masked] = (naive_segment_attention(q, k, v, s), grads)
+    return out
+
+
+@pytest.mark.parametrize("C", [2, 4])
+@pytest.mark.parametrize("impl", CONTEXT_ATTENTIONS)
+def test_context_attention_matches_naive(impl, C, reference):
+    q, k, v, w, seg = _inputs()
+    mesh = Mesh(np.asarray(jax.devices()[:C]), ("context",))
+    order = np.concatenate([zigzag_indices(T, C, r) for r in range(C)])  # rank-major layout
+    spec = PartitionSpec(None, "context")
+
+    def local(q, k, v, w, seg):
+        out = {}
+        for masked in (False, True):  # one program for both
+            def attend(q, k, v, masked=masked):
+                return context_attention(impl, q, k, v, seg if masked else None, context=C)
+            grads = jax.grad(lambda q, k, v, a=attend: jnp.sum(a(q, k, v) * w),
+                             argnums=(0, 1, 2))(q, k, v)
+            out[masked] = (attend(q, k, v), grads)
+        return out
+
+    run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 5,
+                                out_specs={m: (spec, (spec,) * 3) for m in (False, True)}))
+    args = [x[:, order] for x in (q, k, v, w, seg)]
+    got = run.lower(*args).compile(FAST_COMPILE)(*args)
+    inverse = np.argsort(order)
+    for masked in (False, True):
+        o, grads = got[masked]
+        want_o, want_grads = reference[masked]
+        errs = [rel_err(np.asarray(o)[:, inverse], want_o)]
+        errs += [rel_err(np.asarray(g)[:, inverse], x)
+                 for g, x in zip(grads, want_grads, strict=True)]
+        print(impl, C, masked, errs)
+        assert max(errs) <= 1e-5, (masked, errs)
