@@ -12,12 +12,13 @@ from typing import Any
 
 import numpy as np
 
+from olmo_jax import storage
 from olmo_jax.data.corpus import CORPUS_DTYPE, stdlib_corpus
 from olmo_jax.data.loader import SPLIT_SEED, BatchLoader, TokenWindows, split_windows
 from olmo_jax.data.mix_file import check_exist, read_mix
 from olmo_jax.data.mixture import FilePrefix, Mixture, parse_sources, select_mixture
 from olmo_jax.data.repetition import RepetitionFilter
-from olmo_jax.data.token_file import TokenFile, dtype_for_vocab, token_dtype
+from olmo_jax.data.token_file import TokenFile, dtype_for_vocab, open_token_file, token_dtype
 from olmo_jax.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from olmo_jax.errors import DataError
 
@@ -84,6 +85,8 @@ def build_data(
     (a source mixture, mixture.py; requested_tokens 0 = `run_tokens`, the run's tokens:
     trainer.max_steps or max_tokens)."""
     paths = _paths(_field(data_cfg, "paths", ()))
+    # Token files in an object store are read by byte ranges through one bounded cache.
+    cache = storage.RangeCache(int(_field(data_cfg, "remote_cache_mb", 256)) << 20)
     sources = dict(_field(data_cfg, "sources", {}) or {})
     mix = str(_field(data_cfg, "mix", ""))
     if mix:
@@ -115,7 +118,7 @@ def build_data(
             raise DataError("data.sources needs a token budget: set data.requested_tokens")
         mixture = select_mixture(parse_sources(sources), requested, global_batch_size * seq_len,
                                  seq_len, dtype.itemsize)
-        files = _mixture_files(mixture, dtype, vocab_size, layout["instances"])
+        files = _mixture_files(mixture, dtype, vocab_size, layout["instances"], cache)
     elif not paths:
         if not isinstance(tokenizer, ByteTokenizer):
             raise DataError(
@@ -133,7 +136,7 @@ def build_data(
     else:
         dtype = token_dtype(dtype_name) if dtype_name else dtype_for_vocab(vocab_size)
         files = _token_files(paths, "data.paths", dtype, vocab_size,
-                             " (or leave data.paths empty for the embedded stdlib corpus)")
+                             " (or leave data.paths empty for the embedded stdlib corpus)", cache)
 
     windows = TokenWindows(files, seq_len, **layout)
     n_batches_needed = 2 if eval_fraction > 0 else 1  # train, and eval when enabled
@@ -161,7 +164,8 @@ def build_data(
         eval_loader = BatchLoader(windows, eval_ids, global_batch_size, SPLIT_SEED)
     dtype = token_dtype(dtype_name) if dtype_name else dtype_for_vocab(vocab_size)
     eval_sets = {
-        name: _eval_set(name, set_paths, seq_len, global_batch_size, dtype, vocab_size, layout)
+        name: _eval_set(name, set_paths, seq_len, global_batch_size, dtype, vocab_size, layout,
+                        cache)
         for name, set_paths in _mapping(_field(data_cfg, "eval_sets", {})).items()
     }
     return Data(
@@ -196,7 +200,7 @@ def _sources_from_mix(sources: dict, lines: list, mix: str) -> dict:
 
 
 def _mixture_files(mixture: Mixture, dtype: np.dtype, vocab_size: int,
-                   instances: str) -> list[FilePrefix]:
+                   instances: str, cache: storage.RangeCache | None = None) -> list[FilePrefix]:
     """The mixture's entries as token files cut to their selected tokens (one token more
     for data.instances='plus_one', whose windows read one past their stride)."""
     opened: dict[str, TokenFile] = {}
@@ -204,7 +208,7 @@ def _mixture_files(mixture: Mixture, dtype: np.dtype, vocab_size: int,
     out = []
     for path, tokens in mixture.entries():
         if path not in opened:
-            opened[path] = TokenFile(Path(path), dtype, vocab_size)
+            opened[path] = open_token_file(path, dtype, vocab_size, cache)
         out.append(FilePrefix(opened[path], tokens + extra))
     return out
 
@@ -239,18 +243,22 @@ def _mapping(value: Any) -> dict:
 
 
 def _token_files(paths: list, where: str, dtype: np.dtype, vocab_size: int,
-                 hint: str = "") -> list[TokenFile]:
+                 hint: str = "", cache: storage.RangeCache | None = None) -> list:
     for i, path in enumerate(paths):
-        if not Path(path).expanduser().is_file():
+        try:
+            found = storage.is_file(path)
+        except (OSError, ValueError) as e:
+            raise DataError(f"{where}[{i}]: " + storage.storage_error(path, e, "token file")) from None
+        if not found:
             raise DataError(
                 f"{where}[{i}]: token file {path} does not exist; make one from text "
                 f"files with `python -m olmo_jax.tokenize INPUTS -o OUTPUT`{hint}"
             )
-    return [TokenFile(Path(path).expanduser(), dtype, vocab_size) for path in paths]
+    return [open_token_file(path, dtype, vocab_size, cache) for path in paths]
 
 
 def _eval_set(name: str, paths: Any, seq_len: int, global_batch_size: int, dtype: np.dtype,
-              vocab_size: int, layout: dict) -> BatchLoader:
+              vocab_size: int, layout: dict, cache: storage.RangeCache | None = None) -> BatchLoader:
     """A named eval set: every window of its files, in a fixed shuffled order (seed
     SPLIT_SEED, like the default split), one global batch at a time."""
     where = f"data.eval_sets.{name}"
@@ -261,7 +269,8 @@ def _eval_set(name: str, paths: Any, seq_len: int, global_batch_size: int, dtype
     paths = _paths(paths)
     if not paths:
         raise DataError(f"{where} lists no token files; give it one or more, or remove it")
-    windows = TokenWindows(_token_files(paths, where, dtype, vocab_size), seq_len, **layout)
+    windows = TokenWindows(_token_files(paths, where, dtype, vocab_size, cache=cache), seq_len,
+                           **layout)
     if len(windows) < global_batch_size:
         raise DataError(
             f"{where}: {windows.n_tokens} tokens give {len(windows)} windows of seq_len "
