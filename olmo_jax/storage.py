@@ -181,7 +181,8 @@ def makedirs(path: str | Path) -> None:
 class RangeCache:
     """Fixed-size blocks of remote files, read by byte range, least recently used evicted
     past `max_bytes` (at least one block is kept). Thread-safe; `fetched_bytes` counts the
-    bytes read from the store."""
+    bytes read from the store. The loader makes a block one instance's tokens (seq_len x
+    the token size), so a window is one block, or two for data.instances='plus_one'."""
 
     def __init__(self, max_bytes: int, block_bytes: int = 1 << 20):
         if block_bytes < 1:
@@ -206,6 +207,34 @@ class RangeCache:
         joined = b"".join(parts) if len(parts) > 1 else parts[0]
         offset = start - first * self.block_bytes
         return joined[offset:offset + end - start]
+
+    def prefetch(self, path: str, spans: list[tuple[int, int]], file_bytes: int) -> None:
+        """Reads the blocks of byte ranges `spans` of `path` that are not held, all in one
+        concurrent request batch (fsspec's `cat_ranges`): a batch's windows cost one round
+        trip, not one each."""
+        with self._lock:
+            wanted = sorted({b for start, end in spans if end > start
+                             for b in range(start // self.block_bytes,
+                                            (end - 1) // self.block_bytes + 1)
+                             if (path, b) not in self._blocks})
+        if not wanted:
+            return
+        starts = [b * self.block_bytes for b in wanted]
+        ends = [min(s + self.block_bytes, file_bytes) for s in starts]
+        if is_remote(path):
+            got = filesystem(path).cat_ranges([path] * len(wanted), starts, ends,
+                                              on_error="raise")
+        else:
+            got = [read_bytes(path, s, e) for s, e in zip(starts, ends, strict=True)]
+        with self._lock:
+            for index, data in zip(wanted, got, strict=True):
+                self.fetched_bytes += len(data)
+                if (path, index) not in self._blocks:
+                    self._blocks[(path, index)] = data
+                    self._held += len(data)
+            while self._held > self.max_bytes and len(self._blocks) > 1:
+                _, dropped = self._blocks.popitem(last=False)
+                self._held -= len(dropped)
 
     def _block(self, path: str, index: int, file_bytes: int) -> bytes:
         key = (path, index)

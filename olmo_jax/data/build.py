@@ -18,7 +18,13 @@ from olmo_jax.data.loader import SPLIT_SEED, BatchLoader, TokenWindows, split_wi
 from olmo_jax.data.mix_file import check_exist, read_mix
 from olmo_jax.data.mixture import FilePrefix, Mixture, parse_sources, select_mixture
 from olmo_jax.data.repetition import RepetitionFilter
-from olmo_jax.data.token_file import TokenFile, dtype_for_vocab, open_token_file, token_dtype
+from olmo_jax.data.token_file import (
+    TOKEN_DTYPES,
+    TokenFile,
+    dtype_for_vocab,
+    open_token_file,
+    token_dtype,
+)
 from olmo_jax.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from olmo_jax.errors import DataError
 
@@ -85,8 +91,6 @@ def build_data(
     (a source mixture, mixture.py; requested_tokens 0 = `run_tokens`, the run's tokens:
     trainer.max_steps or max_tokens)."""
     paths = _paths(_field(data_cfg, "paths", ()))
-    # Token files in an object store are read by byte ranges through one bounded cache.
-    cache = storage.RangeCache(int(_field(data_cfg, "remote_cache_mb", 256)) << 20)
     sources = dict(_field(data_cfg, "sources", {}) or {})
     mix = str(_field(data_cfg, "mix", ""))
     if mix:
@@ -109,6 +113,12 @@ def build_data(
             f"({tokenizer.vocab_size}); set it to 0 (the padded tokenizer vocabulary, "
             f"{tokenizer.padded_vocab_size}) or at least {tokenizer.vocab_size}"
         )
+    # Token files in an object store are read by byte ranges through one bounded cache, in
+    # blocks of one instance (a window is one block; plus_one windows touch two).
+    names = {d.name for d in TOKEN_DTYPES}
+    token_bytes = (np.dtype(dtype_name) if dtype_name in names else dtype_for_vocab(vocab_size)).itemsize
+    cache = storage.RangeCache(int(_field(data_cfg, "remote_cache_mb", 256)) << 20,
+                               block_bytes=seq_len * token_bytes)
 
     mixture = None
     if sources:

@@ -348,5 +348,10 @@ class FilePrefix:
             raise ValueError(f"FilePrefix reads contiguous slices; got step {step}")
         return self.file[start:stop]
 
+    def prefetch(self, spans: list[tuple[int, int]]) -> None:
+        """The underlying file's read-ahead (RemoteTokenFile), if it has one."""
+        if hasattr(self.file, "prefetch"):
+            self.file.prefetch([(a, min(b, self.n_tokens)) for a, b in spans])
+
     def __repr__(self) -> str:
         return f"FilePrefix({str(self.path)!r}, {self.n_tokens} tokens)"

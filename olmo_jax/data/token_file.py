@@ -174,6 +174,16 @@ class RemoteTokenFile:
         TokenFile._check_vocab(self, tokens_N, offset=start)  # type: ignore[arg-type]
         return tokens_N.astype(np.int32)
 
+    def prefetch(self, spans: list[tuple[int, int]]) -> None:
+        """Fetches token ranges [start, stop) into the cache in one concurrent request
+        batch (TokenWindows.read calls it with a batch's windows)."""
+        size = self.dtype.itemsize
+        try:
+            self.cache.prefetch(self.path, [(a * size, min(b, len(self)) * size) for a, b in spans],
+                                self.n_bytes)
+        except (OSError, ValueError) as e:
+            raise DataError(storage.storage_error(self.path, e, "token file")) from None
+
     def __repr__(self) -> str:
         return f"RemoteTokenFile({self.path!r}, {self.dtype.name}, {len(self)} tokens)"
 
