@@ -45,6 +45,8 @@ SLOW = (
     "tests/olmo_core/test_router_parity.py",
     "tests/olmo_core/test_schedulers.py",
     "tests/checkpoint/test_hf_parity.py",
+    "tests/data/test_object_store.py::test_a_run_trains_from_the_bucket_as_from_disk",
+    "tests/data/test_object_store.py::test_credentials_appear_nowhere",
     "tests/parallel/test_gpu_paths.py",
     "tests/parallel/test_parallel_bf16.py",
     "tests/parallel/test_parallel_invariance.py",

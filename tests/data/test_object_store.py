@@ -34,7 +34,7 @@ from olmo_jax import config as config_lib  # noqa: E402
 from olmo_jax import storage  # noqa: E402
 from olmo_jax.data import build_data, write_token_file  # noqa: E402
 from olmo_jax.data.token_file import RemoteTokenFile  # noqa: E402
-from olmo_jax.errors import DataError  # noqa: E402
+from olmo_jax.errors import ConfigError, DataError  # noqa: E402
 
 KEY_ID = "AKIAOLMOJAXTESTKEY01"
 SECRET = "olmoJaxTestSecret/NeverLogged+0123456789ab"
@@ -112,6 +112,9 @@ def test_same_batches_from_the_bucket_as_from_disk(s3):
     disk, _ = _batches({"paths": ",".join(str(local / n) for n in names)})
     bucket, d = _batches({"paths": ",".join(f"{remote}/{n}" for n in names)})
     assert type(d.windows.files[0]).__name__ == "RemoteTokenFile"
+    # only the windows' bytes are fetched: one block (seq_len uint16 tokens) per window read
+    read = {int(d.train._order[p]) for p in range(6 * B)}
+    assert d.windows.files[0].cache.fetched_bytes == len(read) * SEQ_LEN * 2
     np.testing.assert_array_equal(np.stack(disk), np.stack(bucket))
     # one process's rows, as a multi-process run reads them
     rows = slice(1, 3)
@@ -178,6 +181,15 @@ def test_missing_bucket_object_and_denied_access_name_the_path(s3, monkeypatch):
         build_data({"paths": f"{remote}/gone.npy", "vocab_size": VOCAB}, SEQ_LEN, B)
     msg = storage.storage_error(f"{remote}/web/part-0.npy", PermissionError("AccessDenied"))
     assert "access to bucket 'tokens' is denied" in msg and SECRET not in msg
+
+
+def test_run_folders_in_a_bucket_are_refused_naming_the_field():
+    for name in ("run_dir", "init_from"):
+        cfg = config_lib.default_config()
+        cfg.trainer[name] = "s3://runs/one"
+        with pytest.raises(ConfigError, match=rf"trainer\.{name}=s3://runs/one: run folders and "
+                                              "checkpoints in an object store are not supported"):
+            config_lib.validate(cfg)
 
 
 @pytest.fixture(scope="module")
