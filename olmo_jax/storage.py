@@ -253,3 +253,30 @@ class RangeCache:
                 _, dropped = self._blocks.popitem(last=False)
                 self._held -= len(dropped)
         return data
+
+
+def download_tree(url: str, local_dir: str | Path) -> None:
+    """Copies the files under `url` (a bucket prefix, or one file) into `local_dir`."""
+    fs = filesystem(url)
+    root = str(url).rstrip("/")
+    prefix = f"{scheme(url)}://"
+    if _bucket_missing(root):
+        raise FileNotFoundError(f"NoSuchBucket: {bucket_of(root)}")
+    found = [prefix + p.removeprefix(prefix) for p in fs.find(root)]
+    if not found:
+        raise FileNotFoundError(f"no objects under {url}")
+    for src in found:
+        rel = src[len(root):].lstrip("/") or os.path.basename(root)
+        dst = Path(local_dir) / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        fs.get_file(src, str(dst))
+
+
+def upload_tree(local_dir: str | Path, url: str) -> None:
+    """Copies every file under `local_dir` to the prefix `url` (same relative paths)."""
+    fs = filesystem(url)
+    if _bucket_missing(str(url)):
+        raise FileNotFoundError(f"NoSuchBucket: {bucket_of(str(url))}")
+    for src in sorted(Path(local_dir).rglob("*")):
+        if src.is_file():
+            fs.put_file(str(src), join(url, str(src.relative_to(local_dir))))

@@ -47,6 +47,7 @@ SLOW = (
     "tests/checkpoint/test_hf_parity.py",
     "tests/data/test_object_store.py::test_a_run_trains_from_the_bucket_as_from_disk",
     "tests/data/test_object_store.py::test_credentials_appear_nowhere",
+    "tests/data/test_object_store.py::test_convert_reads_from_and_writes_to_the_bucket",
     "tests/parallel/test_gpu_paths.py",
     "tests/parallel/test_parallel_bf16.py",
     "tests/parallel/test_parallel_invariance.py",

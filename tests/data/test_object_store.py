@@ -231,3 +231,34 @@ def test_credentials_appear_nowhere(runs):
         for path in run_dir.rglob("*"):
             if path.is_file():
                 assert secret.encode() not in path.read_bytes(), path
+
+
+def test_convert_reads_from_and_writes_to_the_bucket(runs, tmp_path, capsys):
+    """orbax -> OLMo-core's olmo3moe HF export into the bucket (the same bytes as into a local
+    folder), that export from the bucket -> orbax into the bucket, and that checkpoint back
+    to HF: the same tensors. The orbax checkpoint is staged in a local folder."""
+    from olmo_jax import convert
+    from olmo_jax.cli import EXIT_BAD_INPUT
+
+    run_dir = runs["disk"][1]
+    fs = storage.filesystem("s3://")
+    assert convert.main(["orbax-to-olmo3moe", "--ckpt", str(run_dir), "--out", "s3://tokens/hf"]) == 0
+    assert convert.main(["orbax-to-olmo3moe", "--ckpt", str(run_dir), "--out", str(tmp_path / "hf")]) == 0
+    local = sorted(p.name for p in (tmp_path / "hf").iterdir())
+    assert sorted(p.rsplit("/", 1)[1] for p in fs.find("tokens/hf")) == local
+    for name in local:
+        assert fs.cat_file(f"tokens/hf/{name}") == (tmp_path / "hf" / name).read_bytes(), name
+    assert convert.main(["olmo3moe-to-orbax", "--hf", "s3://tokens/hf", "--out", "s3://tokens/orbax"]) == 0
+    assert fs.isfile("tokens/orbax/config.py") and fs.find("tokens/orbax/checkpoints/0")
+    assert convert.main(["orbax-to-olmo3moe", "--ckpt", "s3://tokens/orbax", "--out", str(tmp_path / "back")]) == 0
+    for name in local:
+        if name.endswith(".safetensors"):
+            assert (tmp_path / "back" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes()
+    capsys.readouterr()
+    assert convert.main(["olmo3moe-to-orbax", "--hf", "s3://no-such-bucket/hf", "--out",
+                         str(tmp_path / "x")]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "s3://no-such-bucket/hf" in err and "does not exist" in err and SECRET not in err
+    assert convert.main(["orbax-to-olmo3moe", "--ckpt", str(run_dir), "--out", "s3://tokens/hf"]) \
+        == EXIT_BAD_INPUT
+    assert "already holds" in capsys.readouterr().err
