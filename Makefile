@@ -39,7 +39,7 @@ $(VENV)/.installed: pyproject.toml
 	  py=$$(tools/setup/find_python.sh); echo "creating $(VENV) with $$py"; \
 	  $$py -m venv $(VENV); fi
 	$(PY) -m pip install -q --upgrade pip
-	$(EDITABLE) $(PY) -m pip install -q -e '.[dev,hf,tensorboard,wandb,docs]'
+	$(EDITABLE) $(PY) -m pip install -q -e '.[dev,hf,tensorboard,wandb,docs,cloud]'
 	@$(PY) -c "from olmo_jax.kernels import cpu_ffi; w = cpu_ffi.available(); \
 	  print('CPU FFI kernels (gmm_impl=blas, attention_impl=blas):', w or 'built')"
 	@touch $@

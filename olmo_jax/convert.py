@@ -25,10 +25,12 @@ Both write DIR/checkpoints/0 (weights only: the optimizer state is dropped) + DI
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 import time
 
-from olmo_jax import cli
+from olmo_jax import cli, storage
 from olmo_jax.errors import CheckpointError
 
 
@@ -133,6 +135,44 @@ def _experts(args):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    remote = {k: v for k, v in vars(args).items()
+              if k in ("hf", "ckpt", "out", "counts") and v and storage.is_remote(v)}
+    if not remote:
+        return _convert(args)
+    # s3:// / gs:// folders: inputs are copied to a local folder first, the output is written
+    # locally and then uploaded (a conversion reads and writes whole folders anyway).
+    with tempfile.TemporaryDirectory(prefix="olmo_jax_convert_") as tmp:
+        staged = argparse.Namespace(**vars(args))
+        for key, url in remote.items():
+            local = os.path.join(tmp, key)
+            if key == "out":
+                staged.out = local
+                continue
+            try:
+                storage.download_tree(url, local)
+            except (OSError, ValueError) as e:
+                return cli.error(f"--{key}: " + storage.storage_error(url, e))
+            setattr(staged, key, local)
+        if "out" in remote:
+            try:  # refuse a missing bucket / denied access before converting
+                storage.makedirs(remote["out"])
+                held = storage.filesystem(remote["out"]).find(remote["out"])
+            except (OSError, ValueError) as e:
+                return cli.error("--out: " + storage.storage_error(remote["out"], e, "writing"))
+            if held:
+                return cli.error(f"--out {remote['out']} already holds {len(held)} object(s); "
+                                 "choose a new (or empty) prefix")
+        code = _convert(staged)
+        if code == 0 and "out" in remote:
+            try:
+                storage.upload_tree(staged.out, remote["out"])
+            except (OSError, ValueError) as e:
+                return cli.error("--out: " + storage.storage_error(remote["out"], e, "writing"))
+            print(f"uploaded {staged.out} to {remote['out']}")
+        return code
+
+
+def _convert(args) -> int:
     from olmo_jax.checkpoint import hf  # imports jax: after argument errors are reported
 
     t0 = time.perf_counter()

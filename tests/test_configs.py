@@ -79,3 +79,26 @@ def test_unknown_data_path_names_the_path(tmp_path):
     r = _run_train(f"--config.data.paths={missing}", f"--config.trainer.run_dir={tmp_path}/run")
     assert r.returncode != 0
     assert str(missing) in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_olmoe3_47b_mix_reads_like_an_olmo_run():
+    """configs/olmoe3_47b_mix.py: OLMo-core's OLMo-mix-0925-official under gs://ai2-llm and a
+    1T-token budget that ends the run, with a token-unit WSD schedule; the mix resolves to
+    bucket URLs as OLMo-core's `DataMix.build(base_dir, tokenizer)` joins them."""
+    import math
+
+    from olmo_jax.data.mix_file import read_mix
+
+    run = config_lib.validate(runpy.run_path(str(ROOT / "configs/olmoe3_47b_mix.py"))["get_config"]())
+    assert run.trainer.binds == "trainer.max_tokens"
+    assert run.trainer.total_steps == math.ceil(10**12 / (512 * 8192)) == 238_419
+    assert run.data.mix == "OLMo-mix-0925-official" and run.data.mix_root == "gs://ai2-llm"
+    assert "units='tokens'" in run.optim.scheduler
+    mixes = sorted((ROOT / ".venv-oracle" / "lib").glob("python3*/site-packages/olmo_core/data/mixes"))
+    if not mixes:
+        pytest.skip("no .venv-oracle with ai2-olmo-core (make oracle) for the shipped mix")
+    lines = read_mix(str(mixes[0] / f"{run.data.mix}.txt"), run.data.mix_root,
+                     run.data.mix_tokenizer)
+    assert len(lines) == 950 and len({m.label for m in lines}) > 10
+    assert lines[0].path == ("gs://ai2-llm/preprocessed/dolma3-0625/v0.1-official/"
+                             "allenai/dolma3-tokenizer/common_crawl/adult_content/000000.npy")

@@ -12,12 +12,19 @@ from typing import Any
 
 import numpy as np
 
+from olmo_jax import storage
 from olmo_jax.data.corpus import CORPUS_DTYPE, stdlib_corpus
 from olmo_jax.data.loader import SPLIT_SEED, BatchLoader, TokenWindows, split_windows
 from olmo_jax.data.mix_file import check_exist, read_mix
 from olmo_jax.data.mixture import FilePrefix, Mixture, parse_sources, select_mixture
 from olmo_jax.data.repetition import RepetitionFilter
-from olmo_jax.data.token_file import TokenFile, dtype_for_vocab, token_dtype
+from olmo_jax.data.token_file import (
+    TOKEN_DTYPES,
+    TokenFile,
+    dtype_for_vocab,
+    open_token_file,
+    token_dtype,
+)
 from olmo_jax.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from olmo_jax.errors import DataError
 
@@ -106,6 +113,12 @@ def build_data(
             f"({tokenizer.vocab_size}); set it to 0 (the padded tokenizer vocabulary, "
             f"{tokenizer.padded_vocab_size}) or at least {tokenizer.vocab_size}"
         )
+    # Token files in an object store are read by byte ranges through one bounded cache, in
+    # blocks of one instance (a window is one block; plus_one windows touch two).
+    names = {d.name for d in TOKEN_DTYPES}
+    token_bytes = (np.dtype(dtype_name) if dtype_name in names else dtype_for_vocab(vocab_size)).itemsize
+    cache = storage.RangeCache(int(_field(data_cfg, "remote_cache_mb", 256)) << 20,
+                               block_bytes=seq_len * token_bytes)
 
     mixture = None
     if sources:
@@ -115,7 +128,7 @@ def build_data(
             raise DataError("data.sources needs a token budget: set data.requested_tokens")
         mixture = select_mixture(parse_sources(sources), requested, global_batch_size * seq_len,
                                  seq_len, dtype.itemsize)
-        files = _mixture_files(mixture, dtype, vocab_size, layout["instances"])
+        files = _mixture_files(mixture, dtype, vocab_size, layout["instances"], cache)
     elif not paths:
         if not isinstance(tokenizer, ByteTokenizer):
             raise DataError(
@@ -133,7 +146,7 @@ def build_data(
     else:
         dtype = token_dtype(dtype_name) if dtype_name else dtype_for_vocab(vocab_size)
         files = _token_files(paths, "data.paths", dtype, vocab_size,
-                             " (or leave data.paths empty for the embedded stdlib corpus)")
+                             " (or leave data.paths empty for the embedded stdlib corpus)", cache)
 
     windows = TokenWindows(files, seq_len, **layout)
     n_batches_needed = 2 if eval_fraction > 0 else 1  # train, and eval when enabled
@@ -161,7 +174,8 @@ def build_data(
         eval_loader = BatchLoader(windows, eval_ids, global_batch_size, SPLIT_SEED)
     dtype = token_dtype(dtype_name) if dtype_name else dtype_for_vocab(vocab_size)
     eval_sets = {
-        name: _eval_set(name, set_paths, seq_len, global_batch_size, dtype, vocab_size, layout)
+        name: _eval_set(name, set_paths, seq_len, global_batch_size, dtype, vocab_size, layout,
+                        cache)
         for name, set_paths in _mapping(_field(data_cfg, "eval_sets", {})).items()
     }
     return Data(
@@ -196,7 +210,7 @@ def _sources_from_mix(sources: dict, lines: list, mix: str) -> dict:
 
 
 def _mixture_files(mixture: Mixture, dtype: np.dtype, vocab_size: int,
-                   instances: str) -> list[FilePrefix]:
+                   instances: str, cache: storage.RangeCache | None = None) -> list[FilePrefix]:
     """The mixture's entries as token files cut to their selected tokens (one token more
     for data.instances='plus_one', whose windows read one past their stride)."""
     opened: dict[str, TokenFile] = {}
@@ -204,7 +218,7 @@ def _mixture_files(mixture: Mixture, dtype: np.dtype, vocab_size: int,
     out = []
     for path, tokens in mixture.entries():
         if path not in opened:
-            opened[path] = TokenFile(Path(path), dtype, vocab_size)
+            opened[path] = open_token_file(path, dtype, vocab_size, cache)
         out.append(FilePrefix(opened[path], tokens + extra))
     return out
 
@@ -239,21 +253,26 @@ def _mapping(value: Any) -> dict:
 
 
 def _token_files(paths: list, where: str, dtype: np.dtype, vocab_size: int,
-                 hint: str = "") -> list[TokenFile]:
+                 hint: str = "", cache: storage.RangeCache | None = None) -> list:
     for i, path in enumerate(paths):
-        if Path(path).expanduser().is_dir():
+        if not storage.is_remote(path) and Path(path).expanduser().is_dir():
             raise DataError(f"{where}[{i}]: {path} is a directory, not a token file; list the "
-                            "token files in it (data.paths takes files)")
-        if not Path(path).expanduser().is_file():
+                            "token files in it, or a glob of them in a source mixture "
+                            "(data.sources paths take globs)")
+        try:
+            found = storage.is_file(path)
+        except (OSError, ValueError) as e:
+            raise DataError(f"{where}[{i}]: " + storage.storage_error(path, e, "token file")) from None
+        if not found:
             raise DataError(
                 f"{where}[{i}]: token file {path} does not exist; make one from text "
                 f"files with `python -m olmo_jax.tokenize INPUTS -o OUTPUT`{hint}"
             )
-    return [TokenFile(Path(path).expanduser(), dtype, vocab_size) for path in paths]
+    return [open_token_file(path, dtype, vocab_size, cache) for path in paths]
 
 
 def _eval_set(name: str, paths: Any, seq_len: int, global_batch_size: int, dtype: np.dtype,
-              vocab_size: int, layout: dict) -> BatchLoader:
+              vocab_size: int, layout: dict, cache: storage.RangeCache | None = None) -> BatchLoader:
     """A named eval set: every window of its files, in a fixed shuffled order (seed
     SPLIT_SEED, like the default split), one global batch at a time."""
     where = f"data.eval_sets.{name}"
@@ -264,7 +283,8 @@ def _eval_set(name: str, paths: Any, seq_len: int, global_batch_size: int, dtype
     paths = _paths(paths)
     if not paths:
         raise DataError(f"{where} lists no token files; give it one or more, or remove it")
-    windows = TokenWindows(_token_files(paths, where, dtype, vocab_size), seq_len, **layout)
+    windows = TokenWindows(_token_files(paths, where, dtype, vocab_size, cache=cache), seq_len,
+                           **layout)
     if len(windows) < global_batch_size:
         raise DataError(
             f"{where}: {windows.n_tokens} tokens give {len(windows)} windows of seq_len "

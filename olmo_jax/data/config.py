@@ -46,6 +46,9 @@ class DataConfig:
     # The data order's seed (the training windows' shuffle), apart from the model init:
     # -1 = trainer.seed (one seed for both).
     seed: int = -1
+    # Token files in an object store (s3://, gs://) are read by byte ranges through a local
+    # cache of this many MiB (least recently used blocks evicted), never downloaded whole.
+    remote_cache_mb: int = 256
 
     def order_seed(self, trainer_seed: int) -> int:
         """The seed of the training data's order: data.seed, or trainer.seed where it is -1."""
@@ -59,6 +62,9 @@ class DataConfig:
     def validate(self, prefix: str = "data") -> DataConfig:
         if self.seed < -1:
             raise ConfigError(f"{prefix}.seed must be >= 0, or -1 (= trainer.seed), got {self.seed}")
+        if self.remote_cache_mb < 1:
+            raise ConfigError(f"{prefix}.remote_cache_mb must be >= 1 (MiB of the object-store "
+                              f"read cache), got {self.remote_cache_mb}")
         if self.prefetch < 0:
             raise ConfigError(f"{prefix}.prefetch must be >= 0 (0 = no read-ahead), got {self.prefetch}")
         check_choice(f"{prefix}.instances", self.instances, INSTANCES)

@@ -29,6 +29,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
+from olmo_jax import storage
 from olmo_jax.data.repetition import RepetitionFilter
 from olmo_jax.data.stream import BatchStream, window_order
 from olmo_jax.data.token_file import TokenFile
@@ -54,6 +55,10 @@ def document_lengths(tokens_T: np.ndarray, eos_id: int) -> np.ndarray:
 SPLIT_SEED = 0
 
 
+def _noop(spans) -> None:
+    """The prefetch of a file that has none (a local TokenFile)."""
+
+
 class TokenWindows:
     """Rows of `seq_len + 1` ints over each file in turn, in the `instances` layout."""
 
@@ -77,6 +82,9 @@ class TokenWindows:
             [max(0, (len(f) - tokens_read) // seq_len + 1) for f in self.files])
         # first_window_F[f] = global id of file f's first window; the last entry is the total.
         self._first_window_F = np.concatenate([[0], np.cumsum(windows_per_file_F)]).astype(np.int64)
+        # Files in an object store fetch a batch's windows in one request batch (prefetch).
+        self._tokens_read = tokens_read
+        self._remote = any(storage.is_remote(f.path) for f in self.files)
 
     def __len__(self) -> int:
         return int(self._first_window_F[-1])
@@ -99,10 +107,21 @@ class TokenWindows:
 
     def read(self, window_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """Windows `window_ids` stacked, int32 [len(window_ids), seq_len + 1]."""
+        if self._remote:
+            self._prefetch(window_ids)
         windows_BX = np.empty((len(window_ids), self.seq_len + 1), dtype=np.int32)
         for row, window_id in enumerate(window_ids):
             windows_BX[row] = self.window(int(window_id))
         return windows_BX
+
+    def _prefetch(self, window_ids) -> None:
+        """Token spans of `window_ids`, grouped by file, to each remote file's prefetch."""
+        ids = np.asarray(window_ids, dtype=np.int64)
+        file_ids = np.searchsorted(self._first_window_F, ids, side="right") - 1
+        starts = (ids - self._first_window_F[file_ids]) * self.seq_len
+        for f in np.unique(file_ids):
+            prefetch = getattr(self.files[f], "prefetch", _noop)
+            prefetch([(int(a), int(a) + self._tokens_read) for a in starts[file_ids == f]])
 
 
 def split_windows(

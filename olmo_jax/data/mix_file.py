@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from olmo_jax import storage
 from olmo_jax.errors import DataError
 
 PLACEHOLDER = "{TOKENIZER}"
@@ -50,6 +51,8 @@ def shipped_mixes() -> list[str]:
 def find_mix(name_or_file: str) -> Path:
     """The mix file `data.mix` names: an existing file, else a mix shipped with the
     installed OLMo-core."""
+    if storage.is_remote(name_or_file):  # a mix file in a bucket
+        return name_or_file  # type: ignore[return-value]
     path = Path(name_or_file).expanduser()
     if path.is_file():
         return path
@@ -73,7 +76,11 @@ def read_mix(name_or_file: str, root: str, tokenizer: str) -> list[MixLine]:
         raise DataError(f"data.mix={name_or_file!r} lists paths relative to a root; set "
                         "data.mix_root to the folder that holds them (OLMo-core's mix_base_dir)")
     lines = []
-    for number, text in enumerate(mix_path.read_text().splitlines(), start=1):
+    try:
+        mix_text = storage.read_text(mix_path)
+    except (OSError, ValueError) as e:
+        raise DataError(f"data.mix={name_or_file!r}: " + storage.storage_error(mix_path, e)) from None
+    for number, text in enumerate(mix_text.splitlines(), start=1):
         stripped = text.strip()
         if not stripped or stripped.startswith("#"):
             continue
@@ -89,7 +96,7 @@ def read_mix(name_or_file: str, root: str, tokenizer: str) -> list[MixLine]:
                     "were made with (e.g. 'allenai/dolma3-tokenizer', which OLMo-core uses "
                     "for the OLMo 3 mixes with its dolma2 tokenizer)")
             rel = rel.replace(PLACEHOLDER, tokenizer)
-        lines.append(MixLine(label, os.path.join(os.path.expanduser(root), rel), number, text))
+        lines.append(MixLine(label, storage.join(root, rel), number, text))
     if not lines:
         raise DataError(f"data.mix={name_or_file!r}: {mix_path} lists no `label,path` lines")
     return lines
@@ -97,7 +104,10 @@ def read_mix(name_or_file: str, root: str, tokenizer: str) -> list[MixLine]:
 
 def check_exist(lines: list[MixLine], name: str) -> None:
     """DataError naming up to MAX_LISTED mix lines whose files do not exist."""
-    missing = [m for m in lines if not Path(m.path).is_file()]
+    try:
+        missing = [m for m in lines if not storage.is_file(m.path)]
+    except (OSError, ValueError) as e:
+        raise DataError(f"data.mix={name!r}: " + storage.storage_error(lines[0].path, e)) from None
     if not missing:
         return
     listed = "\n".join(f"  label {m.label!r}: {m.path} (line {m.line}: {m.text.strip()})"

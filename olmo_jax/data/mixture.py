@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from olmo_jax import storage
 from olmo_jax.errors import DataError
 
 MIXTURE_FILE = "mixture.json"  # the run folder's record of the selection (Mixture.outcome)
@@ -108,6 +109,8 @@ def glob_paths(pattern: str) -> list[str]:
     """OLMo-core's `deterministic_glob_directory` on a local path: every file and folder
     under the pattern's fixed prefix whose path matches it (`*` within a path part, `**/`
     any run of parts), sorted."""
+    if storage.is_remote(pattern):  # s3:// / gs://: the store's listing, same rules
+        return storage.glob(str(pattern).rstrip("/"))
     pattern = str(pattern).rstrip("/").replace("file://", "")
     base = []
     for part in pattern.split("/"):
@@ -136,13 +139,19 @@ def resolve_paths(source: Source, where: str = "data.sources") -> list[str]:
     resolved = []
     for i, path in enumerate(source.paths):
         path = os.path.expanduser(path)
-        if "*" in path:
-            matches = [m for m in glob_paths(path) if Path(m).is_file()]
+        try:
+            matches = ([m for m in glob_paths(path) if storage.is_file(m)] if "*" in path
+                       else None)
+            found = matches is not None or storage.is_file(path)
+        except (OSError, ValueError) as e:
+            raise DataError(f"{where}.{source.name}.paths[{i}]: "
+                            + storage.storage_error(path, e, "token file")) from None
+        if matches is not None:
             if not matches:
                 raise DataError(f"{where}.{source.name}.paths[{i}]: the glob {path!r} matches "
                                 "no files; fix the pattern or the folder")
             resolved.extend(matches)
-        elif not Path(path).is_file():
+        elif not found:
             raise DataError(f"{where}.{source.name}.paths[{i}]: token file {path} does not exist")
         else:
             resolved.append(path)
@@ -250,7 +259,7 @@ def select_mixture(
     seq_len: int,
     itemsize: int,
     resolve: Callable[[Source], list[str]] = resolve_paths,
-    file_bytes: Callable[[str], int] = os.path.getsize,
+    file_bytes: Callable[[str], int] = storage.size,
 ) -> Mixture:
     """OLMo-core's `SourceMixtureDatasetConfig(source_list, requested_tokens,
     global_batch_size=global_batch_tokens).build(npdtype, sequence_length=seq_len)`, as a
@@ -338,6 +347,11 @@ class FilePrefix:
         if step != 1:
             raise ValueError(f"FilePrefix reads contiguous slices; got step {step}")
         return self.file[start:stop]
+
+    def prefetch(self, spans: list[tuple[int, int]]) -> None:
+        """The underlying file's read-ahead (RemoteTokenFile), if it has one."""
+        if hasattr(self.file, "prefetch"):
+            self.file.prefetch([(a, min(b, self.n_tokens)) for a, b in spans])
 
     def __repr__(self) -> str:
         return f"FilePrefix({str(self.path)!r}, {self.n_tokens} tokens)"

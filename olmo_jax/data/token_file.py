@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from olmo_jax import storage
 from olmo_jax.errors import DataError
 
 TOKEN_DTYPES = (np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.uint32))
@@ -170,3 +171,65 @@ def write_token_file(
         Path(tmp_name).unlink(missing_ok=True)
         raise
     return n_tokens
+
+
+class RemoteTokenFile:
+    """A token file in an object store (`s3://`, `gs://`), read like `TokenFile` (`len()`,
+    `file[a:b]` as int32, checked against the vocabulary on every read) by byte ranges
+    through a bounded `storage.RangeCache`: never downloaded whole."""
+
+    def __init__(self, path: str, dtype: str | np.dtype, vocab_size: int,
+                 cache: storage.RangeCache):
+        self.path = str(path)
+        self.dtype = token_dtype(dtype)
+        self.vocab_size = vocab_size
+        self.cache = cache
+        try:
+            self.n_bytes = storage.size(self.path)
+        except (OSError, ValueError) as e:
+            raise DataError(storage.storage_error(self.path, e, "token file")) from None
+        if self.n_bytes == 0:
+            raise DataError(f"token file {self.path} is empty; re-create it or remove it")
+        if self.n_bytes % self.dtype.itemsize:
+            raise DataError(
+                f"token file {self.path} has {self.n_bytes} bytes, not a whole number of "
+                f"{self.dtype.name} tokens ({self.dtype.itemsize} bytes each); set data.dtype "
+                "to the dtype it was written with, or re-create it")
+
+    def __len__(self) -> int:
+        return self.n_bytes // self.dtype.itemsize
+
+    def __getitem__(self, span: slice) -> np.ndarray:
+        start, stop, step = span.indices(len(self))
+        if step != 1:
+            raise ValueError(f"RemoteTokenFile reads contiguous slices; got step {step}")
+        size = self.dtype.itemsize
+        try:
+            raw = self.cache.read(self.path, start * size, max(start, stop) * size, self.n_bytes)
+        except (OSError, ValueError) as e:
+            raise DataError(storage.storage_error(self.path, e, "token file")) from None
+        tokens_N = np.frombuffer(raw, dtype=self.dtype)
+        TokenFile._check_vocab(self, tokens_N, offset=start)  # type: ignore[arg-type]
+        return tokens_N.astype(np.int32)
+
+    def prefetch(self, spans: list[tuple[int, int]]) -> None:
+        """Fetches token ranges [start, stop) into the cache in one concurrent request
+        batch (TokenWindows.read calls it with a batch's windows)."""
+        size = self.dtype.itemsize
+        try:
+            self.cache.prefetch(self.path, [(a * size, min(b, len(self)) * size) for a, b in spans],
+                                self.n_bytes)
+        except (OSError, ValueError) as e:
+            raise DataError(storage.storage_error(self.path, e, "token file")) from None
+
+    def __repr__(self) -> str:
+        return f"RemoteTokenFile({self.path!r}, {self.dtype.name}, {len(self)} tokens)"
+
+
+def open_token_file(path: str | Path, dtype: str | np.dtype, vocab_size: int,
+                    cache: storage.RangeCache | None = None) -> TokenFile | RemoteTokenFile:
+    """`RemoteTokenFile` for an object-store URL (through `cache`), else `TokenFile`."""
+    if storage.is_remote(path):
+        return RemoteTokenFile(str(path), dtype, vocab_size,
+                               cache if cache is not None else storage.RangeCache(256 << 20))
+    return TokenFile(Path(path).expanduser(), dtype, vocab_size)

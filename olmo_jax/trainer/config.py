@@ -10,6 +10,7 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from olmo_jax import storage
 from olmo_jax.errors import ConfigError, check_choice
 from olmo_jax.host_memory import MODES as HOST_MALLOC_MODES
 
@@ -124,6 +125,12 @@ class TrainerConfig:
                 raise ConfigError(f"{prefix}.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_tokens < 0:
             raise ConfigError(f"{prefix}.max_tokens must be >= 0 (0 = off), got {self.max_tokens}")
+        for name in ("run_dir", "init_from"):
+            if storage.is_remote(getattr(self, name)):
+                raise ConfigError(
+                    f"{prefix}.{name}={getattr(self, name)}: run folders and checkpoints in an "
+                    "object store are not supported yet (token files and mixes are: "
+                    "docs/data.md#object-stores); use a local or shared folder")
         if self.max_steps < (0 if self.max_tokens else 1):
             raise ConfigError(
                 f"{prefix}.max_steps must be >= 1, got {self.max_steps} (0 = no step limit "

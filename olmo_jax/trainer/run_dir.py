@@ -54,7 +54,7 @@ FREE_TRAINER_FIELDS = {
     "spike_sigma", "memory_limit_gb", "peer_timeout_s", "loggers", "profile_steps",
 }
 # Fields of other sections that change what is logged or how data is read, not the run.
-FREE_DATA_FIELDS = {"prefetch"}
+FREE_DATA_FIELDS = {"prefetch", "remote_cache_mb"}
 
 
 def _is_free(dotted: str) -> bool:

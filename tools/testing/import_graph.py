@@ -27,7 +27,7 @@ ROOT = "olmo_jax"  # the package root's own unit (its __init__.py only)
 # what each row owns (tests/test_layers.py keeps the two equal).
 LAYERS: tuple[tuple[str, ...], ...] = (
     (ROOT, "compat", "errors", "labels", "shapes", "targets"),
-    ("kernels", "host_memory"),
+    ("kernels", "host_memory", "storage"),
     ("model",),
     ("objective",),
     ("optim",),
