@@ -67,7 +67,7 @@ def _setup(case, cfg, tmp):
         return ["model.moe.num_experts=6 is not divisible by parallel.expert=8", "choose parallel.expert"]
     if case == "mesh not matching the devices":
         par.data = 3
-        return ["1 x 3 x 8 = 24 does not match the 8 available devices", "-1 to fill"]
+        return ["1 x 3 x 1 x 8 = 24 does not match the 8 available devices", "-1 to fill"]
     if case == "checkpoint of another model shape":
         t.init_from = _other_model_checkpoint(tmp / "other")
         return ["was written with model.d_model=64 but this run has model.d_model=32",
