@@ -46,6 +46,7 @@ SLOW = (
     "tests/olmo_core/test_schedulers.py",
     "tests/checkpoint/test_hf_parity.py",
     "tests/evals/test_downstream.py",
+    "tests/evals/test_in_loop.py",
     "tests/parallel/test_gpu_paths.py",
     "tests/parallel/test_parallel_bf16.py",
     "tests/parallel/test_parallel_invariance.py",

@@ -89,3 +89,31 @@ def single_device_run(apply, params):
     fn = jax.jit(lambda p, ids, tgt, mask, pos: continuation_sums(apply(p, ids), tgt, mask, pos))
     return lambda ids, tgt, mask, pos: fn(params, ids, tgt, mask, pos)
 
+
+
+def sharded_run(graphdef, plan, get_state):
+    """A Scorer's `run` on a parallel plan's mesh (data x expert; not pipeline plans):
+    `get_state() -> (params, model_state)` as the trainer stores them (FSDP / ZeRO gathers
+    included), read at each call; the rows of each batch split over the batch's devices as
+    an eval batch's are (the plan's BATCH_SPEC), each device scoring its rows. One jit: a
+    program per (batch, length) shape. The batch size must be a multiple of the batch shards."""
+    from flax import nnx
+
+    if plan.pipeline is not None:
+        raise ConfigError("trainer.downstream_evals: downstream evals do not run on pipeline plans "
+                          "(parallel.pipe > 1) yet: evaluate a checkpoint with python -m olmo_jax.evaluate")
+
+    def rows(params, model_state, ids, tgt, mask, pos):
+        model = nnx.merge(graphdef, plan.use_params(params), model_state)
+        sums, logp = continuation_sums(model(ids).logits_BTV, tgt, mask, pos[:, 0])
+        return sums[:, None], logp
+
+    fn = jax.jit(plan.shard_rows(rows, 4))
+    sharding = plan.batch_sharding()
+
+    def run(ids, tgt, mask, pos):
+        placed = [jax.device_put(np.asarray(x)[None], sharding) for x in (ids, tgt, mask, pos[:, None])]
+        sums, logp = fn(*get_state(), *placed)
+        return sums[0, :, 0], logp[0]
+
+    return run
