@@ -1,6 +1,6 @@
 """Downstream evals against olmo_eval itself (the oracle, eval_oracle.py, runs once per
 module in .venv-oracle): request parity (olmo_eval.build_task's token ids and lengths for
-an rc, an mc, an rc len_norm, a bpb, a fast-MC and a long gold-bpb task, all few-shot,
+an rc, an mc, an rc len_norm, a bpb and a fast-MC task, all 5-shot and some cut to the context,
 with the real gpt-neox-olmo-dolma tokenizer olmo_eval ships); metric parity (ICLMetric on
 transformers' logits of a tiny random OLMoE, against olmo_jax's scorer on the same HF
 folder: the same per-instance choice, every metric within 1e-5); the bucketed program
@@ -19,9 +19,9 @@ from olmo_jax.evals.suite import Suite
 
 ROOT = Path(__file__).resolve().parents[2]
 ORACLE_PY = ROOT / ".venv-oracle" / "bin" / "python"
-LABELS = ("arc_easy_rc_5shot", "arc_challenge_mc_5shot", "hellaswag_rc_5shot", "hellaswag_bpb_5shot",
-          "arc_easy_val_mc_5shot_fast", "gsm8k_gold_bpb_5shot")
-CTX = 768  # gsm8k's longest 5-shot queries exceed it: the left truncation is exercised
+LABELS = ("arc_easy_rc_5shot", "arc_challenge_mc_5shot", "arc_challenge_rc_5shot", "hellaswag_bpb_5shot",
+          "arc_easy_val_mc_5shot_fast")
+CTX = 384  # the longer 5-shot queries exceed it: the left truncation is exercised
 N_REQUESTS, PARITY_DOCS, N_DOCS, BATCH = 300, 100, 5, 8
 SPECIAL = {"pad_token_id": 1, "eos_token_id": 50279}  # OLMo-core's gpt_neox_olmo_dolma_v1_5
 MODEL = dict(vocab_size=50304, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
