@@ -2,7 +2,7 @@
 
 python -m olmo_jax.evaluate --ckpt PATH --tasks LABEL[,LABEL...] [--tokenizer tokenizer.json]
         [--pad-id N] [--eos-id N] [--bos-id N] [--ctx 2048] [--batch-size 8]
-        [--limit-docs N] [--json OUT.json]
+        [--limit-docs N] [--json OUT.json] [--data N --expert N --dispatch D --strategy S]
     PATH: an olmo_jax run / checkpoints / step folder, a Hugging Face OLMoE folder or an
     OLMo-core olmo3moe export (config.json `model_type` olmoe / olmo3moe). The tokenizer
     defaults to PATH/tokenizer.json; --pad-id / --eos-id default to config.json's ids, and
@@ -10,7 +10,10 @@ python -m olmo_jax.evaluate --ckpt PATH --tasks LABEL[,LABEL...] [--tokenizer to
     HFTokenizer, as OLMo-core's TokenizerConfig passes it). --ctx is the eval context
     (olmo_eval's model_ctx_len: longer queries lose their left end). Prints one row per
     task and metric (ICLMetric's names) with the seconds per task, and writes them as JSON.
-    The scoring runs on one device (the default backend's first).
+    The scoring runs on one device (the default backend's first); with --data / --expert on
+    a data x expert mesh of the machine's devices (the trainer's parallel plan: --dispatch
+    ragged | allgather are dropless, rowwise has a capacity; --strategy ddp | fsdp), the
+    batch size a multiple of data x expert.
 """
 
 from __future__ import annotations
@@ -31,14 +34,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ckpt", required=True, help="orbax run/checkpoint folder, HF OLMoE folder or olmo3moe export")
     p.add_argument("--tasks", required=True, help="comma-separated olmo_eval labels (olmo_jax.evals.tasks.TASKS)")
     p.add_argument("--tokenizer", default=None, help="a tokenizer.json (default: CKPT/tokenizer.json)")
-    p.add_argument("--pad-id", type=int, default=None, help="default: config.json pad_token_id, else 1")
+    p.add_argument("--pad-id", type=int, default=None, help="default: config.json pad_token_id, else the EOS id")
     p.add_argument("--eos-id", type=int, default=None, help="default: config.json eos_token_id")
     p.add_argument("--bos-id", type=int, default=None, help="prepended to every context when given")
     p.add_argument("--ctx", type=int, default=2048, help="the eval context (olmo_eval's model_ctx_len)")
     p.add_argument("--batch-size", type=int, default=8, help="queries per compiled batch")
     p.add_argument("--limit-docs", type=int, default=None, help="only the first N documents of each task")
     p.add_argument("--json", default=None, help="write the results here (default: stdout table only)")
+    p.add_argument("--data", type=int, default=0, help="> 0: data-parallel devices of the mesh")
+    p.add_argument("--expert", type=int, default=0, help="> 0: expert-parallel devices of the mesh")
+    p.add_argument("--dispatch", default="allgather", help="the mesh's expert dispatch (parallel.dispatch)")
+    p.add_argument("--strategy", default="ddp", help="the mesh's parameter layout (parallel.strategy)")
     return p
+
+
+def make_run(model, args):
+    """The Scorer's `run`: one device, or the plan of --data x --expert."""
+    import types
+
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from olmo_jax.evals import score
+    from olmo_jax.model.abstract import abstract_model
+    from olmo_jax.parallel.config import ParallelConfig
+    from olmo_jax.parallel.strategy import build_plan
+
+    if not (args.data or args.expert):
+        apply = lambda params, ids: model._forward(params, model.model_state, ids)  # noqa: E731
+        return score.single_device_run(apply, model.params)
+    parallel = ParallelConfig(data=args.data or 1, expert=args.expert or 1, dispatch=args.dispatch,
+                              strategy=args.strategy).validate("--data/--expert/--dispatch/--strategy")
+    plan = build_plan(parallel, types.SimpleNamespace(global_batch_size=args.batch_size, grad_accum=1),
+                      model.config)
+    graphdef = abstract_model(plan.model_cfg, plan.dispatcher)[0]
+    params = jax.device_put(model.params, plan.param_shardings())
+    model_state = jax.device_put(model.model_state, NamedSharding(plan.mesh, PartitionSpec()))
+    return score.sharded_run(graphdef, plan, lambda: (params, model_state))
 
 
 def load_any(path: Path):
@@ -74,12 +106,12 @@ def main(argv: list[str] | None = None) -> int:
         eos = args.eos_id if args.eos_id is not None else hf_config.get("eos_token_id")
         if eos is None:
             raise ConfigError("--eos-id: the checkpoint's config has no eos_token_id: pass --eos-id N")
-        pad = args.pad_id if args.pad_id is not None else hf_config.get("pad_token_id", 1)
+        pad = args.pad_id if args.pad_id is not None else hf_config.get("pad_token_id")
+        pad = eos if pad is None else pad  # only right padding: any id scores the same
         tok = tasks.Tokenizer(str(tok_path), pad_token_id=pad, eos_token_id=eos, bos_token_id=args.bos_id)
         suite = Suite([t for t in args.tasks.split(",") if t], tok, args.ctx, model.config.vocab_size,
                       limit_docs=args.limit_docs, field="--tasks")
-        apply = lambda params, ids: model._forward(params, model.model_state, ids)  # noqa: E731
-        scorer = score.Scorer(score.single_device_run(apply, model.params), args.batch_size, pad)
+        scorer = score.Scorer(make_run(model, args), args.batch_size, pad)
         t0 = time.perf_counter()
         results, seconds = suite.evaluate(scorer)
     except (CheckpointError, ConfigError, DataError) as e:

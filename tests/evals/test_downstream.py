@@ -139,6 +139,12 @@ def test_evaluate_command_scores_the_hf_folder(oracle, scored, tmp_path, capsys)
     got = json.loads(out.read_text())
     assert got["results"] == {label: results[label]} and got["programs"] >= 1
     assert f"{label} " in capsys.readouterr().out
+    mesh = tmp_path / "mesh.json"  # the same on a data 2 x expert 4 mesh (allgather: dropless)
+    assert evaluate.main(["--ckpt", str(oracle / "hf"), "--tasks", label, "--tokenizer", tokenizer_path(),
+                          "--eos-id", str(SPECIAL["eos_token_id"]), "--ctx", str(CTX), "--batch-size", str(BATCH),
+                          "--limit-docs", str(N_DOCS), "--json", str(mesh), "--data", "2", "--expert", "4"]) == 0
+    for k, v in results[label].items():
+        assert abs(json.loads(mesh.read_text())["results"][label][k] - v) <= 1e-5, k
     assert evaluate.main(["--ckpt", str(oracle / "hf"), "--tasks", "mmlu_stem_val_rc_5shot", "--tokenizer",
                           tokenizer_path(), "--eos-id", "0"]) == 2
     assert "--tasks: unsupported task(s) ['mmlu_stem_val_rc_5shot']" in capsys.readouterr().err
