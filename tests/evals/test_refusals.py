@@ -77,3 +77,14 @@ def test_icl_metric_rules():
     assert set(bpb) == {"bpb_v1", "bpb_v2"}
     assert bpb["bpb_v2"] == pytest.approx(3.0 / 3 * metric.LOG_2_OF_E)
     assert bpb["bpb_v1"] == pytest.approx(3.0 / 2 * metric.LOG_2_OF_E)
+
+
+def test_report_curves_carry_the_downstream_series():
+    from olmo_jax.report import run_charts
+
+    records = [{"step": 1, "loss": 3.0},
+               {"step": 2, "loss": 2.5, "downstream/arc_easy_rc_5shot/acc_v1": 0.25,
+                "downstream/arc_easy_rc_5shot/seconds": 1.5, "downstream/hellaswag_bpb_5shot/bpb_v2": 4.0}]
+    got = run_charts.curves_section(records)["downstream"]
+    assert got == {"arc_easy_rc_5shot": {"acc_v1": {"step": [2], "value": [0.25]}},
+                   "hellaswag_bpb_5shot": {"bpb_v2": {"step": [2], "value": [4.0]}}}
