@@ -47,7 +47,6 @@ SLOW = (
     "tests/checkpoint/test_hf_parity.py",
     "tests/evals/test_downstream.py",
     "tests/evals/test_in_loop.py",
-    "tests/evals/test_sharded_scoring.py",
     "tests/parallel/test_gpu_paths.py",
     "tests/parallel/test_parallel_bf16.py",
     "tests/parallel/test_parallel_invariance.py",
