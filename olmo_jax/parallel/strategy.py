@@ -267,6 +267,23 @@ class ParallelPlan:
             out_specs=PartitionSpec(),
         )
 
+    def shard_rows(self, row_fn, n_rows: int):
+        """row_fn(params, model_state, *rows) -> a tuple of per-row arrays, on the mesh: each
+        of the `n_rows` inputs and every output is [1, rows, ...] (rows split like an eval
+        batch's, BATCH_SPEC); row_fn sees its device's rows without the leading 1. Not on
+        pipeline plans (a stage holds part of the model)."""
+
+        @self._for_target
+        def local(params, model_state, *rows):
+            outs = row_fn(self._outer_gather(params), model_state, *(r[0] for r in rows))
+            return tuple(o[None] for o in outs)
+
+        return jax.shard_map(
+            local, mesh=self.mesh,
+            in_specs=(self.storage_specs(), PartitionSpec()) + (BATCH_SPEC,) * n_rows,
+            out_specs=BATCH_SPEC,
+        )
+
 
 def _masked(x) -> bool:
     return isinstance(x, optax.MaskedNode)

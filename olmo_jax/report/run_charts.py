@@ -1,4 +1,5 @@
-"""Report sections of a run: "curves" (loss, tokens/s, MFU over steps) and "balance" (the
+"""Report sections of a run: "curves" (loss, tokens/s, MFU over steps; one chart per
+downstream task, trainer.downstream_evals) and "balance" (the
 per-block expert-load heatmap over steps, the imbalance metrics and the dropped fraction).
 
 Inputs are the run folder's records as the trainer writes them (`metrics.jsonl`, and
@@ -32,7 +33,16 @@ def series(records: list[dict], key: str) -> dict:
 
 
 def curves_section(records: list[dict]) -> dict:
-    return {key: series(records, key) for key in CURVES}
+    """CURVES, and `downstream`: {label: {metric: series}} of trainer.downstream_evals'
+    `downstream/<label>/<metric>` records (their `seconds` left out)."""
+    out = {key: series(records, key) for key in CURVES}
+    downstream: dict = {}
+    for key in sorted({k for r in records for k in r if k.startswith("downstream/")}):
+        _, label, metric = key.split("/", 2)
+        if metric != "seconds":
+            downstream.setdefault(label, {})[metric] = series(records, key)
+    out["downstream"] = downstream
+    return out
 
 
 def balance_section(records: list[dict], counts: list[dict], counts_every: int) -> dict:

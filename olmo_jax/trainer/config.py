@@ -62,6 +62,14 @@ def profile_window(spec: str) -> tuple[int, int] | None:
     return a, b
 
 
+def downstream_labels(spec: str) -> list[str]:
+    """trainer.downstream_evals as a list, each label supported (else a ConfigError naming
+    it and the supported list)."""
+    from olmo_jax.evals.tasks import check_labels
+
+    return check_labels([s.strip() for s in spec.split(",") if s.strip()])
+
+
 @dataclass(frozen=True)
 class WandbConfig:
     mode: WandbMode = "offline"  # WANDB_MODES: online | offline (no network; `wandb sync` later) | disabled
@@ -87,6 +95,12 @@ class TrainerConfig:
     log_every: int = 10
     eval_every: int = 50  # 0 = only at the end
     eval_batches: int = 4
+    # Downstream evals (olmo_jax/evals, docs/evaluation.md), at the same steps: OLMo-core's task
+    # labels, comma-separated (olmo_jax.evals.tasks.TASKS), read with data.tokenizer
+    downstream_evals: str = ""
+    downstream_batch_size: int = 8  # queries per compiled batch (a multiple of the batch's devices)
+    downstream_max_docs: int = 0  # > 0: only each task's first N documents
+    downstream_bos_id: int = -1  # >= 0: prepended to every context (olmo_eval's bos_token_id)
     expert_counts_every: int = 0  # > 0: per-expert counts to {run_dir}/expert_counts.jsonl
     # Metric sinks (olmo_jax/trainer/sinks.py), comma-separated: jsonl (always) | tensorboard | wandb
     loggers: str = "jsonl"
@@ -163,7 +177,16 @@ class TrainerConfig:
             raise ConfigError(f"{prefix}.peer_timeout_s must be > 0, got {self.peer_timeout_s}")
         loggers(self.loggers)
         profile_window(self.profile_steps)
+        downstream_labels(self.downstream_evals)
+        if self.downstream_batch_size < 1:
+            raise ConfigError(f"{prefix}.downstream_batch_size must be >= 1, got {self.downstream_batch_size}")
+        if self.downstream_max_docs < 0:
+            raise ConfigError(f"{prefix}.downstream_max_docs must be >= 0 (0 = all), got {self.downstream_max_docs}")
         return self
+
+    @property
+    def downstream_labels(self) -> list[str]:
+        return downstream_labels(self.downstream_evals)
 
     @property
     def tokens_per_step(self) -> int:

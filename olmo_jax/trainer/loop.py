@@ -33,15 +33,19 @@ from olmo_jax.data import build_data
 from olmo_jax.data.build import Data
 from olmo_jax.data.mixture import MIXTURE_FILE
 from olmo_jax.errors import CheckpointError, ConfigError, DataError
+from olmo_jax.evals import score as eval_score
+from olmo_jax.evals import tasks as eval_tasks
+from olmo_jax.evals.suite import Suite
 from olmo_jax.model.config import TransformerConfig
 from olmo_jax.optim import build_optimizer
+from olmo_jax.parallel import mesh as mesh_lib
 from olmo_jax.parallel.strategy import build_plan
 from olmo_jax.trainer import guard as guard_lib
 from olmo_jax.trainer import preflight
 from olmo_jax.trainer import run_dir as run_dir_lib
 from olmo_jax.trainer.checkpoints import RunCheckpoints, truncate_metrics
 from olmo_jax.trainer.config import TrainerConfig
-from olmo_jax.trainer.evaluation import Evaluation
+from olmo_jax.trainer.evaluation import Downstream, Evaluation
 from olmo_jax.trainer.hooks import Checkpointing, ExpertCounts, HaltCheck, Hook, MetricsLine, Throughput
 from olmo_jax.trainer.logger import ProgressBar
 from olmo_jax.trainer.preemption import Preemption
@@ -66,6 +70,8 @@ class Summary:
     sample: str
     preempted: bool = False  # stopped by SIGTERM / SIGINT after saving a checkpoint
     final_eval_sets: dict = dataclasses.field(default_factory=dict)  # {name: loss} (data.eval_sets)
+    # {downstream/<label>/<metric>: value} (trainer.downstream_evals)
+    final_downstream: dict = dataclasses.field(default_factory=dict)
 
 
 def _placer(plan, seq_len: int):
@@ -114,6 +120,7 @@ class _Run:
     checkpoints: RunCheckpoints
     step_fn: object  # the jitted, guarded train step
     eval_fn: object
+    downstream: object = None  # evaluation.Downstream (trainer.downstream_evals) or None
 
     @property
     def t(self) -> TrainerConfig:
@@ -162,7 +169,28 @@ def _build(cfg: RunConfig, console: Console, main: bool, run_dir: Path) -> _Run:
     )
     eval_fn = jax.jit(make_eval_step(graphdef, model_cfg, parallel=plan))
     return _Run(cfg, console, main, run_dir, data, model_cfg, plan, tx, guard_cfg, abstract,
-                shardings, opt_bytes, checkpoints, step_fn, eval_fn)
+                shardings, opt_bytes, checkpoints, step_fn, eval_fn,
+                _downstream(t_cfg, data, model_cfg, plan, graphdef))
+
+
+def _downstream(t_cfg: TrainerConfig, data, model_cfg: TransformerConfig, plan, graphdef):
+    """trainer.downstream_evals: every task built and checked now, before any compute."""
+    labels = t_cfg.downstream_labels
+    if not labels:
+        return None
+    path = getattr(data.tokenizer, "path", None)
+    if path is None:
+        raise ConfigError("trainer.downstream_evals needs a real tokenizer: set data.tokenizer to the "
+                          "tokenizer.json the token files were made with (the byte tokenizer has no olmo_eval twin)")
+    shards = mesh_lib.batch_shards(plan.mesh)
+    if t_cfg.downstream_batch_size % shards:
+        raise ConfigError(f"trainer.downstream_batch_size={t_cfg.downstream_batch_size} must be a multiple of "
+                          f"the {shards} devices a batch is split over")
+    tok = eval_tasks.Tokenizer(str(path), pad_token_id=data.tokenizer.pad_id, eos_token_id=data.tokenizer.eos_id,
+                               bos_token_id=t_cfg.downstream_bos_id if t_cfg.downstream_bos_id >= 0 else None)
+    suite = Suite(labels, tok, t_cfg.seq_len, model_cfg.vocab_size, limit_docs=t_cfg.downstream_max_docs or None)
+    return Downstream(suite, lambda get_state: eval_score.Scorer(
+        eval_score.sharded_run(graphdef, plan, get_state), t_cfg.downstream_batch_size, data.tokenizer.pad_id))
 
 
 def _preflight(run: _Run):
@@ -229,6 +257,10 @@ def _print_banner(run: _Run, flops_tok: float, memory, compile_s: float) -> None
     run.console.print(run.t.duration_line())
     run.console.print(f"eval every {run.t.eval_every or run.t.total_steps} steps: "
                       f"{run.data.describe_eval()}")
+    if run.downstream is not None:
+        tasks_ = run.downstream.suite.tasks
+        run.console.print("downstream evals (trainer.downstream_evals): " + ", ".join(
+            f"{label} ({len(t.samples)} requests, {t.metric_type})" for label, t in tasks_.items()))
 
 
 def _open_stream_and_sinks(run: _Run, start: int):
@@ -284,7 +316,7 @@ def _hooks(run: _Run, start: int, stream, sinks, profiler, throughput, bar, pree
     history: list[dict] = list(run.checkpoints.previous_records)
     evaluation = Evaluation(run.eval_fn, run.data, t_cfg.eval_batches,
                             _placer(run.plan, t_cfg.seq_len), t_cfg.eval_every, t_cfg.total_steps,
-                            history)
+                            history, run.downstream)
     throughput.restart(start)  # the first logged interval starts here
     return _Hooks(
         profiler=profiler,
@@ -333,6 +365,7 @@ def _summary(run: _Run, state, hooks: _Hooks, compile_s: float) -> Summary:
         sample="",
         preempted=hooks.saving.preempted is not None,
         final_eval_sets=evaluation.last_sets,
+        final_downstream=evaluation.last_downstream,
     )
 
 
@@ -412,6 +445,9 @@ def print_summary(s: Summary, console: Console) -> None:
     table.add_row("validation loss", f"{s.final_eval_loss:.3f}")
     for name, loss in s.final_eval_sets.items():
         table.add_row(f"eval/{name}", f"loss {loss:.3f}, perplexity {np.exp(min(loss, 700.0)):,.2f}")
+    for label in dict.fromkeys(k.split("/")[1] for k in s.final_downstream):
+        values = {k.split("/")[2]: v for k, v in s.final_downstream.items() if k.split("/")[1] == label}
+        table.add_row(f"downstream/{label}", ", ".join(f"{k} {v:.4f}" for k, v in values.items()))
     table.add_row("throughput", f"{s.mean_tokens_per_s:,.0f} tokens/s, MFU {100 * s.mean_mfu:.1f}%")
     table.add_row("compile", f"{s.compile_s:.1f} s")
     table.add_row("metrics", s.metrics_path)

@@ -32,7 +32,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("objective",),
     ("optim",),
     ("parallel",),
-    ("data", "distributed", "metrics"),
+    ("data", "distributed", "metrics", "evals"),
     ("trainer.config",),
     ("config",),
     ("checkpoint",),
@@ -40,7 +40,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("planner",),
     ("report",),
     ("cli",),
-    ("train", "plan", "convert", "tokenize", "generate", "report.__main__"),
+    ("train", "plan", "convert", "tokenize", "generate", "evaluate", "report.__main__"),
 )
 # A unit made of several modules or packages (names relative to olmo_jax); any other
 # unit is the module or package of its name. Imports inside one unit are free.

@@ -1,0 +1,123 @@
+"""Continuation log-likelihoods of a task's samples, in batches of fixed shapes.
+
+Each query (olmo_eval's `ctx + continuation[:-1]`, already cut to the model's context) is
+right-padded to its length bucket: olmo_eval's own rounding, the next multiple of 128 (or
+the model's context with fixed_ctx_len), so a task compiles one program per bucket its
+queries use (at most model_ctx_len / 128; `Scorer.programs` counts them), every batch
+`batch_size` rows (the last one filled with copies of the first row, then dropped). Right
+padding does not change a causal model's logits at the real positions. Per row the program
+returns the sum of log p(continuation token) over the continuation's positions
+(`ctx_len - 1 ... ctx_len + cont_len - 2`, ICLMetric's slice) and, for fast-MC samples, the
+log-probabilities at the answer position, from which each choice's token is taken."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from olmo_jax.errors import ConfigError
+
+
+def bucket_len(n: int, model_ctx_len: int, fixed_ctx_len: bool = False) -> int:
+    return model_ctx_len if fixed_ctx_len else 128 * math.ceil(n / 128)
+
+
+def row_arrays(sample: dict, T: int, pad_id: int):
+    """(ids [T], targets [T], mask [T], answer position) of one sample."""
+    q, cont = sample["query"], sample["continuation"]
+    ids = np.full(T, pad_id, np.int32)
+    ids[: len(q)] = q
+    tgt, mask = np.zeros(T, np.int32), np.zeros(T, np.float32)
+    start = sample["ctx_len"] - 1
+    tgt[start: start + len(cont)] = cont
+    mask[start: start + len(cont)] = 1.0
+    return ids, tgt, mask, start
+
+
+def continuation_sums(logits_BTV, tgt_BT, mask_BT, pos_B):
+    """(sum over masked positions of log p(target) [B], log p at pos [B, V]), float32."""
+    logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
+    picked_BT = jnp.take_along_axis(logp_BTV, tgt_BT[..., None], axis=-1)[..., 0]
+    at_pos_BV = jnp.take_along_axis(logp_BTV, pos_B[:, None, None], axis=1)[:, 0]
+    return jnp.sum(picked_BT * mask_BT, axis=-1), at_pos_BV
+
+
+class Scorer:
+    """scorer(task) -> one log-likelihood sum per sample (a list per choice for fast-MC).
+
+    `run(ids_BT, tgt_BT, mask_BT, pos_B) -> (sums_B, logp_BV)` is the compiled scoring
+    program (jit caches one per input shape); `batch_size` rows per call."""
+
+    def __init__(self, run, batch_size: int, pad_id: int, fixed_ctx_len: bool = False):
+        if batch_size < 1:
+            raise ConfigError(f"the downstream eval batch size must be >= 1, not {batch_size}")
+        self.run, self.batch_size, self.pad_id, self.fixed_ctx_len = run, batch_size, pad_id, fixed_ctx_len
+        self.shapes: set[tuple[int, int]] = set()
+
+    @property
+    def programs(self) -> int:
+        """Distinct (batch, length) shapes scored so far: the compiled programs."""
+        return len(self.shapes)
+
+    def __call__(self, task) -> list:
+        groups: dict[int, list[int]] = {}
+        for i, s in enumerate(task.samples):
+            groups.setdefault(bucket_len(len(s["query"]), task.model_ctx_len, self.fixed_ctx_len), []).append(i)
+        out: list = [None] * len(task.samples)
+        B = self.batch_size
+        for T, idx in sorted(groups.items()):
+            self.shapes.add((B, T))
+            for b in range(0, len(idx), B):
+                rows = idx[b: b + B]
+                arrays = [row_arrays(task.samples[i], T, self.pad_id) for i in rows]
+                arrays += [arrays[0]] * (B - len(rows))
+                ids, tgt, mask, pos = (np.stack(a) for a in zip(*arrays, strict=True))
+                sums, logp = self.run(ids, tgt, mask, pos.astype(np.int32))
+                sums, logp = np.asarray(sums), None if not task.fast_mc else np.asarray(logp)
+                for j, i in enumerate(rows):
+                    s = task.samples[i]
+                    out[i] = [float(logp[j, c]) for c in s["choices"]] if task.fast_mc else float(sums[j])
+        return out
+
+
+def single_device_run(apply, params):
+    """A Scorer's `run` from `apply(params, ids_BT) -> logits_BTV` (one jit; the params are
+    an argument, not baked-in constants)."""
+    fn = jax.jit(lambda p, ids, tgt, mask, pos: continuation_sums(apply(p, ids), tgt, mask, pos))
+    return lambda ids, tgt, mask, pos: fn(params, ids, tgt, mask, pos)
+
+
+
+def sharded_run(graphdef, plan, get_state):
+    """A Scorer's `run` on a parallel plan's mesh (data x expert; not pipeline or context-parallel plans):
+    `get_state() -> (params, model_state)` as the trainer stores them (FSDP / ZeRO gathers
+    included), read at each call; the rows of each batch split over the batch's devices as
+    an eval batch's are (the plan's BATCH_SPEC), each device scoring its rows. One jit: a
+    program per (batch, length) shape. The batch size must be a multiple of the batch shards."""
+    from flax import nnx
+
+    if plan.pipeline is not None:
+        raise ConfigError("trainer.downstream_evals: downstream evals do not run on pipeline plans "
+                          "(parallel.pipe > 1) yet: evaluate a checkpoint with python -m olmo_jax.evaluate")
+    if plan.model_cfg.context_parallel > 1:
+        raise ConfigError("trainer.downstream_evals: downstream evals do not run with context "
+                          f"parallelism (parallel.context={plan.model_cfg.context_parallel}) yet: "
+                          "evaluate a checkpoint with python -m olmo_jax.evaluate")
+
+    def rows(params, model_state, ids, tgt, mask, pos):
+        model = nnx.merge(graphdef, plan.use_params(params), model_state)
+        sums, logp = continuation_sums(model(ids).logits_BTV, tgt, mask, pos[:, 0])
+        return sums[:, None], logp
+
+    fn = jax.jit(plan.shard_rows(rows, 4))
+    sharding = plan.batch_sharding()
+
+    def run(ids, tgt, mask, pos):
+        placed = [jax.device_put(np.asarray(x)[None], sharding) for x in (ids, tgt, mask, pos[:, None])]
+        sums, logp = fn(*get_state(), *placed)
+        return sums[0, :, 0], logp[0]
+
+    return run

@@ -1,0 +1,65 @@
+"""The olmo_eval side of tests/evals (runs in .venv-oracle, never imported by olmo_jax or
+pytest; inputs and outputs are files).
+
+    python eval_oracle.py SPEC.json OUT
+Builds each SPEC["tasks"] label with olmo_eval.build_task (its HFTokenizer on
+SPEC["tokenizer"], model_ctx_len SPEC["ctx_len"]) and writes OUT/requests.json: the first
+SPEC["n_requests"] samples' token ids and lengths per label. Then a tiny random
+OlmoeForCausalLM (SPEC["model"], seed SPEC["seed"]) is saved to OUT/hf, and the samples of
+the first SPEC["n_docs"] documents of each label are scored with olmo_eval's ICLMetric on
+transformers' logits (collate_fn batches, as OLMo-core's DownstreamEvaluator feeds them):
+OUT/metrics.json has per label the metric dict and each scored sample's log-likelihood.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from olmo_eval import HFTokenizer, ICLMetric, build_task
+from transformers import OlmoeConfig, OlmoeForCausalLM
+
+FIELDS = ("doc_id", "cont_id", "ctx", "continuation", "ctx_len", "dc_len", "cont_len",
+          "cont_str_len", "cont_byte_len", "cont_str_len_no_leading_space",
+          "cont_byte_len_no_leading_space", "query", "dc_query", "label_id")
+
+
+def main(spec: dict, out: Path) -> None:
+    torch.set_num_threads(1)
+    tok = HFTokenizer(spec["tokenizer"], **spec["special"])
+    torch.manual_seed(spec["seed"])
+    model = OlmoeForCausalLM(OlmoeConfig(**spec["model"]))
+    model.save_pretrained(out / "hf")
+    model = OlmoeForCausalLM.from_pretrained(out / "hf", dtype=torch.float32, attn_implementation="eager",
+                                             experts_implementation="eager").eval()
+    requests, metrics = {}, {}
+    for label in spec["tasks"]:
+        task = build_task(label, tok, model_ctx_len=spec["ctx_len"])
+        samples = task.samples
+        requests[label] = {
+            "metric_type": task.metric_type,
+            "n_samples": len(samples),
+            "samples": [{k: s[k] for k in FIELDS} | ({"choices": s["choices"]} if "choices" in s else {})
+                        for s in samples[: spec["n_requests"]]],
+        }
+        docs = sorted({s["doc_id"] for s in samples})[: spec["n_docs"]]
+        chosen = [s for s in samples if s["doc_id"] in set(docs)]
+        metric = ICLMetric(metric_type=task.metric_type)
+        for i in range(0, len(chosen), spec["batch"]):
+            batch = task.collate_fn(chosen[i: i + spec["batch"]])
+            with torch.no_grad():
+                logits = model(input_ids=batch["input_ids"]).logits
+            metric.update(batch, logits)
+        metrics[label] = {
+            "metric": {k: float(v) for k, v in metric.compute().items()},
+            "loglikelihoods": [list(t) for t in metric.loglikelihoods],
+            "n_scored": len(chosen),
+            "max_sequence_length": task.max_sequence_length,
+        }
+    (out / "requests.json").write_text(json.dumps(requests))
+    (out / "metrics.json").write_text(json.dumps(metrics))
+
+
+if __name__ == "__main__":
+    spec_path, out_dir = sys.argv[1:3]
+    main(json.loads(Path(spec_path).read_text()), Path(out_dir))

@@ -1,0 +1,150 @@
+"""Downstream evals against olmo_eval itself (the oracle, eval_oracle.py, runs once per
+module in .venv-oracle): request parity (olmo_eval.build_task's token ids and lengths for
+an rc, an mc, an rc len_norm, a bpb and a fast-MC task, all 5-shot and some cut to the context,
+with the real gpt-neox-olmo-dolma tokenizer olmo_eval ships); metric parity (ICLMetric on
+transformers' logits of a tiny random OLMoE, against olmo_jax's scorer on the same HF
+folder: the same per-instance choice, every metric within 1e-5); the bucketed program
+count; `python -m olmo_jax.evaluate` on the same folder. (Bad input: test_refusals.py.)"""
+
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from olmo_jax.checkpoint import hf
+from olmo_jax.evals import metric, score, tasks
+from olmo_jax.evals.suite import Suite
+
+ROOT = Path(__file__).resolve().parents[2]
+ORACLE_PY = ROOT / ".venv-oracle" / "bin" / "python"
+LABELS = ("arc_easy_rc_5shot", "arc_challenge_mc_5shot", "arc_challenge_rc_5shot", "hellaswag_bpb_5shot",
+          "arc_easy_val_mc_5shot_fast")
+CTX = 384  # the longer 5-shot queries exceed it: the left truncation is exercised
+N_REQUESTS, PARITY_DOCS, N_DOCS, BATCH = 300, 100, 5, 8
+SPECIAL = {"pad_token_id": 1, "eos_token_id": 50279}  # OLMo-core's gpt_neox_olmo_dolma_v1_5
+MODEL = dict(vocab_size=50304, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+             num_experts=4, num_experts_per_tok=2, max_position_embeddings=CTX, initializer_range=0.2,
+             pad_token_id=None, eos_token_id=None, bos_token_id=None)
+
+
+def tokenizer_path() -> str:
+    return str(tasks.data_root() / "tokenizers" / "allenai_gpt-neox-olmo-dolma-v1_5.json")
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("eval_oracle")
+    spec = {"tasks": list(LABELS), "tokenizer": tokenizer_path(), "special": SPECIAL, "ctx_len": CTX,
+            "n_requests": N_REQUESTS, "n_docs": N_DOCS, "batch": BATCH, "model": MODEL, "seed": 0}
+    (out / "spec.json").write_text(json.dumps(spec))
+    res = subprocess.run([str(ORACLE_PY), str(Path(__file__).with_name("eval_oracle.py")), str(out / "spec.json"),
+                          str(out)], capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tasks.Tokenizer(tokenizer_path(), **SPECIAL)
+
+
+def test_requests_equal_olmo_eval(oracle, tok):
+    ref = json.loads((oracle / "requests.json").read_text())
+    truncated = 0
+    for label in LABELS:  # the first PARITY_DOCS documents (fewer to encode), up to N_REQUESTS samples
+        ours = tasks.build_task(label, tok, CTX, max_docs=PARITY_DOCS)
+        assert ours.metric_type == ref[label]["metric_type"], label
+        want = ref[label]["samples"]
+        assert len(want) == N_REQUESTS and len(ours.samples) >= PARITY_DOCS, label
+        got = [{k: s[k] for k in want[0]} for s in ours.samples[:N_REQUESTS]]
+        for i, (g, w) in enumerate(zip(got, want[: len(got)], strict=True)):
+            assert g == w, (label, i, {k: (g[k], w[k]) for k in w if g[k] != w[k]})
+        truncated += sum(len(s["ctx"]) + len(s["continuation"]) - 1 > CTX for s in ours.samples)
+    assert truncated  # some compared queries were cut to the context
+
+
+@pytest.fixture(scope="module")
+def scored(oracle, tok):
+    model = hf.load_model(oracle / "hf")
+    suite = Suite(LABELS, tok, CTX, model.config.vocab_size, limit_docs=N_DOCS)
+    apply = lambda params, ids: model._forward(params, model.model_state, ids)  # noqa: E731
+    scorer = score.Scorer(score.single_device_run(apply, model.params), BATCH, SPECIAL["pad_token_id"])
+    sums = {}
+
+    def recording(task):
+        sums[task.label] = scorer(task)
+        return sums[task.label]
+
+    results, seconds = suite.evaluate(recording)
+    print(f"seconds per task: { {k: round(v, 2) for k, v in seconds.items()} }; programs {scorer.programs}")
+    return suite, scorer, results, sums
+
+
+def test_metrics_equal_icl_metric(oracle, scored):
+    suite, _, results, _ = scored
+    ref = json.loads((oracle / "metrics.json").read_text())
+    for label in LABELS:
+        task, want = suite.tasks[label], ref[label]
+        assert len(task.samples) == want["n_scored"], label
+        assert set(results[label]) == set(want["metric"]), label
+        worst = max(abs(results[label][k] - v) for k, v in want["metric"].items())
+        print(f"{label}: {results[label]} max |diff| vs ICLMetric {worst:.2g}")
+        assert worst <= 1e-5, (label, results[label], want["metric"])
+        for k in want["metric"]:
+            if k.startswith(("acc", "len_norm")):  # the same fraction (ICLMetric's is a float32)
+                assert np.float32(results[label][k]) == np.float32(want["metric"][k]), (label, k)
+
+
+def test_per_instance_choices_equal(oracle, tok, scored):
+    suite, _, _, sums = scored
+    ref = json.loads((oracle / "metrics.json").read_text())
+    for label in LABELS:
+        task = suite.tasks[label]
+        recs = metric.records(task.metric_type, task.samples, sums[label])
+        ours = {(r[0], r[1]): r[3] for r in recs}
+        theirs = {(d, c): ll for d, c, ll in ref[label]["loglikelihoods"]}
+        assert ours.keys() == theirs.keys(), label
+        diffs = np.array([ours[k] - theirs[k] for k in theirs])
+        assert np.abs(diffs).max() <= 1e-5 * max(1.0, max(abs(v) for v in theirs.values())), label
+        for doc in {d for d, _ in theirs}:
+            assert _choice(ours, doc) == _choice(theirs, doc), (label, doc)
+
+
+def _choice(lls: dict, doc: int) -> int:
+    """The continuation ICLMetric picks: the first of the highest log-likelihoods."""
+    conts = sorted(c for d, c in lls if d == doc)
+    return conts[int(np.argmax([lls[doc, c] for c in conts]))]
+
+
+def test_one_program_per_length_bucket(scored):
+    suite, scorer, _, _ = scored
+    buckets = {score.bucket_len(len(s["query"]), CTX) for t in suite.tasks.values() for s in t.samples}
+    assert scorer.programs == len(buckets) <= CTX // 128
+
+
+def test_evaluate_command_scores_the_hf_folder(oracle, scored, tmp_path, capsys):
+    """python -m olmo_jax.evaluate on the transformers-saved folder: the suite's numbers."""
+    from olmo_jax import evaluate
+
+    results = scored[2]
+    out = tmp_path / "evals.json"
+    label = "arc_challenge_mc_5shot"
+    rc = evaluate.main(["--ckpt", str(oracle / "hf"), "--tasks", label, "--tokenizer", tokenizer_path(),
+                        "--eos-id", str(SPECIAL["eos_token_id"]), "--pad-id", str(SPECIAL["pad_token_id"]),
+                        "--ctx", str(CTX), "--batch-size", str(BATCH), "--limit-docs", str(N_DOCS),
+                        "--json", str(out)])
+    assert rc == 0
+    got = json.loads(out.read_text())
+    assert got["results"] == {label: results[label]} and got["programs"] >= 1
+    assert f"{label} " in capsys.readouterr().out
+    mesh = tmp_path / "mesh.json"  # the same on a data 2 x expert 4 mesh (allgather: dropless)
+    assert evaluate.main(["--ckpt", str(oracle / "hf"), "--tasks", label, "--tokenizer", tokenizer_path(),
+                          "--eos-id", str(SPECIAL["eos_token_id"]), "--ctx", str(CTX), "--batch-size", str(BATCH),
+                          "--limit-docs", str(N_DOCS), "--json", str(mesh), "--data", "2", "--expert", "4"]) == 0
+    for k, v in results[label].items():
+        assert abs(json.loads(mesh.read_text())["results"][label][k] - v) <= 1e-5, k
+    assert evaluate.main(["--ckpt", str(oracle / "hf"), "--tasks", "mmlu_stem_val_rc_5shot", "--tokenizer",
+                          tokenizer_path(), "--eos-id", "0"]) == 2
+    assert "--tasks: unsupported task(s) ['mmlu_stem_val_rc_5shot']" in capsys.readouterr().err
