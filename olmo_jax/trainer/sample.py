@@ -15,7 +15,10 @@ def generate(model_cfg: TransformerConfig, params, model_state, prompt_ids: np.n
              n_new: int, temperature: float = 0.7, seed: int = 0,
              stop_id: int | None = None) -> np.ndarray:
     """Returns the prompt followed by up to `n_new` sampled token ids (temperature 0 =
-    greedy), ending before `stop_id` (the tokenizer's end of text) if it is drawn."""
+    greedy), ending before `stop_id` (the tokenizer's end of text) if it is drawn; n_new 0
+    (trainer.sample_tokens=0) returns the prompt alone, compiling nothing."""
+    if n_new == 0:
+        return np.asarray(prompt_ids, np.int32)
     gen = decode.generate(model_cfg, params, model_state, [list(prompt_ids)], n_new,
                           temperature=temperature,
                           stop_ids=() if stop_id is None else (stop_id,), seed=seed)
