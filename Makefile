@@ -7,13 +7,11 @@ ORACLE := .venv-oracle
 ORACLE_PY := $(ORACLE)/bin/python
 GPU_VENV := .venv-gpu
 GPU_PY := $(GPU_VENV)/bin/python
-# jax 0.11.2 (the lent GPU image's jax): the kernel, model and parallel tests run there too.
-J11 := .venv-jax011
-J11_PY := $(J11)/bin/python
-# The parallel tests but the pipeline executor's (its 1F1B memory test alone is minutes; its
-# shard_map / ppermute / scan APIs are exercised by the others) and the bf16 compute copies'
-# (which dtype olmo_jax's plan gathers and reduces in: its own code, on the collectives the
-# invariance tests run), to keep make test < 30 min.
+# jax 0.11.2 (the lent GPU image's jax): the fast tier of the kernel, model and parallel
+# tests (-m "not slow": the slow ones recompile the same ops at larger meshes and shapes;
+# every API they call is called by a fast test too), and every test of what runs on the
+# image itself (marked `image`: gpu_check end to end, the image's packages), slow or not.
+# The pipeline executor's and the bf16 copies' tests stay on the main stage only.
 J11_TESTS ?= tests/kernels tests/model tests/tools tests/trainer/test_image_packages.py \
   $(filter-out tests/parallel/test_pipeline.py tests/parallel/test_parallel_bf16.py tests/parallel/harness.py,\
   $(wildcard tests/parallel/test_*.py))
@@ -124,7 +122,7 @@ test:
 	@$(MAKE) --no-print-directory docs
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --ignore=tests/gpu $(PYTEST_ARGS)
 	@if [ -n "$(strip $(J11_TESTS))" ]; then echo "jax 0.11.2 ($(J11)): $(J11_TESTS)"; \
-	  $(J11_PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(J11_TESTS); fi
+	  $(J11_PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow or image" $(J11_TESTS); fi
 	@# One GPU architecture per process: once a process has assembled a Mosaic GPU kernel for
 	@# sm_90a, ptxas refuses its sm_103a kernels ("SM version specified by .target is higher
 	@# than default SM version assumed"), so Hopper and Blackwell compile in separate runs.

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.image  # the jax 0.11.2 stage runs it (Makefile J11_TESTS)
+
 ROOT = Path(__file__).resolve().parents[2]
 ORACLE = ROOT / ".venv-oracle" / "bin" / "python"
 if not ORACLE.exists():  # a worktree without its own venvs: the main checkout's
