@@ -17,6 +17,7 @@ from olmo_jax import config as config_lib
 from olmo_jax.errors import ConfigError
 from olmo_jax.model.params import path_name
 from olmo_jax.optim import build_optimizer, schedulers
+from olmo_jax.trainer import run_dir as run_dir_lib
 from olmo_jax.optim.config import OptimConfig
 from olmo_jax.trainer import loop
 from tests.run_config import run_config
@@ -100,7 +101,8 @@ def test_bad_group_overrides_name_the_field(spec, message):
 def test_a_run_builds_and_shards_grouped_state(tmp_path):
     cfg = run_config(tmp_path / "run", max_steps=4)
     cfg.optim.group_overrides = "*router*,embedding: wd_mult=0.0; *norm*: lr_mult=0.5"
-    run = loop._build(config_lib.validate(cfg), Console(quiet=True), True)
+    run_cfg = config_lib.validate(cfg)
+    run = loop._build(run_cfg, Console(quiet=True), True, run_dir_lib.prepare(run_cfg))
     run.checkpoints.close()
     leaves = jax.tree.leaves(run.abstract.opt_state)
     assert leaves and len(jax.tree.leaves(run.shardings.opt_state)) == len(leaves)

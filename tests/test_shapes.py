@@ -167,7 +167,7 @@ def test_a_mis_shaped_call_into_the_model_names_the_letter():
     x_BTD = jnp.zeros((2, 16, 32))
     cos_TH, sin_TH = rope_tables(jnp.arange(8), model.cfg.head_size, model.cfg.rope_theta)
     with pytest.raises(shapes.ShapeError, match=r"Attention.__call__: argument cos_TH has shape "
-                                                r"\(8, 8\): axis 0 is T=8 in 'T H', but T=16 from "
+                                                r"\(8, 8\): axis 0 is T=8 in '\.\.\. T H', but T=16 from "
                                                 r"argument x_BTD"):
         attn(x_BTD, cos_TH, sin_TH)
     with pytest.raises(shapes.ShapeError, match="Transformer.embed: argument tokens_BT .* 3 axes"):

@@ -20,6 +20,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from olmo_jax.kernels.vma import cotangent_like
+
 
 def _chunks(a, chunk: int, fill=0):
     """[S, ...] -> [n, chunk, ...], padded at the end with `fill`."""
@@ -95,7 +97,10 @@ def _bwd(chunk, res, g):
         dw_DV, dh_rest = jax.lax.scan(body, dw_DV, tuple(x[1:] for x in xs))
         dh_nCD = jnp.concatenate([dh_nCD, dh_rest])
     dh_SD = dh_nCD.reshape(-1, h_SD.shape[1])[: h_SD.shape[0]]
-    return dh_SD, dw_DV.astype(w_DV.dtype), None, None
+    # typed like their primals inside shard_map: the weight's cotangent summed over the axes
+    # the activations vary over and it does not (kernels/vma.py)
+    return (cotangent_like(dh_SD, h_SD), cotangent_like(dw_DV.astype(w_DV.dtype), w_DV),
+            None, None)
 
 
 chunked_lm_losses.defvjp(_fwd, _bwd)

@@ -203,6 +203,7 @@ def runs(s3, tmp_path_factory):
     for name, base in (("disk", str(local)), ("bucket", remote)):
         tmp = tmp_path_factory.mktemp(name)
         cfg = smoke_config(tmp, steps=3)
+        cfg.optim.shorten_warmup = True  # a 3-step run under the smoke config's 5-step warmup
         t = cfg.trainer
         t.eval_every, t.sample_tokens, t.expert_counts_every, t.save_every = 0, 0, 0, 0
         t.seq_len, t.global_batch_size = 32, 8

@@ -31,7 +31,7 @@ def test_microbatch_i_is_the_same_sequences_on_every_mesh(mesh, grad_accum):
     np.testing.assert_array_equal(np.asarray(placed).reshape(batch.shape), batch)
     rows = micro // 8  # each device's rows of each microbatch
     for shard in placed.addressable_shards:
-        _, d, e = (int(i) for i in np.argwhere(plan.mesh.devices == shard.device)[0])
+        _, d, _, e = (int(i) for i in np.argwhere(plan.mesh.devices == shard.device)[0])
         rank = d * mesh[1] + e  # position in the data x expert split
         for i in range(grad_accum):
             start = i * micro + rank * rows

@@ -51,7 +51,7 @@ def test_plan_cli_end_to_end(tmp_path):
     assert tuple(plan["params"]) == metrics.param_counts(mcfg)
     assert plan["flops_per_token_formula"] == metrics.flops_per_token_parts(mcfg, 32)
     assert abs(plan["matmul_ratio"] - 1) < 0.05
-    assert plan["mesh"] == {"pipe": 1, "data": 1, "expert": 4} and plan["devices"] == 4
+    assert plan["mesh"] == {"pipe": 1, "data": 1, "context": 1, "expert": 4} and plan["devices"] == 4
     assert plan["peak_bytes"] > 0 and plan["step_s"] > 0 and 0 < plan["mfu"] < 1
     kinds = {(r["kind"], r["purpose"]) for r in plan["collectives"]}
     assert ("all-to-all", "moe_rowwise") in kinds

@@ -49,7 +49,7 @@ def test_twenty_steps_loss_decreases(tmp_path):
     assert summary.sample.startswith("import os\nimport sys")
     assert summary.final_eval_loss < records[0]["loss"]
     run_dir = Path(summary.metrics_path).parent
-    assert json.loads((run_dir / "mesh.json").read_text()) == {"pipe": 1, "data": 8, "expert": 1}
+    assert json.loads((run_dir / "mesh.json").read_text()) == {"pipe": 1, "data": 8, "context": 1, "expert": 1}
     _check_report(run_dir, records)
     _check_expert_counts(run_dir, records)
 
