@@ -80,10 +80,8 @@ def test_auto_on_gpus(cc, dtype, precision, dims, want):
     """auto never picks ragged_dot on a GPU: XLA:GPU lowers it as a dense product over the
     expert groups (tests/gpu/test_compile_matrix.py sees it in the compiled step)."""
     assert resolve_gmm_impl("auto", _gpu(cc), dtype, precision, dims) == want
-
-
-def test_auto_keeps_ragged_dot_on_a_tpu():
-    assert resolve_gmm_impl("auto", platform.Target("tpu"), jnp.bfloat16) == "ragged_dot"
+    # XLA:TPU has a grouped matmul of its own
+    assert resolve_gmm_impl("auto", platform.Target("tpu"), dtype, precision, dims) == "ragged_dot"
 
 
 def test_pallas_is_refused_where_it_cannot_run():
