@@ -36,6 +36,9 @@ def olmoe3_base(num_experts: int):
     m.init_std = 0.01  # init_std=0.01
     m.lm_z_loss_coef = 1e-4  # train module z_loss_multiplier=1e-4
     m.dtype = "bfloat16"
+    # olmo_jax, not the script: the 7 MoE blocks unrolled, so no microbatch copies layer
+    # slices of the stacked expert weights or stacks their gradients (docs/performance.md)
+    m.scan_unroll = 7
     m.moe.num_experts = num_experts  # NUM_EXPERTS
     m.moe.top_k = 4  # TOP_K
     m.moe.expert_hidden = 4096  # MOE_HIDDEN_SIZE

@@ -232,6 +232,15 @@ def _store_rows(o_smem, o_gmem, src_row, dst_row, n_rows, col, block_m: int, blo
         size //= 2
 
 
+def _cost(M, K, N, elements, dtype) -> pl.CostEstimate:
+    """What a kernel declares to XLA (and the planner, planner/gpu_hlo.py): the grouped
+    product's 2 M K N FLOPs over its M rows (each row meets one group; the tiles of a
+    block that straddles groups are not counted twice) and its operands and result read
+    and written once."""
+    return pl.CostEstimate(flops=int(flops(M, K, N)), transcendentals=0,
+                           bytes_accessed=int(sum(elements) * jnp.dtype(dtype).itemsize))
+
+
 @functools.cache
 def _gmm_kernel(M, Mp, K, N, G, transpose_rhs, cfg, dtype, num_programs, interpret):
     """The gmm kernel for these static shapes (cached: one trace per configuration)."""
@@ -281,6 +290,7 @@ def _gmm_kernel(M, Mp, K, N, G, transpose_rhs, cfg, dtype, num_programs, interpr
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((Mp, N), dtype),
+        cost_estimate=_cost(M, K, N, (M * K, G * K * N, Mp * N), dtype),
         grid=(num_programs,),
         grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(
@@ -321,9 +331,10 @@ def gmm(x_MK, w, group_sizes_G, *, transpose_rhs: bool = False, config: TileConf
 
 
 @functools.cache
-def _tgmm_kernel(K, N, G, cfg, dtype, num_programs, interpret):
+def _tgmm_kernel(M, K, N, G, cfg, dtype, num_programs, interpret):
     """The tgmm kernel for these static shapes (cached: one trace per configuration).
-    The row count is not part of it: the pipeline length is read from the group ends."""
+    The pipeline length is read from the group ends; the row count M only sizes the cost
+    estimate."""
     br, bko, bn = cfg.block_m, cfg.block_k, cfg.block_n
     grid_k, grid_n = K // bko, N // bn
     work = G * grid_k * grid_n
@@ -380,6 +391,7 @@ def _tgmm_kernel(K, N, G, cfg, dtype, num_programs, interpret):
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((G, K, N), dtype),
+        cost_estimate=_cost(M, K, N, (M * K, M * N, G * K * N), dtype),
         grid=(num_programs,),
         grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(
@@ -409,7 +421,7 @@ def tgmm(x_MK, dy_MN, group_sizes_G, *, config: TileConfig | None = None):
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
     work = G * (K // cfg.block_k) * (N // cfg.block_n)
     kernel = _tgmm_kernel(
-        K, N, G, cfg, jnp.dtype(x_MK.dtype), _num_programs(cfg, work), platform.interpret_params()
+        M, K, N, G, cfg, jnp.dtype(x_MK.dtype), _num_programs(cfg, work), platform.interpret_params()
     )
     return vma.like(kernel(starts, ends, x_pad, dy_pad), x_MK, dy_MN, group_sizes_G)
 

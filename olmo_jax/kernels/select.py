@@ -17,12 +17,20 @@ and expert GEMM dims (d_model, expert hidden):
                          own rows; measured 1.3-1.6x the tiled loop); else tiled (the
                          per-expert GEMM loop of model/moe/tiled.py; ragged_dot on XLA:CPU
                          expands to a dense masked product, E times the FLOPs).
-  auto, GPU/TPU target:  mxfp8 experts on a GPU with block-scaled MMA (Blackwell, sm_100+)
+  auto, GPU target:      mxfp8 experts on a GPU with block-scaled MMA (Blackwell, sm_100+)
                          -> einsum (the blocked layout, whose GEMMs are
                          `jax.nn.scaled_matmul`: no grouped block-scaled GEMM exists for
                          the sorted layout); a Hopper GPU (sm_90) with a 16-bit dtype and
                          both dims multiples of PALLAS_GMM_DIM_MULTIPLE -> pallas (the
-                         wgmma kernels of kernels/grouped_matmul.py); else ragged_dot.
+                         wgmma kernels of kernels/grouped_matmul.py); else einsum (batched
+                         GEMMs over rowwise's or capacity's equal groups, the blocked layout
+                         for dropless runs). Never ragged_dot on a GPU: this jaxlib's
+                         XLA:GPU lowers `jax.lax.ragged_dot` as a dense masked product over
+                         the expert groups (every row times every expert's weights, E times
+                         the FLOPs), on Blackwell, in float32 and at any shape; there is no
+                         grouped GEMM kernel for Blackwell here (docs/kernels.md), and the
+                         planner marks a dense lowering an error (planner/plan_build.py).
+  auto, TPU target:      ragged_dot (XLA:TPU's grouped matmul).
   explicit choices are kept, and refused (ValueError naming the field and the fix) where
   they cannot run: tiled and blas have no MXFP8 version; blas runs float32 on a CPU
   target and must build here (g++, numpy's OpenBLAS); pallas needs a Hopper target and a
@@ -149,7 +157,7 @@ def resolve_gmm_impl(gmm_impl: str, target: platform.Target, dtype=None, precisi
         fits = dims is None or pallas_gmm_fits(dims)
         if _hopper(target) and _is_16bit(dtype) and fits:
             return "pallas"
-        return "ragged_dot"
+        return "einsum" if target.is_gpu else "ragged_dot"
     if gmm_impl in ("tiled", "blas") and precision == "mxfp8":
         raise ValueError(
             f"model.moe.gmm_impl={gmm_impl} has no MXFP8 version (model.moe.precision=mxfp8): "

@@ -7,6 +7,7 @@ library / kernel custom calls, so a test or a plan can say which path a step too
     cudnn_attention(module)     # cuDNN fused attention (forward and backward calls)
     mosaic_gpu_kernels(module)  # Pallas Mosaic GPU kernels; .wgmma: a Hopper matmul kernel
     custom_call_dot_flops(module, ins)  # matmul FLOPs of a library / kernel custom call
+    dense_grouped_dots(module)  # jax.lax.ragged_dot lowered as a dense product over groups
 
 How each appears in XLA:GPU's compiled HLO (checked by tests/gpu/test_toolchain.py):
 - Collectives run asynchronously: `all-reduce-start` / `all-reduce-done` pairs (likewise
@@ -23,6 +24,10 @@ How each appears in XLA:GPU's compiled HLO (checked by tests/gpu/test_toolchain.
   whose backend_config carries the kernel's MLIR module; a kernel issuing Hopper
   warpgroup MMAs names `wgmma` ops there (the grouped matmul does, the MXFP8 quantizer
   does not). The op_name is the generic `mpmd_map`, so the module is what tells them apart.
+- `jax.lax.ragged_dot`: this jaxlib's XLA:GPU (like XLA:CPU) has no grouped GEMM for it
+  and rewrites it into a plain `dot` (op_name `.../ragged_dot_general`) over the rows
+  masked per group, with the groups as a batch dimension, then a sum over them: every row
+  is multiplied by every group's weights (`dense_grouped_dots`).
 
 Matmul FLOPs of the custom calls (`custom_call_dot_flops`, what the planner's HLO walk
 adds to the dots it counts itself; XLA:GPU's own GEMM fusions are dots it counts):
@@ -193,3 +198,31 @@ def uncounted_kernels(program) -> list[CustomCall]:
     return [c for c in custom_calls(program)
             if c.target in MOSAIC_GPU
             and backend_config.cost_estimate(_module(program).instruction(c.name)) is None]
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseGroupedDot:
+    name: str
+    op_name: str
+    count: int | float  # executions per program run
+    flops: float  # per execution, as the dot runs (over every group)
+
+
+def dense_grouped_dots(program) -> list[DenseGroupedDot]:
+    """The dots a compiler made of `jax.lax.ragged_dot` (op_name `ragged_dot_general`):
+    a grouped GEMM lowered as a plain dot runs every row against every group's weights
+    (the rows masked per group, the products summed over the groups), the group count
+    times the grouped FLOPs. A native lowering keeps a grouped op (a `ragged-dot`, a
+    custom call or a kernel), never a `dot` with this op_name. XLA:GPU (this jaxlib) and
+    XLA:CPU both lower it so."""
+    module = _module(program)
+
+    def flops(ins: hlo.Instruction) -> float:  # 2 x result elements x contracted size
+        lhs = dims(module.type_of(ins.operands[0]))
+        contracted = (ins.attr("lhs_contracting_dims") or "").strip("{}")
+        return 2.0 * math.prod(dims(ins.type_str)) * math.prod(
+            lhs[int(d)] for d in contracted.split(",") if d.strip())
+
+    return [DenseGroupedDot(ins.name, ins.op_name, ins.count, flops(ins))
+            for ins in module.instructions
+            if ins.opcode == "dot" and "ragged_dot" in ins.op_name and ins.count]

@@ -74,6 +74,7 @@ class Plan:
     attention_impl: str = "xla"  # the attention core on the device kind (module docstring)
     scores_bytes: int = 0  # of peak_bytes: [T, S] score matrices of the xla core
     scheduled: overlap.Scheduled | None = None  # the step replayed as the compiler scheduled it
+    errors: list[str] = dataclasses.field(default_factory=list)  # what the plan must not run
 
     @property
     def compiler(self) -> str:
@@ -135,7 +136,7 @@ class Plan:
             "mfu_scheduled": p.mfu(overlap="scheduled"),
             "overlap": self.scheduled.to_json() if self.scheduled is not None else None,
             "lower_s": s.lower_s, "compile_s": s.compile_s,
-            "notes": self.notes,
+            "notes": self.notes, "errors": self.errors,
             "pipeline": self.pipeline.to_json() if self.pipeline is not None else None,
             "optimizer": self.optimizer.to_json() if self.optimizer is not None else None,
         }
@@ -216,6 +217,30 @@ def scores_bytes(peak: list[memory.PeakGroup]) -> int:
     return sum(g.bytes for g in peak if g.label.startswith("attention_scores"))
 
 
+def dense_group_errors(step: CompiledStep, hlo: dict[str, float], formula: dict[str, float],
+                       factor: float | None, per_token: float) -> list[str]:
+    """The plan's error for routed-expert matmuls the compiler lowered as a dense product
+    over the expert groups (gpu_hlo.dense_grouped_dots: read from the compiled HLO, not
+    from the config), with what they cost against the rows' own FLOPs."""
+    dense = gpu_hlo.dense_grouped_dots(step.module)
+    if not dense:
+        return []
+    flops = sum(d.flops * d.count for d in dense) * per_token
+    runs = sum(d.count for d in dense)
+    times = ""
+    if formula["routed_experts"]:
+        x = hlo["routed_experts"] / formula["routed_experts"] / (factor or 1.0)
+        if x < 1.5:  # one local expert: a product over its one group is the grouped GEMM
+            return []
+        times = f"; the routed experts' matmuls run x{x:.1f} their rows' FLOPs"
+    return [f"{step.compiler} compiled jax.lax.ragged_dot (model.moe.gmm_impl="
+            f"{step.plan.kernels.gmm}) as a dense product over the expert groups: "
+            f"{len(dense)} dot(s), {runs:,.0f} runs a step, {flops / 1e9:,.3f} GFLOP/token, "
+            f"every row against every local expert's weights{times}. Set "
+            "model.moe.gmm_impl=auto (the kernel table never picks ragged_dot on a GPU) "
+            "or einsum"]
+
+
 def build(step: CompiledStep, spec: hardware.DeviceSpec, label: str = "",
           notes: list[str] | None = None) -> Plan:
     n, tokens = step.n_devices, tokens_per_step(step)
@@ -249,13 +274,7 @@ def build(step: CompiledStep, spec: hardware.DeviceSpec, label: str = "",
     peak_bytes, peak = memory.peak_groups(step.live_range, step.module, shapes,
                                           step.buffer_assignment)
     notes = list(notes or [])
-    if (step.gpu_kind is not None and step.plan.kernels.gmm == "ragged_dot" and formula["routed_experts"]
-            and (x := hlo["routed_experts"] / formula["routed_experts"] / (factor or 1.0)) > 1.5):
-        notes.append(f"XLA:GPU compiles jax.lax.ragged_dot (model.moe.gmm_impl="
-                     f"{step.model_cfg.moe.gmm_impl} resolves to ragged_dot here) as a dense "
-                     f"masked product over the expert groups: the routed experts' matmuls run "
-                     f"x{x:.1f} their rows' FLOPs; --config.model.moe.gmm_impl=einsum runs "
-                     "batched / blocked GEMMs instead")
+    errors = dense_group_errors(step, hlo, formula, factor, per_token)
     if uncounted := gpu_hlo.uncounted_kernels(step.module):
         notes.append(f"{len(uncounted)} Mosaic GPU kernel call(s) declare no cost estimate: "
                      "their FLOPs are not in the compiled counts or the roofline")
@@ -266,4 +285,4 @@ def build(step: CompiledStep, spec: hardware.DeviceSpec, label: str = "",
                 proj, notes, pipe, layer_factors(step),
                 optimizer_lib.optimizer_cost(step, cost, colls, spec, accounting), impl,
                 0 if step.gpu_kind is not None and impl == "cudnn" else scores_bytes(peak),
-                scheduled)
+                scheduled, errors)

@@ -350,6 +350,7 @@ def format_plan(plan: Plan, config_path: str = "") -> str:
                     f"and collective runs per device are the mean over the {mesh['pipe']} stages "
                     "(each branch counted as often as the schedule table runs it); memory is the "
                     "program's, the same on every device")
+    head += [f"  ERROR       {e}" for e in plan.errors]
     head += [f"  note        {n}" for n in plan.notes]
     sections = [head, _flops_section(plan), _memory_section(plan),
                 _collectives_section(plan), _overlap_section(plan), _projection_section(plan)]

@@ -17,6 +17,7 @@ Cells (ids `<kind>x<gpus>-<dispatch>-<gmm_impl>-<precision>[-pipe2-<schedule>]`)
     model.moe.precision {bf16, mxfp8};
   - 8 H200 and 8 B300 (parallel.data=2, parallel.expert=4) x parallel.dispatch {rowwise,
     ragged, allgather} x the same gmm_impl x precision;
+  - 8 B200, the same mesh, x dispatch, gmm_impl=auto in bf16 (Blackwell's default path);
   - 8 H200, parallel.pipe=2 x data=2 x expert=2, one cell per pipeline schedule.
 A 2-layer model (the first dense) with d_model 128, 8 experts top-2, seq 64, vocab 256 in
 bfloat16; the pipelined cells have 2 MoE blocks (4 for interleaved 1F1B, 2 chunks a stage).
@@ -29,8 +30,10 @@ the path the cell asks for (`path_problems`): native ragged_all_to_all for
 dispatch=ragged (not the dense emulation CPU runs); the expert GEMMs in the cell's layout
 (`expert_layout`: every dispatch runs the resolved grouped matmul, rowwise over its
 equal-sized capacity groups: the Pallas kernel's wgmma Mosaic GPU calls for pallas (= auto
-on Hopper), jax.lax.ragged_dot for ragged_dot (= auto on Blackwell in bf16); with MXFP8
-on Blackwell auto takes the batched / blocked einsum layouts); cuDNN block-scaled
+on Hopper), jax.lax.ragged_dot for ragged_dot; on Blackwell auto takes the batched /
+blocked einsum layouts, and no cell but an explicit ragged_dot compiles a dense product
+over the expert groups (`gpu_hlo.dense_grouped_dots`: XLA:GPU lowers every ragged_dot
+so, which the explicit cells show); cuDNN block-scaled
 GEMMs for MXFP8 experts on Blackwell (`block_scaled_expected`), none on Hopper or in
 bf16; the fused MXFP8 quantizer kernel on both; cuDNN fused attention forward and
 backward and no [T, S] score buffer in the optimized HLO (`attention_problems`;
@@ -96,13 +99,14 @@ class Cell:
             return self.gmm
         if self.kind in HOPPER:
             return "pallas"
-        return "einsum" if self.precision == "mxfp8" else "ragged_dot"  # Blackwell
+        return "einsum"  # Blackwell: no grouped GEMM kernel; ragged_dot would be dense
 
 
 CELLS = (
     [Cell("h200", 1, "local", g, p) for g in GMM_IMPLS for p in PRECISIONS]
     + [Cell(k, 8, d, g, p) for k in ("h200", "b300") for d in DISPATCHES for g in GMM_IMPLS
        for p in PRECISIONS]
+    + [Cell("b200", 8, d, "auto", "bf16") for d in DISPATCHES]
     + [Cell("h200", 8, "rowwise", "auto", "bf16", s) for s in SCHEDULES]
 )
 
@@ -132,7 +136,7 @@ def cell_config(cell: Cell):
 def expert_layout(cell: Cell) -> str:
     """How the cell's expert GEMMs run: the resolved grouped matmul over rows grouped by
     expert (pallas: the Pallas kernel; ragged_dot: jax.lax.ragged_dot; rowwise's capacity
-    buffers are such groups of equal size), or with einsum (auto for MXFP8 on Blackwell)
+    buffers are such groups of equal size), or with einsum (auto on Blackwell)
     batched products: over rowwise's capacity buffers, or the blocked dropless layout."""
     r = cell.resolved_gmm
     if r in ("pallas", "ragged_dot"):
@@ -168,6 +172,12 @@ def path_problems(cell: Cell, step) -> list[str]:
     if layout == "ragged" and not want_scaled and "ragged_dot" not in stablehlo:
         out.append(f"gmm_impl={cell.gmm} must resolve to ragged_dot on {cell.kind}: the "
                    "StableHLO has no ragged_dot")
+    dense = gpu_hlo.dense_grouped_dots(module)
+    if layout == "ragged" and not want_scaled and not dense:
+        out.append("jax.lax.ragged_dot compiled without a dense product over the groups: "
+                   "gpu_hlo.dense_grouped_dots no longer sees this XLA:GPU's lowering")
+    if layout != "ragged" and dense:
+        out.append(f"{len(dense)} dense products over the expert groups in the {layout} layout")
     if want_scaled and scaled == 0:
         out.append(f"MXFP8 experts on {cell.kind} ({layout} layout, gmm_impl={cell.gmm}) "
                    "compiled no cuDNN block-scaled GEMM (__cudnn$blockScaledDot)")

@@ -65,17 +65,23 @@ def test_tiled_with_mxfp8_is_refused_naming_the_fix():
     "cc,dtype,precision,dims,want",
     [
         ((9, 0), jnp.bfloat16, "bf16", (64, 128), "pallas"),  # Hopper: the wgmma kernel
-        ((9, 0), jnp.bfloat16, "bf16", (32, 128), "ragged_dot"),  # d_model off the 64 tiles
-        ((9, 0), jnp.float32, "bf16", None, "ragged_dot"),  # the kernel takes 16-bit operands
+        ((9, 0), jnp.bfloat16, "bf16", (32, 128), "einsum"),  # d_model off the 64 tiles
+        ((9, 0), jnp.float32, "bf16", None, "einsum"),  # the kernel takes 16-bit operands
         ((9, 0), jnp.bfloat16, "mxfp8", None, "pallas"),  # no block-scaled MMA on Hopper
-        ((10, 0), jnp.bfloat16, "bf16", None, "ragged_dot"),  # Blackwell: no wgmma
+        ((10, 0), jnp.bfloat16, "bf16", None, "einsum"),  # Blackwell: no wgmma
+        ((10, 3), jnp.bfloat16, "bf16", (4096, 4096), "einsum"),
+        ((10, 0), jnp.float32, "bf16", None, "einsum"),
         ((10, 0), jnp.bfloat16, "mxfp8", None, "einsum"),  # blocked layout: scaled_matmul
         ((10, 3), jnp.bfloat16, "mxfp8", None, "einsum"),
-        ((8, 0), jnp.bfloat16, "bf16", None, "ragged_dot"),  # Ampere
+        ((8, 0), jnp.bfloat16, "bf16", None, "einsum"),  # Ampere
     ],
 )
 def test_auto_on_gpus(cc, dtype, precision, dims, want):
+    """auto never picks ragged_dot on a GPU: XLA:GPU lowers it as a dense product over the
+    expert groups (tests/gpu/test_compile_matrix.py sees it in the compiled step)."""
     assert resolve_gmm_impl("auto", _gpu(cc), dtype, precision, dims) == want
+    # XLA:TPU has a grouped matmul of its own
+    assert resolve_gmm_impl("auto", platform.Target("tpu"), dtype, precision, dims) == "ragged_dot"
 
 
 def test_pallas_is_refused_where_it_cannot_run():
@@ -166,9 +172,9 @@ def _model(dtype="bfloat16", precision="bf16", gmm="auto", attention="auto", d_m
         ("cpu", "bfloat16", "bf16", KernelChoice("tiled", "xla", "tiles", "blas", "dequantize")),
         ("cpu", "float32", "mxfp8", KernelChoice("einsum", "blas", "blocks", "blas", "dequantize")),
         ("h200", "bfloat16", "bf16", KernelChoice("pallas", "cudnn", "none", "xla", "dequantize")),
-        ("h200", "float32", "bf16", KernelChoice("ragged_dot", "xla", "none", "xla", "dequantize")),
+        ("h200", "float32", "bf16", KernelChoice("einsum", "xla", "blocks", "xla", "dequantize")),
         ("h200", "bfloat16", "mxfp8", KernelChoice("pallas", "cudnn", "none", "xla", "dequantize")),
-        ("b300", "bfloat16", "bf16", KernelChoice("ragged_dot", "cudnn", "none", "xla",
+        ("b300", "bfloat16", "bf16", KernelChoice("einsum", "cudnn", "blocks", "xla",
                                                   "scaled_matmul")),
         ("b300", "bfloat16", "mxfp8", KernelChoice("einsum", "cudnn", "blocks", "xla",
                                                    "scaled_matmul")),

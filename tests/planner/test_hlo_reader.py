@@ -19,6 +19,18 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 ATTENTION = (HERE / "hlo" / "h200_attention_scan.hlo").read_text()
 ALL_TO_ALL = (HERE / "hlo" / "h200_all_to_all.hlo").read_text()
+# jax.lax.ragged_dot(x [64, 32], w [4, 32, 16], group_sizes [4]) compiled by XLA:GPU for an
+# abstract B300 (olmo_jax.targets): rows masked per group, one dot over all 4 groups' K.
+RAGGED_DOT = (HERE / "hlo" / "b300_ragged_dot.hlo").read_text()
+# A Mosaic GPU kernel's call as XLA:GPU prints it: the declared cost estimate is an MLIR
+# string whose quotes are the escape \22 (the kernel's hash bytes are escaped the same way).
+MOSAIC = (
+    "HloModule m\n\nENTRY %e (x: bf16[64,32]) -> bf16[64,16] {\n"
+    "  %x = bf16[64,32]{1,0} parameter(0)\n"
+    '  ROOT %k = bf16[64,16]{1,0} custom-call(%x), custom_call_target="mosaic_gpu_v2", '
+    r'backend_config={cost_estimate_json = "{\22flops\22: 65536, \22transcendentals\22: 0, '
+    r'\22bytes_accessed\22: 6144, \22remote_bytes_transferred\22: 0}", '
+    r'kernel_hash = "\DC\FCVH|\C6"}' "\n}\n")
 
 # `jax.jit(lambda x: jnp.sin(x) @ x.T).lower(x).as_text(dialect="hlo")`: headers carry no
 # signature and operands no `%`.
@@ -76,6 +88,23 @@ def test_custom_call_instructions(attention):
     flops = 2 * 2 * 4 * 128 * 128 * 64 * 129 / 256
     assert gpu_hlo.custom_call_dot_flops(attention, fwd) == 2 * flops
     assert gpu_hlo.custom_call_dot_flops(attention, bwd) == 5 * flops
+
+
+def test_ragged_dot_lowered_as_a_dense_product_over_the_groups():
+    (dense,) = gpu_hlo.dense_grouped_dots(RAGGED_DOT)
+    assert dense.op_name.endswith("ragged_dot_general") and dense.count == 1
+    assert dense.flops == 4 * (2 * 64 * 32 * 16)  # every row against all 4 groups' weights
+    assert gpu_hlo.dense_grouped_dots(ATTENTION) == []
+
+
+def test_a_mosaic_kernels_declared_cost_estimate():
+    module = hlo.parse_module(MOSAIC)
+    kernel = module.by_name["k"]
+    assert backend_config.cost_estimate(kernel) == {
+        "flops": 65536, "transcendentals": 0, "bytes_accessed": 6144,
+        "remote_bytes_transferred": 0}
+    assert gpu_hlo.custom_call_dot_flops(module, kernel) == 65536
+    assert gpu_hlo.uncounted_kernels(module) == []
 
 
 def test_collective_instructions():

@@ -39,7 +39,7 @@ def small_config():
     m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.n_kv_heads = 128, D, 2, 4, 2
     m.n_dense_layers, m.dense_hidden, m.dtype = 1, 128, "bfloat16"
     m.moe.num_experts, m.moe.top_k, m.moe.expert_hidden = EXPERTS, 2, 64
-    m.moe.gmm_impl = "einsum"  # batched GEMMs over the capacity groups (ragged_dot: notes)
+    m.moe.gmm_impl = "einsum"  # batched GEMMs over the capacity groups (ragged_dot: the plan's error)
     c.parallel.expert, c.parallel.dispatch = 4, "rowwise"
     c.trainer.global_batch_size, c.trainer.seq_len = BATCH, SEQ
     return c
@@ -57,6 +57,7 @@ def test_the_plan_is_xla_gpus(out):
     print(text)
     assert "compiled by XLA:GPU for 4 abstract H200 GPUs" in text and "FALLBACK" not in text
     assert plan["compiler"] == "XLA:GPU" and plan["attention_impl"] == "cudnn"
+    assert plan["errors"] == []  # einsum: no routed-expert op dense over the groups
     assert plan["matmul_efficiency"] == pytest.approx(hardware.MATMUL_EFFICIENCY)
     assert plan["link_efficiency"] == hardware.LINK_EFFICIENCY
     assert "at 79.2% of peak" in text and "80% of the link bandwidth" in text

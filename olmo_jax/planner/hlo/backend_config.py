@@ -15,6 +15,7 @@ _CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\s*\[([^\]]*)\]')
 _SCORES = re.compile(r'"intermediate_tensor_shape":\s*\{[^{}]*?"dimensions":\s*\[([^\]]*)\]')
 _CAUSAL = re.compile(r'"mask_type":\s*"CAUSAL"')
 _COST = re.compile(r'cost_estimate_json\s*=\s*"((?:[^"\\]|\\.)*)"')
+_HEX_ESCAPE = re.compile(r"\\([0-9A-Fa-f]{2})")  # MLIR's string escape: \22 is a quote
 
 
 def _ints(text: str) -> list[int]:
@@ -45,6 +46,6 @@ def causal_mask(ins: Instruction) -> bool:
 
 def cost_estimate(ins: Instruction) -> dict | None:
     """The cost estimate a Mosaic GPU kernel declared (`cost_estimate_json`: flops,
-    bytes_accessed, ...), decoded from its escaped string."""
+    bytes_accessed, ...), decoded from its MLIR-escaped string (`\\22` for each quote)."""
     m = _COST.search(ins.args)
-    return json.loads(m.group(1).encode().decode("unicode_escape")) if m else None
+    return json.loads(_HEX_ESCAPE.sub(lambda e: chr(int(e.group(1), 16)), m.group(1))) if m else None
