@@ -17,9 +17,9 @@ from olmo_jax import config as config_lib
 from olmo_jax.errors import ConfigError
 from olmo_jax.model.params import path_name
 from olmo_jax.optim import build_optimizer, schedulers
-from olmo_jax.trainer import run_dir as run_dir_lib
 from olmo_jax.optim.config import OptimConfig
 from olmo_jax.trainer import loop
+from olmo_jax.trainer import run_dir as run_dir_lib
 from tests.run_config import run_config
 
 SPEC = ("*router*,embedding: wd_mult=0.0, lr_mult=2.0; lm_head: lr_mult=0.5; "
