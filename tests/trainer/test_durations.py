@@ -16,6 +16,7 @@ from rich.console import Console
 from olmo_jax import config as config_lib
 from olmo_jax.errors import ConfigError
 from olmo_jax.trainer import loop
+from olmo_jax.trainer import run_dir as run_dir_lib
 from tests.run_config import run_config
 from tests.trainer.test_train_smoke import smoke_config
 
@@ -55,7 +56,8 @@ def test_data_seed_fixes_the_order_apart_from_the_init(tmp_path):
     def built(name, trainer_seed, data_seed):
         cfg = smoke_config(tmp_path / name, steps=4)
         cfg.trainer.seed, cfg.data.seed = trainer_seed, data_seed
-        run = loop._build(config_lib.validate(cfg), Console(quiet=True), True)
+        run_cfg = config_lib.validate(cfg)
+        run = loop._build(run_cfg, Console(quiet=True), True, run_dir_lib.prepare(run_cfg))
         run.checkpoints.close()
         return run.data.train
 
