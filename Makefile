@@ -7,7 +7,10 @@ ORACLE := .venv-oracle
 ORACLE_PY := $(ORACLE)/bin/python
 GPU_VENV := .venv-gpu
 GPU_PY := $(GPU_VENV)/bin/python
-# jax 0.11.2 (the lent GPU image's jax): the fast tier of the kernel, model and parallel
+# jax 0.11.2 (the lent GPU image's jax).
+J11 := .venv-jax011
+J11_PY := $(J11)/bin/python
+# On jax 0.11.2: the fast tier of the kernel, model and parallel
 # tests (-m "not slow": the slow ones recompile the same ops at larger meshes and shapes;
 # every API they call is called by a fast test too), and every test of what runs on the
 # image itself (marked `image`: gpu_check end to end, the image's packages), slow or not.
@@ -22,6 +25,11 @@ GPU_PYTEST_ARGS ?= tests/gpu
 # Test processes (pytest-xdist; whole files per process, so a module compiles its programs once).
 TEST_WORKERS ?= 2
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
+# The CPU test stages (main, jax 0.11.2, make check) compile with XLA's backend (LLVM)
+# optimization level 0: the same HLO passes, fusions and buffers, less LLVM time (a third
+# less wall time on tests/model's MoE and router files, measured side by side); the GPU
+# stages keep the default. The golden curve's runs drop it (tools/testing/golden_curve.py).
+CPU_TEST_XLA_FLAGS := $(XLA_FLAGS) --xla_backend_optimization_level=0
 # `make test` installs its four venvs side by side (make -j); their editable installs of this
 # checkout write the same olmo_jax.egg-info, so those steps take turns under one lock
 # (util-linux's flock; without it the venvs install one after another).
@@ -120,9 +128,10 @@ test:
 	  echo "error: a venv could not be installed (see pip's message above): the tests cannot run" >&2; \
 	  exit 1; }
 	@$(MAKE) --no-print-directory docs
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --ignore=tests/gpu $(PYTEST_ARGS)
+	XLA_FLAGS="$(CPU_TEST_XLA_FLAGS)" $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --ignore=tests/gpu $(PYTEST_ARGS)
 	@if [ -n "$(strip $(J11_TESTS))" ]; then echo "jax 0.11.2 ($(J11)): $(J11_TESTS)"; \
-	  $(J11_PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow or image" $(J11_TESTS); fi
+	  XLA_FLAGS="$(CPU_TEST_XLA_FLAGS)" $(J11_PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile \
+	    -m "not slow or image" $(J11_TESTS); fi
 	@# One GPU architecture per process: once a process has assembled a Mosaic GPU kernel for
 	@# sm_90a, ptxas refuses its sm_103a kernels ("SM version specified by .target is higher
 	@# than default SM version assumed"), so Hopper and Blackwell compile in separate runs.
@@ -136,7 +145,7 @@ docs: venv
 # The inner loop (meant to take < 8 min on 2 cores once the venvs are installed): lint, then
 # the main suite's fast tier, every test not marked `slow` (tests/conftest.py SLOW).
 check: lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --ignore=tests/gpu -m "not slow" $(PYTEST_ARGS)
+	XLA_FLAGS="$(CPU_TEST_XLA_FLAGS)" $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --ignore=tests/gpu -m "not slow" $(PYTEST_ARGS)
 
 lint: venv
 	$(PY) -m ruff check olmo_jax tests tools configs
