@@ -10,6 +10,11 @@ model and parallel tests in .venv-jax011 too):
   unoptimized untiled store of the value's fragments (it also reads the old contents,
   which are discarded); in interpret mode both are the state `swap`. `gpu_store` picks.
 
+- `plgpu.kernel(..., cost_estimate=)` is new in 0.12 (0.11.2 passes unknown keywords on to
+  its Mesh, which refuses them). `gpu_kernel_cost` gives the keyword where it exists; in
+  0.11.2 a kernel declares no cost, which changes no numerics (the planner then counts
+  its FLOPs as 0, as planner/gpu_hlo.py says).
+
 Everything else olmo_jax uses exists in 0.11.2 with the same meaning: `jax.shard_map`,
 `jax.typeof`, `jax.lax.pcast`, `jax.reshard`, `jax.lax.ragged_all_to_all`,
 `jax.nn.scaled_matmul`, `jax.experimental.topologies`, `plgpu.kernel` / `load` /
@@ -31,3 +36,15 @@ def gpu_store(ref, value) -> None:
         store(ref, value, optimized=False)
     else:  # jax 0.11: the swap lowering stores untiled, optimized=False
         ref[...] = value
+
+
+def gpu_kernel_cost(estimate) -> dict:
+    """`plgpu.kernel`'s keyword arguments declaring `estimate` (a pl.CostEstimate) to XLA:
+    {"cost_estimate": estimate} on jax >= 0.12, nothing on 0.11.2 (module docstring)."""
+    import inspect
+
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if "cost_estimate" in inspect.signature(plgpu.kernel).parameters:
+        return {"cost_estimate": estimate}
+    return {}

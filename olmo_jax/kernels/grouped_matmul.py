@@ -49,7 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from olmo_jax import shapes
+from olmo_jax import compat, shapes
 from olmo_jax.kernels import platform, vma
 
 # ----------------------------------------------------------------------------- reference
@@ -290,7 +290,7 @@ def _gmm_kernel(M, Mp, K, N, G, transpose_rhs, cfg, dtype, num_programs, interpr
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((Mp, N), dtype),
-        cost_estimate=_cost(M, K, N, (M * K, G * K * N, Mp * N), dtype),
+        **compat.gpu_kernel_cost(_cost(M, K, N, (M * K, G * K * N, Mp * N), dtype)),
         grid=(num_programs,),
         grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(
@@ -391,7 +391,7 @@ def _tgmm_kernel(M, K, N, G, cfg, dtype, num_programs, interpret):
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((G, K, N), dtype),
-        cost_estimate=_cost(M, K, N, (M * K, M * N, G * K * N), dtype),
+        **compat.gpu_kernel_cost(_cost(M, K, N, (M * K, M * N, G * K * N), dtype)),
         grid=(num_programs,),
         grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(

@@ -95,7 +95,8 @@ def test_gpu_check_dry_run(tmp_path):
     assert "the target is cpu" in s["attention"]["result"]["cudnn"]["not_run"]
     runs = [s[n]["result"] for n in ("train_pallas", "train_ragged_dot", "train_einsum")]
     assert [r["resolved_gmm_impl"] for r in runs] == ["pallas", "ragged_dot", "einsum"]
-    assert all(r["mesh"] == {"pipe": 1, "data": 1, "expert": 1} and r["tokens_per_s"] > 0 for r in runs)
+    assert all(r["mesh"] == {"pipe": 1, "data": 1, "context": 1, "expert": 1} and r["tokens_per_s"] > 0
+               for r in runs)
     assert results["summary"]["losses"]["ok"]
     hf = s["hf"]["result"]
     assert hf["tokens_per_s"] > 0 and len(hf["losses"]) == 2
