@@ -111,20 +111,24 @@ def _bucket_missing(path: str) -> bool:
         return False
 
 
+def _bucket_filesystem(path: str):
+    """The filesystem of remote `path`, whose bucket must exist (FileNotFoundError names a
+    missing one, storage_error's NoSuchBucket)."""
+    if _bucket_missing(path):
+        raise FileNotFoundError(f"NoSuchBucket: {bucket_of(path)}")
+    return filesystem(path)
+
+
 def exists(path: str | Path) -> bool:
     if not is_remote(path):
         return Path(path).expanduser().exists()
-    if _bucket_missing(str(path)):
-        raise FileNotFoundError(f"NoSuchBucket: {bucket_of(str(path))}")
-    return bool(filesystem(path).exists(str(path)))
+    return bool(_bucket_filesystem(str(path)).exists(str(path)))
 
 
 def is_file(path: str | Path) -> bool:
     if not is_remote(path):
         return Path(path).expanduser().is_file()
-    if _bucket_missing(str(path)):
-        raise FileNotFoundError(f"NoSuchBucket: {bucket_of(str(path))}")
-    return bool(filesystem(path).isfile(str(path)))
+    return bool(_bucket_filesystem(str(path)).isfile(str(path)))
 
 
 def size(path: str | Path) -> int:
