@@ -155,6 +155,20 @@ def _model_config(cfg: RunConfig, data) -> TransformerConfig:
     return model_cfg
 
 
+def schedule_args(t_cfg: TrainerConfig) -> dict:
+    """The run's length as the learning-rate schedule takes it (build_optimizer's
+    tokens_per_step, max_tokens, and with trainer.batch_size_schedule `batches`: each
+    step's tokens and its rescaled initial lr; max_tokens then only where it ends the run)."""
+    schedule = t_cfg.batch_schedule
+    if schedule is None:
+        return {"tokens_per_step": t_cfg.tokens_per_step, "max_tokens": t_cfg.budget_tokens}
+    steps = t_cfg.total_steps
+    return {"tokens_per_step": t_cfg.tokens_per_step,
+            "max_tokens": t_cfg.max_tokens if t_cfg.binds == "trainer.max_tokens" else 0,
+            "batches": StepBatches(schedule.step_sizes(steps) * t_cfg.seq_len,
+                                   functools.partial(schedule.initial_lrs, steps=steps))}
+
+
 def _build(cfg: RunConfig, console: Console, main: bool, run_dir: Path) -> _Run:
     """Data, model, plan, optimizer, checkpoints and the (uncompiled) step functions, from
     the validated sections (config.validate), for the run folder `run_dir`."""
@@ -166,17 +180,10 @@ def _build(cfg: RunConfig, console: Console, main: bool, run_dir: Path) -> _Run:
     config_model_cfg = _model_config(cfg, data)  # as configured: what checkpoints record
     plan = build_plan(cfg.parallel, t_cfg, config_model_cfg, optim=cfg.optim)  # mesh, strategy, dispatcher
     model_cfg = plan.model_cfg  # kernels resolved for the mesh: the model is built with it
-    batches = None
-    if batch_schedule is not None:
-        for size in data.train.sizes:
-            check_batch(size, plan.mesh, t_cfg.grad_accum_at(size),
-                        f"trainer.batch_size_schedule's batch of {size} sequences")
-        batches = StepBatches(batch_schedule.step_sizes(t_cfg.total_steps) * t_cfg.seq_len,
-                              functools.partial(batch_schedule.initial_lrs, steps=t_cfg.total_steps))
-    tx, schedule = build_optimizer(
-        cfg.optim, t_cfg.total_steps, tokens_per_step=t_cfg.tokens_per_step,
-        max_tokens=(t_cfg.max_tokens if t_cfg.binds == "trainer.max_tokens" else 0) if batches
-        else t_cfg.budget_tokens, batches=batches)
+    for size in data.train.sizes if batch_schedule is not None else ():  # each fits the mesh
+        check_batch(size, plan.mesh, t_cfg.grad_accum_at(size),
+                    f"trainer.batch_size_schedule's batch of {size} sequences")
+    tx, schedule = build_optimizer(cfg.optim, t_cfg.total_steps, **schedule_args(t_cfg))
     guard_cfg = guard_lib.GuardConfig.from_trainer(t_cfg)
     graphdef, abstract = abstract_train_state(model_cfg, tx, dispatcher=plan.dispatcher,
                                               guard_cfg=guard_cfg)
