@@ -5,7 +5,7 @@ logs each step's `batch_size`, trains on as many tokens as the schedule says, an
 OLMo-core's scheduler to the learning rate rescaled by sqrt(batch /
 trainer.global_batch_size); stopped mid-warmup (hard_stop) and resumed, every step's
 metrics are bitwise the uninterrupted run's, the pending size change applying after the
-resume."""
+resume. The report's summary names the schedule."""
 
 import io
 import json
@@ -16,6 +16,7 @@ import pytest
 from rich.console import Console
 
 from olmo_jax import config as config_lib
+from olmo_jax.report import page, sources
 from olmo_jax.trainer import loop
 from tests.run_config import run_config
 
@@ -75,6 +76,9 @@ def test_each_size_has_its_program_and_the_lr_follows_olmo_core(straight):
     want = [cos_with_warmup(i, t) for i, t in zip(initial, seen, strict=True)]
     assert [r["lr"] for r in records] == pytest.approx(want, rel=1e-6)
     assert records[-1]["loss"] < records[0]["loss"]
+    run = sources.load_run(Path(summary.metrics_path).parent)  # the report's summary says it
+    rows = dict(page.run_page(run, sources.model_config(run.cfg))["sections"][0]["data"]["run"])
+    assert rows["batch"] == f"8 x 32 tokens, grad_accum 1; batch_size_schedule {SCHEDULE}"
 
 
 def test_resume_mid_warmup_is_bitwise(straight, tmp_path):
