@@ -37,8 +37,8 @@ so, which the explicit cells show); cuDNN block-scaled
 GEMMs for MXFP8 experts on Blackwell (`block_scaled_expected`), none on Hopper or in
 bf16; the fused MXFP8 quantizer kernel on both; cuDNN fused attention forward and
 backward and no [T, S] score buffer in the optimized HLO (`attention_problems`;
-model.attention_impl=auto in bfloat16; its control, one 1-GPU step with
-attention_impl=xla, has no cuDNN call and score buffers the check finds); stage-to-stage
+model.attention_impl=auto in bfloat16; its control, the xla attention core's forward and
+backward on one GPU, has no cuDNN call and score buffers the check finds); stage-to-stage
 sends in the pipelined cells. A step that compiled a CPU path for a GPU mesh fails here.
 
 The session prints each cell's status and wall times (tests/gpu/results.py).
@@ -49,11 +49,15 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import jax
+import jax.numpy as jnp
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 
 from olmo_jax import config as config_lib
 from olmo_jax import targets
 from olmo_jax.config import default_config
+from olmo_jax.model.attention import causal_attention
 from olmo_jax.parallel.strategy import build_plan
 from olmo_jax.planner import gpu_hlo, hlo_cost
 from olmo_jax.planner.compile import compile_train_step, model_config
@@ -246,18 +250,26 @@ def test_cell(cell):
 
 
 def test_xla_attention_core_leaves_score_buffers():
-    """The control of `attention_problems`' score-buffer check: with
-    model.attention_impl=xla the same 1-GPU step has no cuDNN attention and the check
-    finds its [B, K, G * T, S] score buffers."""
+    """The control of `attention_problems`' score-buffer check: the xla attention core
+    (model.attention_impl=xla; causal_attention in the model's `attention_scores` scope),
+    forward and backward at the cells' attention shape, compiled for one H200, has no cuDNN
+    attention, and the check finds its [B, K, G * T, S] score buffers."""
     cell = Cell("h200", 1, "local", "ragged_dot", "bf16")
-    cfg = cell_config(cell)
-    cfg.model.attention_impl = "xla"
-    step = compile_train_step(config_lib.validate(cfg), targets.abstract_devices("h200", 1), trainer_step=True,
-                              options=COMPILE_OPTIONS)
-    assert not gpu_hlo.cudnn_attention(step.module)
-    scores = hlo_cost.score_buffers(step.module, SEQ_LEN)
-    m = cfg.model
-    rows = m.n_heads // m.n_kv_heads * SEQ_LEN  # one query chunk at this length
+    m = cell_config(cell).model
+    N, K, H = m.n_heads, m.n_kv_heads, m.d_model // m.n_heads
+    mesh = targets.make_mesh("h200", (1,), ("data",))
+    spec = NamedSharding(mesh, PartitionSpec())
+
+    def loss(q, k, v):
+        with jax.named_scope("attention_scores"):
+            return jnp.sum(causal_attention(q, k, v).astype(jnp.float32))
+
+    args = [jax.ShapeDtypeStruct((2, SEQ_LEN, n, H), jnp.bfloat16, sharding=spec) for n in (N, K, K)]
+    module = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*args).lower().compile(
+        COMPILE_OPTIONS).as_text()
+    assert not gpu_hlo.cudnn_attention(module)
+    scores = hlo_cost.score_buffers(module, SEQ_LEN)
+    rows = N // K * SEQ_LEN  # one query chunk at this length
     assert any(s.endswith(f",{rows},{SEQ_LEN}]") for s in scores), scores
-    problems = attention_problems(cell, step.module)
+    problems = attention_problems(cell, module)
     assert len(problems) == 2 and "score buffers" in problems[1], problems
