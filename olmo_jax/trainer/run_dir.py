@@ -286,7 +286,12 @@ class RunFolder:
         mirror, lease, self.mirror, self.lease = self.mirror, self.lease, None, None
         try:
             if mirror is not None:
-                mirror.close(upload=not refused and not (lease and lease.lost))
+                try:
+                    mirror.close(upload=not refused and not (lease and lease.lost))
+                except (OSError, ValueError) as e:  # the last upload: one error line
+                    raise StorageError(
+                        f"{storage.storage_error(self.url, e, 'writing')}; the run's files "
+                        f"are kept in {self.path}") from None
         finally:
             if lease is not None:
                 lease.release()

@@ -236,3 +236,30 @@ def test_missing_bucket_and_denied_access_name_the_path(s3, tmp_path):
             train(config_lib.validate(run_config(RUN, tmp_path / "cache")))
         assert moto_s3.SECRET not in str(e.value) and moto_s3.KEY_ID not in str(e.value)
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.json"))
+
+
+def test_a_lost_lease_stops_the_run_and_a_refused_launch_leaves_nothing(s3, tmp_path):
+    from olmo_jax.errors import StorageError
+    from olmo_jax.trainer.run_dir import RunFolder
+
+    url = f"s3://{BUCKET}/folder-test"
+    cfg = config_lib.validate(run_config(url, tmp_path / "cache"))
+    folder = RunFolder(cfg, main=True)
+    (folder.path / "metrics.jsonl").write_text('{"step": 1}\n')
+    folder.on_save(1)  # the owner: the run's files reach the bucket before the save
+    assert storage.read_text(f"{url}/metrics.jsonl") == '{"step": 1}\n'
+    storage.write_text(f"{url}/owner.lease", json.dumps({"owner": "pid 7 on host elsewhere"}))
+    with pytest.raises(StorageError, match=rf"trainer\.run_dir={url}: its lease {url}/owner\.lease "
+                                           r"was taken over by pid 7 on host elsewhere.*before "
+                                           r"saving step 2"):
+        folder.on_save(2)
+    folder.release()
+    assert json.loads(storage.read_text(f"{url}/owner.lease"))["owner"] == "pid 7 on host elsewhere"
+    storage.filesystem(url).rm(f"{url}/owner.lease")
+    # a launch refused for a different config: the lease goes, the bucket is as it was
+    storage.write_text(f"{url}/config.json", json.dumps({"trainer": {"seed": 99}}))
+    before = sorted(storage.filesystem(url).find(url))
+    with pytest.raises(ConfigError, match=r"holds a run with a different config"):
+        RunFolder(cfg, main=True)
+    assert sorted(storage.filesystem(url).find(url)) == before
+    assert not folder.path.exists()
