@@ -57,6 +57,7 @@ SLOW = (
     "tests/trainer/test_bucket_run_dir.py::test_a_second_trainer_is_refused_while_the_owner_lives",
     "tests/trainer/test_bucket_run_dir.py::test_the_bucket_holds_the_run_folder_and_no_credentials",
     "tests/trainer/test_bucket_run_dir.py::test_init_from_and_convert_read_the_bucket",
+    "tests/trainer/test_bucket_run_dir.py::test_the_report_reads_the_bucket",
     "tests/evals/test_downstream.py",
     "tests/evals/test_in_loop.py",
     "tests/parallel/test_gpu_paths.py",

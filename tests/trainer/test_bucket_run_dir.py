@@ -11,7 +11,8 @@ the environment.
    norm bitwise equal to a run on local disk that was never interrupted, each step once.
 2. The folder holds what a local one holds (config, metrics, errors log, mesh, checkpoints
    with commit markers); no credential is in any object, the local copy or the output.
-3. init_from and convert read the bucket's checkpoints: the same weights as the local run.
+3. init_from and convert read the bucket's checkpoints: the same weights as the local run;
+   the report reads the bucket's run files and uploads its page there.
 4. The lease on its own: a second owner is refused, a silent one's lease expires (on the
    store's clock) and is taken over, the paused owner then finds it lost; a dead owner on
    this machine is replaced at once.
@@ -168,6 +169,17 @@ def test_the_bucket_holds_the_run_folder_and_no_credentials(runs):
                 assert secret.encode() not in path.read_bytes(), path
         for text in texts:
             assert secret not in text
+
+
+def test_the_report_reads_the_bucket(runs):
+    """python -m olmo_jax.report on the bucket's run folder: the page goes next to it."""
+    done = subprocess.run([sys.executable, "-m", "olmo_jax.report", RUN], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == f"{RUN}/report.html"
+    html = storage.read_text(f"{RUN}/report.html")
+    assert "<html" in html.lower() and str(runs["straight"][1][-1]["loss"]) in html
+    assert moto_s3.SECRET not in html + done.stdout + done.stderr
 
 
 def test_init_from_and_convert_read_the_bucket(runs, tmp_path):
