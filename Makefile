@@ -10,14 +10,18 @@ GPU_PY := $(GPU_VENV)/bin/python
 # jax 0.11.2 (the lent GPU image's jax).
 J11 := .venv-jax011
 J11_PY := $(J11)/bin/python
-# On jax 0.11.2: the fast tier of the kernel, model and parallel
-# tests (-m "not slow": the slow ones recompile the same ops at larger meshes and shapes;
-# every API they call is called by a fast test too), and every test of what runs on the
-# image itself (marked `image`: gpu_check end to end, the image's packages), slow or not.
-# The pipeline executor's and the bf16 copies' tests stay on the main stage only.
-J11_TESTS ?= tests/kernels tests/model tests/tools tests/trainer/test_image_packages.py \
-  $(filter-out tests/parallel/test_pipeline.py tests/parallel/test_parallel_bf16.py tests/parallel/harness.py,\
-  $(wildcard tests/parallel/test_*.py))
+# On jax 0.11.2: the tests of what differs between the two jax versions, in the fast tier
+# (-m "not slow"), and every test of what runs on the image itself (marked `image`:
+# gpu_check end to end, the image's packages), slow or not. What differs is what
+# olmo_jax/compat.py lists: the Pallas Mosaic GPU kernels in interpret mode and the CPU FFI
+# kernels (tests/kernels), jax.nn.scaled_matmul (MXFP8), and the shard_map APIs: vma typing
+# and pcast (test_gpu_typing, test_parallel_zero), ragged_all_to_all
+# (test_parallel_dispatch), ppermute rings (test_context_attention). The rest of the suite
+# runs on the main stage's jax only.
+J11_TESTS ?= tests/kernels tests/tools tests/trainer/test_image_packages.py \
+  tests/model/test_mxfp8_model.py tests/parallel/test_gpu_typing.py \
+  tests/parallel/test_parallel_zero.py tests/parallel/test_parallel_dispatch.py \
+  tests/parallel/test_context_attention.py
 CONFIG ?= configs/tiny.py
 ARGS ?=
 PYTEST_ARGS ?=

@@ -2,8 +2,8 @@
 
 The lent H200 image ships jax/jaxlib 0.11.2 and installs nothing, so every API olmo_jax
 uses must exist in 0.11.2 or have a fallback here with identical numerics on both.
-What differs (checked against both installed versions; `make test` runs the kernel,
-model and parallel tests in .venv-jax011 too):
+What differs (checked against both installed versions; `make test` runs the tests of
+these APIs in .venv-jax011 too, Makefile J11_TESTS):
 
 - `plgpu.store(ref, value, optimized=False)` (Pallas Mosaic GPU) is new in 0.12. In
   0.11.2 the ref assignment `ref[...] = value` lowers (Lane semantics) to the same

@@ -266,12 +266,40 @@ def check(run: RunConfig) -> RunConfig:
     run.trainer.validate()
     run.data.validate()
     run.optim.validate()
+    _check_batch_size_schedule(run)
     if run.model.vocab_size and run.data.vocab_size and run.model.vocab_size < run.data.vocab_size:
         raise ConfigError(
             f"model.vocab_size={run.model.vocab_size} is smaller than data.vocab_size="
             f"{run.data.vocab_size}; raise model.vocab_size (or set it to 0 = from the data)"
         )
     return run
+
+
+def _check_batch_size_schedule(run: RunConfig) -> None:
+    """What trainer.batch_size_schedule does not support, as OLMo-core's callback refuses
+    it (non-Adam optimizers; a step-unit scheduler whose end moves with the batch size) or
+    as olmo_jax cannot run it (a pipeline's fixed microbatches)."""
+    t = run.trainer
+    if not t.batch_size_schedule:
+        return
+    if run.parallel.pipe > 1:
+        raise ConfigError(
+            f"trainer.batch_size_schedule is not supported with parallel.pipe={run.parallel.pipe}: "
+            "a pipeline's microbatches (parallel.microbatches) are fixed per compiled schedule; "
+            "set parallel.pipe=1 or trainer.batch_size_schedule=''")
+    if run.optim.name != "adamw":
+        raise ConfigError(
+            f"trainer.batch_size_schedule rescales an AdamW learning rate by sqrt(batch ratio), "
+            f"as OLMo-core's BatchSizeSchedulerCallback does (it refuses other optimizers); "
+            f"optim.name={run.optim.name!r}: set optim.name=adamw or trainer.batch_size_schedule=''")
+    if run.optim.scheduler and t.binds == "trainer.max_tokens":
+        sched = schedulers.parse(run.optim.scheduler)
+        if not schedulers.keeps_t_max(sched):
+            raise ConfigError(
+                f"optim.scheduler={run.optim.scheduler!r}: with trainer.batch_size_schedule and "
+                f"a run measured in tokens (trainer.max_tokens binds), the scheduler's units "
+                "must be 'tokens' unless it sets t_max (its end in steps would move with the "
+                "batch size; OLMo-core's callback refuses it too); add units='tokens'")
 
 
 def check_training(run: RunConfig) -> None:

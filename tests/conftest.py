@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 # data, planner, report, config) and the golden loss curve.
 SLOW = (
     "tests/model/test_doc_mask.py::test_a_packed_row_gives_each_document_its_own_logits_and_gradients",
+    "tests/olmo_core/test_batch_size_schedule.py",
     "tests/olmo_core/test_data_semantics.py",
     "tests/olmo_core/test_doc_mask_oracle.py",
     "tests/olmo_core/test_loss.py",
@@ -70,6 +71,7 @@ SLOW = (
     "tests/reliability/test_run_faults.py",
     "tests/report/test_report_browser.py",
     "tests/tools/test_gpu_check.py",
+    "tests/trainer/test_batch_size_warmup.py",
     "tests/trainer/test_mixture_run.py",
     "tests/trainer/test_train_pipeline.py",
     "tests/trainer/test_durations.py::test_a_token_budget_ends_the_run_and_drives_a_token_scheduler",

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from olmo_jax import storage
+from olmo_jax.data.batch_schedule import BatchSizeSchedule
 from olmo_jax.data.corpus import CORPUS_DTYPE, stdlib_corpus
 from olmo_jax.data.loader import SPLIT_SEED, BatchLoader, TokenWindows, split_windows
 from olmo_jax.data.mix_file import check_exist, read_mix
@@ -77,6 +78,7 @@ def build_data(
     seed: int = 0,
     cache_dir: str | Path | None = None,
     run_tokens: int = 0,
+    batch_schedule: BatchSizeSchedule | None = None,
 ) -> Data:
     """Train and eval loaders from the `data` config section: a DataConfig (data/config.py)
     or a dict with `paths` (token files, a list or one comma-separated string; empty: the embedded
@@ -89,7 +91,8 @@ def build_data(
     `_max_count`: OLMo-core's instance filter, repetition.py), `mix` / `mix_root` /
     `mix_tokenizer` (an OLMo-core mix file: mix_file.py) and `sources` / `requested_tokens`
     (a source mixture, mixture.py; requested_tokens 0 = `run_tokens`, the run's tokens:
-    trainer.max_steps or max_tokens)."""
+    trainer.max_steps or max_tokens). `batch_schedule` (trainer.batch_size_schedule, whose
+    reference is `global_batch_size`) sets the training batches' sizes by step."""
     paths = _paths(_field(data_cfg, "paths", ()))
     sources = dict(_field(data_cfg, "sources", {}) or {})
     mix = str(_field(data_cfg, "mix", ""))
@@ -180,7 +183,8 @@ def build_data(
     }
     return Data(
         train=BatchLoader(windows, train_ids, global_batch_size, seed,
-                          mixture=mixture.fingerprint() if mixture else "none"),
+                          mixture=mixture.fingerprint() if mixture else "none",
+                          schedule=batch_schedule),
         eval=eval_loader,
         tokenizer=tokenizer,
         vocab_size=vocab_size,

@@ -20,7 +20,9 @@
   window is dropped, and each is seen once per epoch. So `batch(step)` depends only on
   (data, seed, B, step): not on call order, process count or mesh, and each process can
   read only its `rows` of the global batch. `BatchLoader.stream(rows)` yields those rows
-  step after step, read ahead by grain, with a checkpointable iterator state.
+  step after step, read ahead by grain, with a checkpointable iterator state. With a
+  batch-size schedule (batch_schedule.py) step s holds `size(s)` windows from stream
+  position `position(s)`: consecutive slices still, of the sizes the schedule sets.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import numpy as np
 
 from olmo_jax import storage
+from olmo_jax.data.batch_schedule import BatchSizeSchedule
 from olmo_jax.data.repetition import RepetitionFilter
 from olmo_jax.data.stream import BatchStream, window_order
 from olmo_jax.data.token_file import TokenFile
@@ -148,7 +151,8 @@ def split_windows(
 
 
 # What a loader-state key that a checkpoint lacks meant when it was saved.
-ABSENT_STATE_MEANING = {"instances": "plus_one", "repetition_filter": "off", "mixture": "none"}
+ABSENT_STATE_MEANING = {"instances": "plus_one", "repetition_filter": "off", "mixture": "none",
+                        "batch_size_schedule": ""}
 
 
 class BatchLoader:
@@ -156,7 +160,8 @@ class BatchLoader:
 
     `step` is the next step `iterate` will yield; `state_dict` / `load_state_dict` carry it
     (with what it depends on) through checkpoints. `mixture` is the fingerprint of the
-    data.sources selection the windows come from ("none" without one)."""
+    data.sources selection the windows come from ("none" without one). `schedule` (a
+    BatchSizeSchedule whose reference is `global_batch_size`) sets each step's size."""
 
     def __init__(
         self,
@@ -165,9 +170,11 @@ class BatchLoader:
         global_batch_size: int,
         seed: int,
         mixture: str = "none",
+        schedule: BatchSizeSchedule | None = None,
     ):
         self.windows = windows
         self.mixture = mixture
+        self.schedule = schedule
         self.window_ids = np.asarray(window_ids, dtype=np.int64)
         self.global_batch_size = global_batch_size
         self.seed = seed
@@ -176,11 +183,12 @@ class BatchLoader:
             raise DataError(f"seed={seed} must be non-negative (numpy seeds the shuffle with it)")
         if global_batch_size < 1:
             raise DataError(f"global batch size {global_batch_size} must be at least 1")
-        if self.n_windows < global_batch_size:
+        largest = max(self.sizes)
+        if self.n_windows < largest:
             raise DataError(
                 f"{self.n_windows} windows of seq_len {windows.seq_len} are fewer "
-                f"than one global batch of {global_batch_size}; lower seq_len or the global "
-                "batch size, or add token files to data.paths"
+                f"than one global batch of {largest}; lower seq_len or the global "
+                "batch size (or trainer.batch_size_schedule's largest), or add token files to data.paths"
             )
         self._order = window_order(self.window_ids, seed)  # position -> window id (grain)
 
@@ -193,26 +201,46 @@ class BatchLoader:
         return self.windows.seq_len
 
     @property
+    def sizes(self) -> list[int]:
+        """The distinct batch sizes of the steps, ascending."""
+        if self.schedule is None:
+            return [self.global_batch_size]
+        return [int(s) for s in self.schedule.sizes]
+
+    def size(self, step: int) -> int:
+        """Windows in step `step`'s batch."""
+        return self.global_batch_size if self.schedule is None else self.schedule.size(step)
+
+    def position(self, step: int) -> int:
+        """The stream position of step `step`'s first window."""
+        return step * self.global_batch_size if self.schedule is None else self.schedule.position(step)
+
+    @property
     def steps_per_epoch(self) -> int:
         """Full batches inside epoch 0: steps [0, steps_per_epoch) read distinct windows."""
         return self.n_windows // self.global_batch_size
 
     def epoch_at(self, step: int) -> int:
         """The epoch that the first row of `step`'s batch belongs to."""
-        return step * self.global_batch_size // self.n_windows
+        return self.position(step) // self.n_windows
 
     def batch(self, step: int, rows: slice | None = None) -> np.ndarray:
         """Rows `rows` (default all) of step `step`'s global batch, int32 [rows, seq_len + 1]."""
         if step < 0:
             raise IndexError(f"step {step} must be non-negative")
-        row_ids = np.arange(self.global_batch_size)[rows if rows is not None else slice(None)]
-        positions_B = step * self.global_batch_size + row_ids
+        row_ids = np.arange(self.size(step))[rows if rows is not None else slice(None)]
+        positions_B = self.position(step) + row_ids
         return self.windows.read([self._order[int(p)] for p in positions_B])
 
-    def stream(self, rows: np.ndarray | None = None, prefetch: int = 0) -> BatchStream:
-        """Rows `rows` (default all) of the batches from `self.step` on, read ahead
-        `prefetch` batches by grain on its own thread (stream.py)."""
-        rows = np.arange(self.global_batch_size) if rows is None else rows
+    def stream(self, rows: np.ndarray | Mapping[int, np.ndarray] | None = None,
+               prefetch: int = 0) -> BatchStream:
+        """Rows `rows` (default all; with a batch-size schedule {size: rows} for each of
+        `sizes`) of the batches from `self.step` on, read ahead `prefetch` batches by grain
+        on its own thread (stream.py)."""
+        if rows is None:
+            rows = {size: np.arange(size) for size in self.sizes}
+        elif not isinstance(rows, Mapping):
+            rows = {self.global_batch_size: rows}
         return BatchStream(self, rows, prefetch)
 
     def iterate(
@@ -229,8 +257,9 @@ class BatchLoader:
             step += 1
 
     def state_dict(self) -> dict[str, int | str]:
+        """The position and what it depends on (`batch_size_schedule` only when there is one)."""
         f = self.windows.repetition_filter
-        return {
+        state = {
             "step": self.step,
             "seed": self.seed,
             "n_windows": self.n_windows,
@@ -240,13 +269,22 @@ class BatchLoader:
             "repetition_filter": "off" if f is None else f"{f.max_period}/{f.min_period}/{f.max_count}",
             "mixture": self.mixture,
         }
+        if self.schedule is not None:
+            state["batch_size_schedule"] = self.schedule.spec
+        return state
 
     def load_state_dict(self, state: Mapping[str, int | str]) -> None:
         """Resumes at `state["step"]`; raises DataError if the batches it indexes would differ.
         A state saved before the instance layout and the filter were recorded had the
         plus_one windows and no filter."""
-        current = self.state_dict()
+        current = {**ABSENT_STATE_MEANING, **self.state_dict()}
         saved = {**ABSENT_STATE_MEANING, **state}
+        if str(saved["batch_size_schedule"]) != current["batch_size_schedule"]:
+            raise DataError(
+                f"the checkpoint was saved with trainer.batch_size_schedule="
+                f"{saved['batch_size_schedule']!r} and this run has "
+                f"{current['batch_size_schedule']!r}: its steps would read other batches at "
+                "other sizes; resume with the checkpoint's schedule, or start a new run")
         if str(saved["mixture"]) != self.mixture:
             raise DataError(
                 f"the checkpoint was saved with data mixture {saved['mixture']} and this run "

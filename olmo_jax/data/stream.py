@@ -34,17 +34,19 @@ def window_order(window_ids: np.ndarray, seed: int) -> grain.MapDataset:
         seed=shuffle_seed(seed)).repeat()
 
 
-def _read_rows(loader, rows: np.ndarray, step: int) -> np.ndarray:
-    return loader.batch(step, rows)
+def _read_rows(loader, rows: dict, step: int) -> np.ndarray:
+    return loader.batch(step, rows[loader.size(step)])
 
 
 class BatchStream:
-    """Yields (step, batch_BX) from `loader.step` on: rows `rows` (global row ids, into
-    the flattened batch) of each step's global batch, in `rows` order. `loader.step` is
-    set to step + 1 as each batch is yielded (what checkpoints record)."""
+    """Yields (step, batch_BX) from `loader.step` on: rows `rows[size]` (global row ids,
+    into the flattened batch; one set per batch size the loader's steps take) of each
+    step's global batch, in that order. `loader.step` is set to step + 1 as each batch is
+    yielded (what checkpoints record)."""
 
-    def __init__(self, loader, rows: np.ndarray, prefetch: int):
-        self.loader, self.rows = loader, np.asarray(rows, np.int64)
+    def __init__(self, loader, rows: dict, prefetch: int):
+        self.loader = loader
+        self.rows = {int(size): np.asarray(r, np.int64) for size, r in rows.items()}
         steps = grain.MapDataset.range(ENDLESS).map(
             functools.partial(_read_rows, loader, self.rows))
         options = grain.ReadOptions(num_threads=1 if prefetch else 0,

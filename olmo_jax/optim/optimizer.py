@@ -56,26 +56,33 @@ def _grouped_adamw(o, default_tx, *duration):
 
 
 def run_schedule(optim_cfg, total_steps: int, tokens_per_step: int = 0,
-                 max_tokens: int = 0) -> optax.Schedule:
+                 max_tokens: int = 0, batches: schedulers.StepBatches | None = None) -> optax.Schedule:
     """The learning rate at the optimizer's step count: OLMo-core's scheduler of
     optim.scheduler (schedulers.py; units "tokens" need tokens_per_step, and max_tokens, the
-    run's token budget, when trainer.max_tokens sets it), else optim.schedule."""
+    run's token budget, when trainer.max_tokens sets it), else optim.schedule. `batches`: a
+    batch-size schedule's steps (schedulers.StepBatches): the scheduler starts each step
+    from its rescaled learning rate (optim.schedule: scaled by the same factor)."""
     o = optim_cfg
     if o.scheduler:
         sched = schedulers.parse(o.scheduler)
         return schedulers.table_schedule(
-            schedulers.lr_table(sched, o.lr, total_steps, tokens_per_step, max_tokens))
-    return lr_schedule(o.schedule, o.lr, total_steps, o.warmup_steps, o.min_lr_ratio,
-                       o.decay_fraction)
+            schedulers.lr_table(sched, o.lr, total_steps, tokens_per_step, max_tokens, batches))
+    schedule = lr_schedule(o.schedule, o.lr, total_steps, o.warmup_steps, o.min_lr_ratio,
+                           o.decay_fraction)
+    if batches is None:
+        return schedule
+    factors = schedulers.table_schedule(batches.initial_lrs(1.0))
+    return lambda count: schedule(count) * factors(count)
 
 
 def build_optimizer(optim_cfg, total_steps: int, *, tokens_per_step: int = 0,
-                    max_tokens: int = 0) -> tuple[optax.GradientTransformation, optax.Schedule]:
+                    max_tokens: int = 0, batches: schedulers.StepBatches | None = None
+                    ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """(tx, schedule) for a run of `total_steps` (run_schedule). Muon's `tx.update` takes the
     extra argument `orthogonalize` (a ParallelPlan's, passed by the train step); without it
     every matrix is done locally."""
     o = optim_cfg
-    schedule = run_schedule(o, total_steps, tokens_per_step, max_tokens)
+    schedule = run_schedule(o, total_steps, tokens_per_step, max_tokens, batches)
     parts = []
     if o.clip_grad_norm > 0:
         parts.append(optax.clip_by_global_norm(o.clip_grad_norm))
@@ -83,7 +90,8 @@ def build_optimizer(optim_cfg, total_steps: int, *, tokens_per_step: int = 0,
         parts.append(optax.partition({"muon": _muon(o, schedule), "adamw": _adamw(o, schedule)},
                                      muon_labels))
     elif o.group_overrides:
-        parts.append(_grouped_adamw(o, _adamw(o, schedule), total_steps, tokens_per_step, max_tokens))
+        parts.append(_grouped_adamw(o, _adamw(o, schedule), total_steps, tokens_per_step, max_tokens,
+                                    batches))
     else:
         parts.append(_adamw(o, schedule))
     return optax.chain(*parts), schedule

@@ -32,6 +32,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import jax.numpy as jnp
@@ -612,14 +613,57 @@ def current_and_t_max(units: str, step: int, total_steps: int, tokens_per_step: 
     return (step + 1) * tokens_per_step, max_tokens or total_steps * tokens_per_step
 
 
+@dataclass(frozen=True)
+class StepBatches:
+    """A run whose batch size changes (trainer.batch_size_schedule) as the schedule sees
+    it: `tokens`, int64[total_steps], the tokens of each step's batch, and
+    `initial_lrs(lr)`, float64[total_steps], the learning rate the schedule starts from at
+    each step (OLMo-core's BatchSizeSchedulerCallback rescales it at each change)."""
+    tokens: np.ndarray
+    initial_lrs: Callable[[float], np.ndarray]
+
+
+def _varying_current_and_t_max(units: str, tokens_S: np.ndarray, max_tokens: int):
+    """(current, t_max) per step as OLMo-core's trainer has them when the batch size
+    changes: after step k, T_k tokens seen and a batch of B_k tokens; a run of N steps
+    (max_tokens = 0) has max_tokens T_k + (N - k) B_k, a run of max_tokens M has max_steps
+    k + ceil((M - T_k) / B_k) (Trainer._get_max_steps / _get_max_tokens, with the current
+    batch size)."""
+    n = len(tokens_S)
+    k = np.arange(1, n + 1)
+    seen = np.cumsum(tokens_S)
+    if units == "steps":
+        if not max_tokens:
+            return [(int(x), n) for x in k]
+        return [(int(x), int(x) + -(-max(max_tokens - int(t), 0) // int(b)))
+                for x, t, b in zip(k, seen, tokens_S, strict=True)]
+    if max_tokens:
+        return [(int(t), max_tokens) for t in seen]
+    return [(int(t), int(t) + (n - int(x)) * int(b)) for x, t, b in zip(k, seen, tokens_S, strict=True)]
+
+
 def lr_table(sched: Scheduler, lr: float, total_steps: int, tokens_per_step: int,
-             max_tokens: int = 0) -> np.ndarray:
-    """float64[total_steps]: the learning rate OLMo-core applies at each optimizer step."""
+             max_tokens: int = 0, batches: StepBatches | None = None) -> np.ndarray:
+    """float64[total_steps]: the learning rate OLMo-core applies at each optimizer step.
+    With `batches` (a batch-size schedule), max_tokens is the budget only when it ends the
+    run (0: the run is max_steps long)."""
+    if batches is not None:
+        pairs = _varying_current_and_t_max(sched.units, batches.tokens, max_tokens)
+        return np.array([sched.get_lr(float(initial), current, t_max) for initial, (current, t_max)
+                         in zip(batches.initial_lrs(lr), pairs, strict=True)], np.float64)
     if sched.units == "tokens" and tokens_per_step < 1:
         raise _err("units='tokens' needs the run's tokens per step")
     return np.array([sched.get_lr(lr, *current_and_t_max(sched.units, s, total_steps,
                                                          tokens_per_step, max_tokens))
                      for s in range(total_steps)], np.float64)
+
+
+def keeps_t_max(sched: Scheduler) -> bool:
+    """Whether `sched` keeps its end point when OLMo-core's max_steps moves with the batch
+    size (BatchSizeSchedulerCallback.post_attach): a constant or WSD scheduler, one with
+    its own t_max, or one counted in tokens."""
+    return (isinstance(sched, ConstantScheduler | WSD) or getattr(sched, "t_max", None) is not None
+            or sched.units == "tokens")
 
 
 def table_schedule(table: np.ndarray):

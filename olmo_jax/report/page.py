@@ -43,7 +43,8 @@ def _summary(cfg, model_cfg, plan, extra: list[tuple[str, str]]) -> dict:
     run = [
         ("mesh", " x ".join(f"{a}={n}" for a, n in mesh.shape.items())),
         ("strategy", f"{plan.strategy}{' + ZeRO-1' if plan.zero1 else ''}, dispatch {plan.dispatch}"),
-        ("batch", f"{t.global_batch_size} x {t.seq_len} tokens, grad_accum {t.grad_accum}"),
+        ("batch", f"{t.global_batch_size} x {t.seq_len} tokens, grad_accum {t.grad_accum}"
+                  + (f"; batch_size_schedule {t.batch_size_schedule}" if t.batch_size_schedule else "")),
         *extra,
     ]
     return {"model": model, "run": run}

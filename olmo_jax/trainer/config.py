@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from olmo_jax import storage
+from olmo_jax.data.batch_schedule import BatchSizeSchedule
 from olmo_jax.errors import ConfigError, check_choice
 from olmo_jax.host_memory import MODES as HOST_MALLOC_MODES
 
@@ -92,6 +93,10 @@ class TrainerConfig:
     global_batch_size: int = 32
     seq_len: int = 256
     grad_accum: int = 1  # microbatches accumulated per step
+    # Batch-size warmup (OLMo-core's BatchSizeSchedulerCallback; data/batch_schedule.py):
+    # "TOKENS@START,..." = a global batch of TOKENS tokens from START tokens trained on, e.g.
+    # "4096@0,8192@1000000"; the lr is optim.lr x sqrt(batch / (global_batch_size x seq_len))
+    batch_size_schedule: str = ""
     log_every: int = 10
     eval_every: int = 50  # 0 = only at the end
     eval_batches: int = 4
@@ -165,6 +170,9 @@ class TrainerConfig:
                 f"{prefix}.grad_accum={self.grad_accum} must divide {prefix}.global_batch_size="
                 f"{self.global_batch_size}"
             )
+        if self.batch_schedule is not None:
+            for size in self.batch_schedule.sizes:
+                self.grad_accum_at(int(size))
         for name in ("save_every", "keep_last", "keep_every", "hard_stop"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{prefix}.{name} must be >= 0 (0 = off), got {getattr(self, name)}")
@@ -197,42 +205,79 @@ class TrainerConfig:
 
     @property
     def tokens_per_step(self) -> int:
+        """Tokens in a batch of trainer.global_batch_size (every step's without a
+        batch_size_schedule)."""
         return self.global_batch_size * self.seq_len
+
+    @property
+    def batch_schedule(self) -> BatchSizeSchedule | None:
+        """trainer.batch_size_schedule checked (None when it is empty)."""
+        return BatchSizeSchedule.from_spec(self.batch_size_schedule, self.seq_len, self.global_batch_size)
+
+    def grad_accum_at(self, size: int) -> int:
+        """Microbatches of a step of `size` sequences: the microbatch of global_batch_size /
+        grad_accum sequences is kept (OLMo-core's fixed rank_microbatch_size), so a larger
+        batch accumulates more of them; a batch below one microbatch is one."""
+        micro = self.global_batch_size // self.grad_accum
+        if size <= micro:
+            return 1
+        if size % micro:
+            raise ConfigError(
+                f"trainer.batch_size_schedule: a batch of {size} sequences is no whole number of "
+                f"microbatches of {micro} (trainer.global_batch_size / trainer.grad_accum = "
+                f"{self.global_batch_size} / {self.grad_accum}); choose sizes that are multiples "
+                "of it, or another trainer.grad_accum")
+        return size // micro
+
+    def tokens_before(self, step: int) -> int:
+        """Tokens trained on in the run's first `step` steps."""
+        schedule = self.batch_schedule
+        return step * self.tokens_per_step if schedule is None else schedule.tokens_before(step)
+
+    def _token_steps(self) -> int:
+        """The steps max_tokens takes (the first whose tokens reach it)."""
+        schedule = self.batch_schedule
+        if schedule is None:
+            return -(-self.max_tokens // self.tokens_per_step)
+        return schedule.steps_for_tokens(self.max_tokens)
 
     @property
     def total_steps(self) -> int:
         """The run's length in steps: max_steps, or the steps of max_tokens if fewer."""
         if not self.max_tokens:
             return self.max_steps
-        token_steps = -(-self.max_tokens // self.tokens_per_step)
+        token_steps = self._token_steps()
         return min(self.max_steps, token_steps) if self.max_steps else token_steps
 
     @property
     def binds(self) -> str:
         """Which limit ends the run: "trainer.max_steps" or "trainer.max_tokens"."""
-        token_steps = -(-self.max_tokens // self.tokens_per_step)
-        if self.max_tokens and (not self.max_steps or token_steps <= self.max_steps):
+        if self.max_tokens and (not self.max_steps or self._token_steps() <= self.max_steps):
             return "trainer.max_tokens"
         return "trainer.max_steps"
 
     @property
     def budget_tokens(self) -> int:
         """The run's tokens as OLMo-core's trainer counts them for a token-unit scheduler:
-        max_tokens where it ends the run, else total_steps * tokens_per_step."""
+        max_tokens where it ends the run, else the tokens of its total_steps."""
         if self.binds == "trainer.max_tokens":
             return self.max_tokens
-        return self.total_steps * self.tokens_per_step
+        return self.tokens_before(self.total_steps)
 
     def duration_line(self) -> str:
         """The start-up banner's line on the run's length and which limit binds."""
         steps, tpb = self.total_steps, self.tokens_per_step
+        scheduled = self.batch_schedule is not None
         if self.binds == "trainer.max_tokens":
-            why = (f"trainer.max_tokens={self.max_tokens:,} binds (ceil of "
-                   f"{self.max_tokens:,} / {tpb:,} tokens per step)")
+            why = (f"trainer.max_tokens={self.max_tokens:,} binds"
+                   + (" (trainer.batch_size_schedule)" if scheduled else
+                      f" (ceil of {self.max_tokens:,} / {tpb:,} tokens per step)"))
             if self.max_steps:
                 why += f"; trainer.max_steps={self.max_steps:,} is not reached"
         else:
             why = f"trainer.max_steps={self.max_steps:,} binds"
             if self.max_tokens:
                 why += f" before trainer.max_tokens={self.max_tokens:,}"
+        if scheduled:
+            return f"duration: {steps:,} steps, {self.tokens_before(steps):,} tokens; {why}"
         return f"duration: {steps:,} steps x {tpb:,} tokens = {steps * tpb:,} tokens; {why}"

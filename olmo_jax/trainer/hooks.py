@@ -78,12 +78,14 @@ class ExpertCounts:
 
 class Throughput:
     """tokens/s, step time, TFLOP/s per device and MFU over the steps since the last
-    logged one (`restart`)."""
+    logged one (`restart`). `tokens_before(step)`: the tokens of the run's first `step`
+    steps when the batch size changes (trainer.batch_size_schedule)."""
 
     def __init__(self, tokens_per_step: int, flops_per_token: float, devices: int,
-                 peak_flops: float):
+                 peak_flops: float, tokens_before=None):
         self.tokens_per_step, self.flops_tok = tokens_per_step, flops_per_token
         self.n_dev, self.peak = devices, peak_flops
+        self.tokens_before = tokens_before or (lambda step: step * tokens_per_step)
         self.t_last, self.step_last = None, None
 
     def restart(self, step: int) -> None:
@@ -91,7 +93,7 @@ class Throughput:
 
     def record(self, step: int) -> dict[str, float]:
         now = time.perf_counter()
-        tok_s = (step - self.step_last) * self.tokens_per_step / (now - self.t_last)
+        tok_s = (self.tokens_before(step) - self.tokens_before(self.step_last)) / (now - self.t_last)
         return {
             "tokens_per_s": tok_s,
             "step_time_s": (now - self.t_last) / (step - self.step_last),

@@ -16,6 +16,7 @@ check) are hooks run after each step (hooks.py)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 from pathlib import Path
@@ -38,8 +39,9 @@ from olmo_jax.evals import tasks as eval_tasks
 from olmo_jax.evals.suite import Suite
 from olmo_jax.model.config import TransformerConfig
 from olmo_jax.optim import build_optimizer
+from olmo_jax.optim.schedulers import StepBatches
 from olmo_jax.parallel import mesh as mesh_lib
-from olmo_jax.parallel.strategy import build_plan
+from olmo_jax.parallel.strategy import build_plan, check_batch
 from olmo_jax.trainer import guard as guard_lib
 from olmo_jax.trainer import preflight
 from olmo_jax.trainer import run_dir as run_dir_lib
@@ -85,15 +87,25 @@ def _placer(plan, seq_len: int):
     return place
 
 
-def _train_stream(plan, loader, seq_len: int, prefetch: int):
+def _train_stream(plan, loader, t_cfg: TrainerConfig, prefetch: int):
     """(stream, place_rows): this process's rows of each training batch, read ahead by
-    grain (data/stream.py), and place_rows(rows_BX) -> the global batch on the plan's
-    sharding."""
-    shape, sharding = plan.batch_shape(loader.global_batch_size, seq_len), plan.batch_sharding()
-    row_ids = distributed.local_rows(shape, sharding)
-    def place_rows(rows_BX):
-        return distributed.place_batch(distributed.rows_reader(row_ids, rows_BX), shape, sharding)
+    grain (data/stream.py), and place_rows(rows_BX, size) -> the global batch of `size`
+    sequences on the plan's sharding (one layout per batch size of the loader)."""
+    sharding = plan.batch_sharding()
+    shapes = {size: _batch_shape(plan, t_cfg, size) for size in loader.sizes}
+    row_ids = {size: distributed.local_rows(shape, sharding) for size, shape in shapes.items()}
+    def place_rows(rows_BX, size):
+        return distributed.place_batch(distributed.rows_reader(row_ids[size], rows_BX),
+                                       shapes[size], sharding)
     return loader.stream(row_ids, prefetch), place_rows
+
+
+def _batch_shape(plan, t_cfg: TrainerConfig, size: int) -> tuple[int, int, int]:
+    """The placed shape of a training batch of `size` sequences: the configured one, or
+    for another size of trainer.batch_size_schedule its microbatches (grad_accum_at)."""
+    if size == t_cfg.global_batch_size:
+        return plan.batch_shape(size, t_cfg.seq_len)
+    return plan.batch_shape(size, t_cfg.seq_len, t_cfg.grad_accum_at(size))
 
 
 def _with_shardings(tree, shardings):
@@ -118,9 +130,11 @@ class _Run:
     shardings: object  # the TrainState's shardings
     opt_bytes: tuple[int, int]  # optimizer state per device: stored, replicated
     checkpoints: RunCheckpoints
-    step_fn: object  # the jitted, guarded train step
+    step_fn: object  # the jitted, guarded train step (of trainer.global_batch_size)
     eval_fn: object
     downstream: object = None  # evaluation.Downstream (trainer.downstream_evals) or None
+    # {batch size: its jitted step} for the sizes of trainer.batch_size_schedule
+    step_fns: dict = dataclasses.field(default_factory=dict)
 
     @property
     def t(self) -> TrainerConfig:
@@ -141,20 +155,37 @@ def _model_config(cfg: RunConfig, data) -> TransformerConfig:
     return model_cfg
 
 
+def schedule_args(t_cfg: TrainerConfig) -> dict:
+    """The run's length as the learning-rate schedule takes it (build_optimizer's
+    tokens_per_step, max_tokens, and with trainer.batch_size_schedule `batches`: each
+    step's tokens and its rescaled initial lr; max_tokens then only where it ends the run)."""
+    schedule = t_cfg.batch_schedule
+    if schedule is None:
+        return {"tokens_per_step": t_cfg.tokens_per_step, "max_tokens": t_cfg.budget_tokens}
+    steps = t_cfg.total_steps
+    return {"tokens_per_step": t_cfg.tokens_per_step,
+            "max_tokens": t_cfg.max_tokens if t_cfg.binds == "trainer.max_tokens" else 0,
+            "batches": StepBatches(schedule.step_sizes(steps) * t_cfg.seq_len,
+                                   functools.partial(schedule.initial_lrs, steps=steps))}
+
+
 def _build(cfg: RunConfig, console: Console, main: bool, run_dir: Path,
            folder: run_dir_lib.RunFolder | None = None) -> _Run:
     """Data, model, plan, optimizer, checkpoints and the (uncompiled) step functions, from
     the validated sections (config.validate), for the run folder `run_dir` (the local copy
     of `folder` when that is in a bucket)."""
     t_cfg = cfg.trainer
+    batch_schedule = t_cfg.batch_schedule
     data = build_data(cfg.data, t_cfg.seq_len, t_cfg.global_batch_size,
                       cfg.data.order_seed(t_cfg.seed), t_cfg.cache_dir,
-                      run_tokens=t_cfg.total_steps * t_cfg.tokens_per_step)
+                      run_tokens=t_cfg.tokens_before(t_cfg.total_steps), batch_schedule=batch_schedule)
     config_model_cfg = _model_config(cfg, data)  # as configured: what checkpoints record
     plan = build_plan(cfg.parallel, t_cfg, config_model_cfg, optim=cfg.optim)  # mesh, strategy, dispatcher
     model_cfg = plan.model_cfg  # kernels resolved for the mesh: the model is built with it
-    tx, schedule = build_optimizer(cfg.optim, t_cfg.total_steps, tokens_per_step=t_cfg.tokens_per_step,
-                                   max_tokens=t_cfg.budget_tokens)
+    for size in data.train.sizes if batch_schedule is not None else ():  # each fits the mesh
+        check_batch(size, plan.mesh, t_cfg.grad_accum_at(size),
+                    f"trainer.batch_size_schedule's batch of {size} sequences")
+    tx, schedule = build_optimizer(cfg.optim, t_cfg.total_steps, **schedule_args(t_cfg))
     guard_cfg = guard_lib.GuardConfig.from_trainer(t_cfg)
     graphdef, abstract = abstract_train_state(model_cfg, tx, dispatcher=plan.dispatcher,
                                               guard_cfg=guard_cfg)
@@ -165,17 +196,24 @@ def _build(cfg: RunConfig, console: Console, main: bool, run_dir: Path,
         checkpoint_dir=folder.checkpoint_dir if folder and folder.url else None,
         on_save=folder.on_save if folder and folder.url else None)
     checkpoints.verify()  # the checkpoint to start from fits, before compiling
-    step_fn = plan.jit_train_step(
-        guard_lib.guarded(make_train_step(
-            graphdef, model_cfg, tx, schedule, t_cfg.grad_accum, parallel=plan,
-            expert_ranks=plan.mesh.shape["expert"],
-        ), guard_cfg),
-        shardings,
-    )
+    def jitted(grad_accum):
+        return plan.jit_train_step(
+            guard_lib.guarded(make_train_step(
+                graphdef, model_cfg, tx, schedule, grad_accum, parallel=plan,
+                expert_ranks=plan.mesh.shape["expert"],
+            ), guard_cfg),
+            shardings,
+        )
+    step_fn = jitted(t_cfg.grad_accum)
+    by_accum = {t_cfg.grad_accum: step_fn}
+    for size in data.train.sizes:  # one jitted step per microbatch count, compiled per size
+        accum = t_cfg.grad_accum_at(size)
+        by_accum[accum] = by_accum.get(accum) or jitted(accum)
+    step_fns = {size: by_accum[t_cfg.grad_accum_at(size)] for size in data.train.sizes}
     eval_fn = jax.jit(make_eval_step(graphdef, model_cfg, parallel=plan))
     return _Run(cfg, console, main, run_dir, data, model_cfg, plan, tx, guard_cfg, abstract,
                 shardings, opt_bytes, checkpoints, step_fn, eval_fn,
-                _downstream(t_cfg, data, model_cfg, plan, graphdef))
+                _downstream(t_cfg, data, model_cfg, plan, graphdef), step_fns)
 
 
 def _downstream(t_cfg: TrainerConfig, data, model_cfg: TransformerConfig, plan, graphdef):
@@ -199,24 +237,38 @@ def _downstream(t_cfg: TrainerConfig, data, model_cfg: TransformerConfig, plan, 
 
 
 def _preflight(run: _Run):
-    """(compiled step, memory estimate, compile seconds): compiled on the abstract state
-    (nothing allocated yet) and checked to fit; (None, None, s) when nothing is left to
-    train."""
+    """({batch size: compiled step}, memory estimate, compile seconds): one program per
+    batch size the remaining steps take (trainer.batch_size_schedule; else the one size),
+    compiled on the abstract state (nothing allocated yet) and checked to fit (the estimate
+    of the largest); ({}, None, s) when nothing is left to train."""
     t0 = time.perf_counter()
-    compiled, memory = None, None
-    latest = run.checkpoints.latest
-    if latest is None or latest < run.stop:
-        batch_spec = jax.ShapeDtypeStruct(
-            run.plan.batch_shape(run.t.global_batch_size, run.t.seq_len), np.int32,
-            sharding=run.plan.batch_sharding())
+    compiled, memory = {}, None
+    latest = run.checkpoints.latest or 0
+    if latest < run.stop:
+        loader = run.data.train
+        sizes = sorted({loader.size(s) for s in _change_steps(loader, latest, run.stop)})
         try:
-            compiled = run.step_fn.lower(_with_shardings(run.abstract, run.shardings),
-                                         batch_spec).compile()
-            memory = preflight.check(compiled, run.cfg)
+            for size in sizes:
+                batch_spec = jax.ShapeDtypeStruct(_batch_shape(run.plan, run.t, size), np.int32,
+                                                  sharding=run.plan.batch_sharding())
+                step_fn = run.step_fns.get(size, run.step_fn)
+                compiled[size] = step_fn.lower(_with_shardings(run.abstract, run.shardings),
+                                               batch_spec).compile()
+                estimate = preflight.check(compiled[size], run.cfg)
+                if memory is None or estimate[0].total > memory[0].total:
+                    memory = estimate
         except BaseException:
             run.checkpoints.close()
             raise
     return compiled, memory, time.perf_counter() - t0
+
+
+def _change_steps(loader, start: int, stop: int) -> list[int]:
+    """Step `start` and the steps in (start, stop) at which the batch size changes."""
+    if loader.schedule is None:
+        return [start]
+    first = loader.schedule.segments.first_step
+    return [start] + [int(s) for s in first if start < s < stop]
 
 
 def _start_state(run: _Run):
@@ -234,10 +286,11 @@ def _throughput(run: _Run) -> Throughput:
     return Throughput(
         t_cfg.global_batch_size * t_cfg.seq_len,
         metrics_lib.flops_per_token(model_cfg, t_cfg.seq_len), run.plan.mesh.devices.size,
-        metrics_lib.peak_flops_per_device(model_cfg.dtype))
+        metrics_lib.peak_flops_per_device(model_cfg.dtype), tokens_before=t_cfg.tokens_before)
 
 
-def _print_banner(run: _Run, flops_tok: float, memory, compile_s: float) -> None:
+def _print_banner(run: _Run, flops_tok: float, memory, compile_s: float,
+                  programs: int = 1) -> None:
     model_cfg, mesh, plan = run.model_cfg, run.plan.mesh, run.plan
     opt_bytes, opt_bytes_replicated = run.opt_bytes
     mem = "" if memory is None else (
@@ -260,6 +313,9 @@ def _print_banner(run: _Run, flops_tok: float, memory, compile_s: float) -> None
         run.console.print(run.data.mixture.describe() + f" (in {MIXTURE_FILE})",
                           markup=False, highlight=False)
     run.console.print(run.t.duration_line())
+    if run.data.train.schedule is not None:
+        run.console.print(run.data.train.schedule.describe()
+                          + f"; {programs} step program(s) compiled for this launch")
     run.console.print(f"eval every {run.t.eval_every or run.t.total_steps} steps: "
                       f"{run.data.describe_eval()}")
     if run.downstream is not None:
@@ -275,7 +331,7 @@ def _open_stream_and_sinks(run: _Run, start: int):
     stream, place_rows = None, None
     try:
         if start < run.stop:
-            stream, place_rows = _train_stream(run.plan, run.data.train, run.t.seq_len,
+            stream, place_rows = _train_stream(run.plan, run.data.train, run.t,
                                                run.cfg.data.prefetch)
             if run.checkpoints.iterator_state is not None:  # resumed: grain's saved state
                 stream.set_state(run.checkpoints.iterator_state)
@@ -292,14 +348,20 @@ def _open_stream_and_sinks(run: _Run, start: int):
     return stream, place_rows, sinks
 
 
-def _step_runner(compiled, stream, place_rows, profiler: StepProfiler):
-    """run_step(state, step) -> (state, metrics): the compiled step on the stream's next
-    batch (which is step `step`'s), traced when trainer.profile_steps asks."""
+def _step_runner(compiled: dict, stream, place_rows, profiler: StepProfiler, loader, seq_len: int):
+    """run_step(state, step) -> (state, metrics): the compiled step of the batch's size on
+    the stream's next batch (which is step `step`'s), traced when trainer.profile_steps asks.
+    With a batch-size schedule the metrics carry the step's `batch_size` in tokens (OLMo-core's
+    "train/global batch size")."""
     def run_step(state, step):
         batch_step, rows_BX = next(stream)
         assert batch_step == step, (batch_step, step)
+        size = loader.size(step)
         with profiler.step(step + 1):
-            return compiled(state, place_rows(rows_BX))
+            state, metrics = compiled[size](state, place_rows(rows_BX, size))
+        if loader.schedule is not None:
+            metrics = {**metrics, "batch_size": np.asarray(size * seq_len)}
+        return state, metrics
     return run_step
 
 
@@ -356,10 +418,9 @@ def _train_steps(run: _Run, state, start: int, run_step, hooks: _Hooks, bar, pre
 def _summary(run: _Run, state, hooks: _Hooks, compile_s: float) -> Summary:
     history, evaluation = hooks.log.history, hooks.log.evaluation
     timed = history[1:] or history  # the first interval includes warm-up
-    tokens_per_step = run.t.global_batch_size * run.t.seq_len
     return Summary(
         steps=int(state.step),
-        tokens=int(state.step) * tokens_per_step,
+        tokens=run.t.tokens_before(int(state.step)),
         first_loss=history[0]["loss"] if history else float("nan"),
         final_loss=history[-1]["loss"] if history else float("nan"),
         final_eval_loss=evaluation.last_loss,
@@ -420,7 +481,7 @@ def _train(run: _Run, compiled, memory, compile_s: float) -> Summary:
     if start >= run.stop:  # resumed a finished run: nothing to compile or train
         console.print(f"the run is complete at step {start} (trainer.max_steps / max_tokens / hard_stop)")
     throughput = _throughput(run)  # measures the CPU's peak FLOP/s on a CPU run
-    _print_banner(run, throughput.flops_tok, memory, compile_s)
+    _print_banner(run, throughput.flops_tok, memory, compile_s, len(compiled))
     if run.checkpoints.resumed and main:  # like metrics.jsonl: drop what was logged after it
         truncate_metrics(run.run_dir / "expert_counts.jsonl", start)
     profiler = StepProfiler(run.t.profile_steps, run.run_dir)
@@ -430,7 +491,7 @@ def _train(run: _Run, compiled, memory, compile_s: float) -> Summary:
         "with the same command to resume from the last one")
     bar, preempt = ProgressBar(run.t.total_steps, start, console), Preemption()
     hooks = _hooks(run, start, stream, sinks, profiler, throughput, bar, preempt)
-    run_step = _step_runner(compiled, stream, place_rows, profiler)
+    run_step = _step_runner(compiled, stream, place_rows, profiler, run.data.train, run.t.seq_len)
     state = _train_steps(run, state, start, run_step, hooks, bar, preempt, stream, sinks)
     summary = _summary(run, state, hooks, compile_s)
     if summary.preempted:

@@ -10,7 +10,8 @@ relative, five AdamW steps within 1e-4):
   and the loss after one AdamW update.
 - parallel.dispatch=ragged with model.moe.precision=mxfp8: the MXFP8 payload through
   the ragged exchange and the MXFP8 expert unit, forward and backward, against one
-  device's MXFP8 step (same quantization of the same rows; the layouts differ).
+  device's MXFP8 step (same quantization of the same rows; the layouts differ), gradients
+  within 1e-4 (fp8 rounding boundaries, see the test).
 """
 
 import pytest
@@ -34,5 +35,9 @@ def test_pallas_kernels_through_the_plan_match_one_device(dispatch):
 
 
 def test_ragged_mxfp8_trains_and_matches_one_device():
+    """Gradients within 1e-4: the mesh's float32 summation order can move a value across an
+    fp8 rounding boundary before MXFP8 quantization (measured: 0 on an Intel AVX-512
+    machine, 4.7e-5 on an AMD EPYC); a wrong scale or block moves them by orders more."""
     mxfp8 = (("precision", "mxfp8"),)
-    assert_matches_reference(plan_run(2, 4, "ragged", moe=mxfp8), reference_run(moe=mxfp8))
+    assert_matches_reference(plan_run(2, 4, "ragged", moe=mxfp8), reference_run(moe=mxfp8),
+                             grads_rtol=1e-4)
