@@ -68,6 +68,8 @@ def filesystem(path: str | Path):
                     "(pip install -e '.[cloud]')") from e
             kwargs = {}
             if protocol == "s3":
+                # run folders change under a reader (other processes write them): list afresh
+                kwargs["use_listings_cache"] = False
                 endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
                 if endpoint:
                     kwargs["endpoint_url"] = endpoint
@@ -104,10 +106,16 @@ def storage_error(path: str | Path, exc: BaseException, doing: str = "reading") 
 
 def _bucket_missing(path: str) -> bool:
     """True when the bucket of `path` does not exist (a missing key in an existing bucket
-    is not that)."""
+    is not that; nor is a bucket this process may not list: the operation itself then says
+    whether access is denied)."""
     try:
+        if scheme(path) == "s3":  # s3fs's exists() says False for denied access too
+            filesystem(path).call_s3("head_bucket", Bucket=bucket_of(path))
+            return False
         return not filesystem(path).exists(f"{scheme(path)}://{bucket_of(path)}")
-    except (FileNotFoundError, PermissionError):
+    except FileNotFoundError:
+        return scheme(path) == "s3"
+    except PermissionError:
         return False
 
 

@@ -12,9 +12,12 @@ Saves are asynchronous (the arrays are copied to host memory before `save` retur
 the caller may donate them at once) and atomic: orbax writes into a temporary folder and
 renames it only when every file is written, so a crash or `kill -9` mid-save leaves the
 previous checkpoints untouched and an incomplete temporary folder that every reader
-ignores (and a writer deletes). Restores read every array straight onto the target
-shardings given, whatever mesh wrote them, after checking that names, shapes and dtypes
-fit (a mismatch names the first parameter and both shapes).
+ignores (and a writer deletes). In an `s3://` bucket (checkpoint/object_store.py), which
+has no atomic rename, a step is written in place and is complete only once its commit
+marker (`commit_success.txt`) exists; a step folder without it is ignored the same way.
+Restores read every array straight onto the target shardings given, whatever mesh
+wrote them, after checking that names, shapes and dtypes fit (a mismatch names the first
+parameter and both shapes).
 """
 
 from __future__ import annotations
@@ -28,7 +31,10 @@ from typing import Any
 import grain
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
+from olmo_jax import storage
+from olmo_jax.checkpoint import object_store
 from olmo_jax.checkpoint.tree import (
     check_fits,
     flatten_named,
@@ -61,15 +67,23 @@ class Checkpoints:
         async_save: bool = True,
         read_only: bool = False,
     ):
-        self.directory = Path(directory).absolute()
+        self.remote = storage.is_remote(directory)
+        if self.remote:  # s3:// / gs://: epath (fsspec) for folders, tensorstore for arrays
+            if storage.scheme(directory) == "s3":
+                object_store.install()
+            self.directory = epath.Path(str(directory).rstrip("/"))
+        else:
+            self.directory = Path(directory).absolute()
         if read_only and not self.directory.is_dir():
             raise CheckpointError(f"checkpoint folder {self.directory} does not exist")
+        extra = {"atomicity_options": object_store.atomicity_options()} if self.remote else {}
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep_last or None,
             keep_period=keep_every or None,
             enable_async_checkpointing=async_save,
             create=not read_only,
             cleanup_tmp_directories=not read_only,
+            **extra,
         )
         self.read_only = read_only
         handlers = {name: ocp.StandardCheckpointHandler() for name in _ARRAY_ITEMS}
@@ -85,7 +99,7 @@ class Checkpoints:
     def all_steps(self) -> list[int]:
         return sorted(self._mgr.all_steps())
 
-    def step_dir(self, step: int) -> Path:
+    def step_dir(self, step: int) -> Path | epath.Path:
         return self.directory / str(step)
 
     def has_item(self, step: int, item: str) -> bool:
@@ -127,13 +141,21 @@ class Checkpoints:
 
     def complete_steps_on_disk(self) -> list[int]:
         """The steps whose folders exist under their final names (orbax renames a save's
-        temporary folder only once every file is written), read from the disk."""
+        temporary folder only once every file is written), read from the disk; in a
+        bucket, the step folders that hold their commit marker."""
         if not self.directory.is_dir():
             return []
-        return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit())
+        return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and (
+            not self.remote or (p / object_store.COMMIT_MARKER).exists()))
 
     def remove_temporary(self, step: int) -> None:
-        """Deletes the temporary folder(s) of an interrupted or failed save of `step`."""
+        """Deletes the temporary folder(s) of an interrupted or failed save of `step` (in a
+        bucket: the step's folder when it has no commit marker)."""
+        if self.remote:
+            p = self.step_dir(step)
+            if p.exists() and not (p / object_store.COMMIT_MARKER).exists():
+                p.rmtree(missing_ok=True)
+            return
         for p in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
             shutil.rmtree(p, ignore_errors=True)
 
@@ -285,8 +307,9 @@ def saved_model_config(ckpts: Checkpoints, step: int) -> TransformerConfig:
 def resolve(path: str | Path) -> tuple[Checkpoints, int]:
     """A checkpoint named by a run folder ({path}/checkpoints, its latest step), a
     checkpoints folder (its latest step) or one step folder ({dir}/{step}): (an open
-    read-only Checkpoints, to close after use, e.g. `with`; the step)."""
-    p = Path(path).expanduser()
+    read-only Checkpoints, to close after use, e.g. `with`; the step). `path` may be in a
+    bucket (`s3://`, `gs://`)."""
+    p = epath.Path(str(path).rstrip("/")) if storage.is_remote(path) else Path(path).expanduser()
     if not p.exists():
         raise CheckpointError(f"checkpoint path {path} does not exist")
     step = None

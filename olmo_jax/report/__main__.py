@@ -9,6 +9,8 @@ schedule, the loss / tokens/s / MFU curves and the expert-load heatmap with the 
 and dropped-fraction curves; a config (plan mode) gives the mesh, route and schedule, and
 the memory per device and bytes per collective. The page is written to
 RUN_DIR/report.html (plan mode: reports/<config name>.html) or --out, and its path printed.
+RUN_DIR may be in a bucket (`s3://`): its config, metrics, expert counts and mesh are
+read from there and report.html is uploaded next to them (or written to --out).
 The mesh is built from fake CPU devices (nothing is allocated); --devices sets how many
 (default: the run's mesh.json, else parallel.pipe x data x expert when none is -1, else
 the local device count).
@@ -16,12 +18,14 @@ the local device count).
 
 from __future__ import annotations
 
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from absl import flags
 
-from olmo_jax import cli
+from olmo_jax import cli, storage
 from olmo_jax import config as config_lib
 from olmo_jax.errors import ConfigError, DataError
 from olmo_jax.planner import hardware
@@ -71,10 +75,21 @@ def main(argv: list[str]) -> int:
             cfg = config_lib.parse(cfg)  # the typed sections; checked by sources.model_config
         except ConfigError as e:
             return cli.error(str(e))
+    tmp = tempfile.mkdtemp(prefix="olmo_jax_report_") if cfg is None and storage.is_remote(rest[0]) else None
+    try:
+        return _report(cfg, rest, tmp)
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _report(cfg, rest: list[str], tmp: str | None) -> int:
+    """The page of run folder rest[0] (`tmp`: the local folder its bucket's files go to)
+    or of config `cfg`."""
     n = 0
     try:
         if cfg is None:
-            run = sources.load_run(rest[0])
+            run = sources.load_run(sources.fetch_run(rest[0], Path(tmp)) if tmp else rest[0])
             n = sources.device_count(run.cfg, run.mesh_shape, _DEVICES.value)
             _use_devices(n)
             model_cfg = sources.model_config(run.cfg)
@@ -94,7 +109,16 @@ def main(argv: list[str]) -> int:
             return cli.error(f"{e} (the mesh was filled from {jax.device_count()} local device(s); "
                          f"pass --devices=N to size it)")
         return cli.error(str(e))
-    print(page.write(data, out))
+    written = page.write(data, out)
+    if tmp and not _OUT.value:  # a run folder in a bucket: the page goes next to its files
+        url = storage.join(rest[0], "report.html")
+        try:
+            storage.write_bytes(url, written.read_bytes())
+        except OSError as e:
+            return cli.error(storage.storage_error(url, e, "writing"))
+        print(url)
+        return 0
+    print(written)
     return 0
 
 

@@ -3,7 +3,8 @@
 A run folder (written by `olmo_jax.trainer.loop`) holds `config.json` (the resolved
 config), `metrics.jsonl` (one record per logged step), optionally `expert_counts.jsonl`
 (per-block expert counts every `trainer.expert_counts_every` steps) and `mesh.json` (the
-mesh the run trained on). A plan starts from a config file with overrides. Either way the
+mesh the run trained on). A run folder in a bucket (`s3://`) is read by copying those
+four files (`fetch_run`: never the checkpoints). A plan starts from a config file with overrides. Either way the
 report needs the config, the typed model config and the number of devices of the mesh.
 """
 
@@ -15,6 +16,7 @@ import math
 from pathlib import Path
 
 from olmo_jax import config as config_lib
+from olmo_jax import storage
 from olmo_jax.config import RunConfig
 from olmo_jax.data import load_tokenizer
 from olmo_jax.model.config import TransformerConfig
@@ -53,6 +55,24 @@ def config_from_dict(d: dict, where: str) -> RunConfig:
         return config_lib.from_saved(d)
     except (KeyError, AttributeError, TypeError, ValueError) as e:
         raise ReportError(f"{where} does not fit this version's config schema: {e}") from e
+
+
+RUN_FILES = ("config.json", "metrics.jsonl", "expert_counts.jsonl", "mesh.json")
+
+
+def fetch_run(url: str, local: Path) -> Path:
+    """The report's inputs of the run folder `url` (in a bucket) copied into `local`."""
+    try:
+        if not storage.is_file(storage.join(url, "config.json")):
+            raise ReportError(f"{url}/config.json not found: {url} is not a run folder (the "
+                              "trainer writes config.json into trainer.run_dir when a run starts)")
+        for name in RUN_FILES:
+            src = storage.join(url, name)
+            if storage.is_file(src):
+                (local / name).write_bytes(storage.read_bytes(src))
+    except OSError as e:
+        raise ReportError(storage.storage_error(url, e)) from None
+    return local
 
 
 def load_run(run_dir: str | Path) -> RunFolder:

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from rich.console import Console
 
+from olmo_jax import storage
 from olmo_jax.checkpoint import manager as m
 from olmo_jax.errors import CheckpointError, StorageError
 from olmo_jax.model.config import TransformerConfig
@@ -143,19 +144,25 @@ class RunCheckpoints:
         run_dir: Path,
         model_cfg: TransformerConfig,
         console: Console | None = None,
+        checkpoint_dir: str | Path | None = None,
+        on_save: Callable[[int], None] | None = None,
     ):
         t = self.trainer = trainer
         self.run_config, self.model_cfg = run_config, model_cfg
         self.console = console or Console()
         self.save_every = t.save_every
+        self.remote = storage.is_remote(checkpoint_dir or "")
+        # a run folder in a bucket: its checkpoints there, `on_save(step)` before each save
+        self.on_save = on_save
         self.ckpts = m.Checkpoints(
-            run_dir / m.RUN_SUBDIR, keep_last=t.keep_last, keep_every=t.keep_every
-        )
+            checkpoint_dir or run_dir / m.RUN_SUBDIR, keep_last=t.keep_last,
+            keep_every=t.keep_every)
         self.latest = self.ckpts.latest_step()
         if self.latest is not None and not t.resume:
             self.ckpts.close()
             raise CheckpointError(
-                f"trainer.run_dir={run_dir} already holds checkpoints (latest step "
+                f"trainer.run_dir={t.run_dir if self.remote else run_dir} already holds "
+                f"checkpoints (latest step "
                 f"{self.latest}) and trainer.resume=False; set trainer.resume=True to continue "
                 "that run, or choose a new trainer.run_dir"
             )
@@ -163,6 +170,7 @@ class RunCheckpoints:
         self.previous_records: list[dict] = []
         self.last_saved: int | None = self.latest
         self.run_dir = run_dir
+        self.where = t.run_dir if self.remote else run_dir  # as messages name it
         self.pending: int | None = None  # the step of the save in flight
         self.failure: StorageError | None = None
         self.checkpoint_bytes = 0  # set by start(): what one checkpoint takes
@@ -277,7 +285,10 @@ class RunCheckpoints:
         )
 
     def _check_space(self) -> None:
-        """A warning when fewer than two checkpoints fit in the run folder's free space."""
+        """A warning when fewer than two checkpoints fit in the run folder's free space
+        (none for a bucket)."""
+        if self.remote:
+            return
         free = shutil.disk_usage(self.run_dir).free
         need = self.checkpoint_bytes
         if self.latest is not None:  # what one really takes on disk
@@ -289,6 +300,8 @@ class RunCheckpoints:
                 "move the run folder before a save fails", highlight=False, soft_wrap=True)
 
     def _storage_error(self, step: int, err: BaseException) -> StorageError:
+        if self.remote:
+            return self._bucket_error(step, err)
         complete = [s for s in self.ckpts.complete_steps_on_disk() if s != step]
         last = (f"the last complete checkpoint is step {complete[-1]} "
                 f"({self.ckpts.step_dir(complete[-1])}); free space (or move the folder), then "
@@ -304,6 +317,20 @@ class RunCheckpoints:
             f"{_cause(err)} (a checkpoint takes about {_mb(need)}, {_mb(free)} is free); "
             f"{last}. The run stopped; details in "
             f"{self.run_dir / 'errors.log'}")
+
+    def _bucket_error(self, step: int, err: BaseException) -> StorageError:
+        try:
+            complete = [s for s in self.ckpts.complete_steps_on_disk() if s != step]
+        except Exception:  # the store is unreachable
+            complete = []
+        last = (f"the last complete checkpoint is step {complete[-1]} "
+                f"({self.ckpts.step_dir(complete[-1])}); run the same command again to resume "
+                "from it" if complete else "there is no complete checkpoint yet")
+        return StorageError(
+            f"cannot write checkpoint step {step}: "
+            f"{storage.storage_error(self.ckpts.step_dir(step), err, 'writing')}; {last}. The "
+            f"run stopped; details in {self.run_dir / 'errors.log'} (also uploaded to "
+            f"{storage.join(self.trainer.run_dir, 'errors.log')})")
 
     def _guarded(self, step: int, action: Callable[[], object]):
         """action() of the save of `step`; a failure stops the run as one StorageError
@@ -351,6 +378,8 @@ class RunCheckpoints:
         if self.pending is not None:  # the previous save must have succeeded
             self._guarded(self.pending, self.ckpts.wait)
             self.pending = None
+        if self.on_save is not None:  # a bucket: still the owner; the run's files uploaded
+            self.on_save(step)
         self._guarded(step, lambda: self.ckpts.save(
             step,
             model=model_tree(state),

@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from olmo_jax import config as config_lib
-from olmo_jax import distributed
+from olmo_jax import distributed, storage
 from olmo_jax import metrics as metrics_lib
 from olmo_jax.config import RunConfig
 from olmo_jax.data import build_data
@@ -169,9 +169,11 @@ def schedule_args(t_cfg: TrainerConfig) -> dict:
                                    functools.partial(schedule.initial_lrs, steps=steps))}
 
 
-def _build(cfg: RunConfig, console: Console, main: bool, run_dir: Path) -> _Run:
+def _build(cfg: RunConfig, console: Console, main: bool, run_dir: Path,
+           folder: run_dir_lib.RunFolder | None = None) -> _Run:
     """Data, model, plan, optimizer, checkpoints and the (uncompiled) step functions, from
-    the validated sections (config.validate), for the run folder `run_dir`."""
+    the validated sections (config.validate), for the run folder `run_dir` (the local copy
+    of `folder` when that is in a bucket)."""
     t_cfg = cfg.trainer
     batch_schedule = t_cfg.batch_schedule
     data = build_data(cfg.data, t_cfg.seq_len, t_cfg.global_batch_size,
@@ -189,7 +191,10 @@ def _build(cfg: RunConfig, console: Console, main: bool, run_dir: Path) -> _Run:
                                               guard_cfg=guard_cfg)
     shardings = plan.state_shardings(abstract, tx)
     opt_bytes = plan.optimizer_bytes(abstract, tx)
-    checkpoints = RunCheckpoints(t_cfg, cfg.to_dict(), run_dir, config_model_cfg, console)
+    checkpoints = RunCheckpoints(
+        t_cfg, cfg.to_dict(), run_dir, config_model_cfg, console,
+        checkpoint_dir=folder.checkpoint_dir if folder and folder.url else None,
+        on_save=folder.on_save if folder and folder.url else None)
     checkpoints.verify()  # the checkpoint to start from fits, before compiling
     def jitted(grad_accum):
         return plan.jit_train_step(
@@ -422,7 +427,8 @@ def _summary(run: _Run, state, hooks: _Hooks, compile_s: float) -> Summary:
         mean_tokens_per_s=float(np.mean([r["tokens_per_s"] for r in timed] or [np.nan])),
         mean_mfu=float(np.mean([r["mfu"] for r in timed] or [np.nan])),
         compile_s=compile_s,
-        metrics_path=str(run.run_dir / "metrics.jsonl"),
+        metrics_path=(storage.join(run.t.run_dir, "metrics.jsonl") if run.checkpoints.remote
+                      else str(run.run_dir / "metrics.jsonl")),
         sample="",
         preempted=hooks.saving.preempted is not None,
         final_eval_sets=evaluation.last_sets,
@@ -450,7 +456,7 @@ def train(cfg: RunConfig, console: Console | None = None) -> Summary:
     # Writable, owned by this run (process 0's lock), no different run in it.
     folder = run_dir_lib.RunFolder(cfg, main)
     try:
-        run = _build(cfg, console, main, folder.path)
+        run = _build(cfg, console, main, folder.path, folder)
         compiled, memory, compile_s = _preflight(run)
     except BaseException as e:  # refused: what this launch created goes again
         folder.release(refused=isinstance(e, (ConfigError, DataError)))

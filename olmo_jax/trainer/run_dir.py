@@ -13,6 +13,10 @@
   when the process ends, however it ends (kill -9 included), so no stale lock is left. A
   second trainer on the folder is refused at once, naming the owner. Readers (report,
   convert) take no lock.
+- A run folder in an S3 bucket (`s3://bucket/prefix`): checkpoints are written there by
+  orbax (checkpoint/object_store.py), the other files are written in a local copy and
+  uploaded (mirror.py); the one owner holds a lease object instead of the flock
+  (lease.py), refused with the same message.
 - A refused launch leaves nothing behind: a folder this launch created is removed again
   (with the empty folders and the lock file in it) when the run is refused before it
   wrote anything of its own.
@@ -32,6 +36,7 @@ import fcntl
 import json
 import logging
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -40,9 +45,13 @@ import time
 import traceback
 from pathlib import Path
 
+from olmo_jax import storage
+from olmo_jax.checkpoint.manager import RUN_SUBDIR
 from olmo_jax.config import RunConfig
 from olmo_jax.errors import ConfigError, StorageError
 from olmo_jax.trainer.checkpoints import FREE_MODEL_FIELDS, FREE_MOE_FIELDS
+from olmo_jax.trainer.lease import LEASE_FILE, Lease, LeaseHeld, LeaseLost
+from olmo_jax.trainer.mirror import Mirror, local_copy
 
 CONFIG_FILE = "config.json"
 LOCK_FILE = "owner.lock"
@@ -52,7 +61,9 @@ FREE_TRAINER_FIELDS = {
     "sample_prompt", "sample_tokens", "sample_temperature", "save_every", "keep_last", "keep_every", "resume",
     "init_from", "hard_stop", "overwrite", "grad_accum", "nan_policy", "max_skipped",
     "spike_sigma", "memory_limit_gb", "peer_timeout_s", "loggers", "profile_steps",
+    "lease_ttl_s",
 }
+MIRROR_EVERY_S = 30.0  # a bucket run folder's files are uploaded at least this often
 # Fields of other sections that change what is logged or how data is read, not the run.
 FREE_DATA_FIELDS = {"prefetch", "remote_cache_mb"}
 
@@ -149,6 +160,12 @@ def _check_saved_config(cfg: RunConfig, run_dir: Path) -> None:
         )
 
 
+def _in_use(cfg: RunConfig, holder: str, where) -> ConfigError:
+    return ConfigError(
+        f"trainer.run_dir={cfg.trainer.run_dir} is in use by another trainer ({holder}; "
+        f"{where}): wait for it to end or stop it, or choose another trainer.run_dir")
+
+
 def _holder(fd: int) -> str:
     """The owner line of a lock file (the owner may be writing it this instant)."""
     for _ in range(20):
@@ -164,16 +181,68 @@ class RunFolder:
     `release(refused=True)` also removes what this launch created, when it owns the folder."""
 
     def __init__(self, cfg: RunConfig, main: bool):
-        self.created = _missing(Path(cfg.trainer.run_dir).expanduser())
-        self.path = _writable(cfg)
+        self.url = cfg.trainer.run_dir.rstrip("/") if storage.is_remote(cfg.trainer.run_dir) else None
         self._fd: int | None = None
-        if main:
-            self._lock(cfg)
+        self.lease: Lease | None = None
+        self.mirror: Mirror | None = None
+        if self.url:
+            self.created = []
+            self.path = local_copy(cfg.trainer.cache_dir, self.url)
+            self._open_bucket(cfg, main)
+        else:
+            self.created = _missing(Path(cfg.trainer.run_dir).expanduser())
+            self.path = _writable(cfg)
+            if main:
+                self._lock(cfg)
         try:
             _check_saved_config(cfg, self.path)
         except BaseException:
             self.release(refused=True)
             raise
+
+    @property
+    def checkpoint_dir(self) -> str | Path:
+        """Where the run's checkpoints go: {run_dir}/checkpoints (in the bucket for one)."""
+        return storage.join(self.url, RUN_SUBDIR) if self.url else self.path / RUN_SUBDIR
+
+    def _open_bucket(self, cfg: RunConfig, main: bool) -> None:
+        """Process 0 takes the lease, then makes the local copy the bucket's files and
+        uploads them from then on; the others only check the bucket."""
+        try:
+            storage.makedirs(self.url)  # the bucket exists
+            if main:
+                lease = Lease(self.url, cfg.trainer.lease_ttl_s)
+                lease.acquire()
+                self.lease = lease
+                self.mirror = Mirror(self.url, self.path)
+                self.mirror.pull()
+                self.mirror.start(MIRROR_EVERY_S)
+            else:
+                self.path.mkdir(parents=True, exist_ok=True)
+        except LeaseHeld as e:
+            raise _in_use(cfg, e.holder, storage.join(self.url, LEASE_FILE)) from None
+        except (OSError, ValueError) as e:
+            self.release(refused=True)
+            raise ConfigError(f"trainer.run_dir: {storage.storage_error(self.url, e, 'writing')}"
+                              ) from None
+
+    def on_save(self, step: int) -> None:
+        """Before each checkpoint save of a bucket run folder: this trainer still holds
+        the lease, and the bucket gets the files written so far (StorageError else)."""
+        if self.lease is not None:
+            try:
+                self.lease.check()
+            except LeaseLost as e:
+                raise StorageError(
+                    f"trainer.run_dir={self.url}: {e}; the run stopped before saving step "
+                    f"{step}, so as not to write over another trainer's checkpoints") from None
+            except (OSError, ValueError):
+                pass  # the store is unreachable: the save itself reports it
+        if self.mirror is not None:
+            try:
+                self.mirror.sync()
+            except (OSError, ValueError) as e:
+                raise StorageError(storage.storage_error(self.url, e, "writing")) from None
 
     def _lock(self, cfg: RunConfig) -> None:
         fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
@@ -182,11 +251,7 @@ class RunFolder:
         except OSError as e:
             holder = _holder(fd)
             os.close(fd)
-            raise ConfigError(
-                f"trainer.run_dir={cfg.trainer.run_dir} is in use by another trainer ({holder}; "
-                f"{self.path / LOCK_FILE}): wait for it to end or stop it, or choose another "
-                "trainer.run_dir"
-            ) from e
+            raise _in_use(cfg, holder, self.path / LOCK_FILE) from e
         self._fd = fd
         stamp = time.strftime("%Y-%m-%d %H:%M:%S %Z")
         try:
@@ -198,7 +263,12 @@ class RunFolder:
 
     def release(self, refused: bool = False) -> None:
         """Drops the lock; `refused`: the run wrote nothing of its own, so the folders this
-        launch created (and only empty ones) and its lock file go too."""
+        launch created (and only empty ones) and its lock file go too. A bucket run
+        folder uploads its files a last time (none when refused: its local copy goes) and
+        gives its lease back."""
+        if self.url:
+            self._release_bucket(refused)
+            return
         if self._fd is None:
             return
         if refused and self.created:
@@ -211,6 +281,23 @@ class RunFolder:
                     p.rmdir()
         os.close(self._fd)  # closing drops the flock
         self._fd = None
+
+    def _release_bucket(self, refused: bool) -> None:
+        mirror, lease, self.mirror, self.lease = self.mirror, self.lease, None, None
+        try:
+            if mirror is not None:
+                try:
+                    mirror.close(upload=not refused and not (lease and lease.lost))
+                except (OSError, ValueError) as e:  # the last upload: one error line
+                    raise StorageError(
+                        f"{storage.storage_error(self.url, e, 'writing')}; the run's files "
+                        f"are kept in {self.path}") from None
+        finally:
+            if lease is not None:
+                lease.release()
+            if refused and self.path.exists():
+                with contextlib.suppress(OSError):
+                    shutil.rmtree(self.path)
 
 
 class _QuietHandler(logging.FileHandler):

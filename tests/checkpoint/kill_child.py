@@ -4,8 +4,9 @@
 
 Trains with the run config in CONFIG.json (a ConfigDict as JSON). The checkpoint save of
 step HANG_STEP stops at its commit point: every file is written into orbax's temporary
-folder and only the atomic rename to the final step folder is left. There the child
-writes MARKER and blocks, so the parent can `kill -9` it exactly mid-save.
+folder and only the atomic rename to the final step folder is left (in a bucket: the step
+folder is written and only its commit marker is left). There the child writes MARKER and
+blocks, so the parent can `kill -9` it exactly mid-save.
 """
 
 import json
@@ -36,6 +37,18 @@ def main() -> None:
         return rename(self, target)
 
     path_type.rename = hanging_rename
+    from orbax.checkpoint._src.path import atomicity
+
+    finalize = atomicity.CommitFileTemporaryPath.finalize
+
+    async def hanging_finalize(self):
+        if self.get_final().name == hang_step:
+            marker.write_text(str(self.get_final()))
+            while True:
+                time.sleep(60)
+        return await finalize(self)
+
+    atomicity.CommitFileTemporaryPath.finalize = hanging_finalize
     from olmo_jax import config as config_lib
     from olmo_jax.trainer.loop import train
 

@@ -183,13 +183,17 @@ def test_missing_bucket_object_and_denied_access_name_the_path(s3, monkeypatch):
     assert "access to bucket 'tokens' is denied" in msg and SECRET not in msg
 
 
-def test_run_folders_in_a_bucket_are_refused_naming_the_field():
+def test_run_folders_in_gcs_are_refused_naming_the_field():
+    """s3:// run folders and checkpoints are supported (tests/trainer/test_bucket_run_dir.py),
+    gs:// ones not yet."""
     for name in ("run_dir", "init_from"):
         cfg = config_lib.default_config()
-        cfg.trainer[name] = "s3://runs/one"
-        with pytest.raises(ConfigError, match=rf"trainer\.{name}=s3://runs/one: run folders and "
-                                              "checkpoints in an object store are not supported"):
+        cfg.trainer[name] = "gs://runs/one"
+        with pytest.raises(ConfigError, match=rf"trainer\.{name}=gs://runs/one: run folders and "
+                                              "checkpoints in gs:// buckets are not supported"):
             config_lib.validate(cfg)
+        cfg.trainer[name] = "s3://runs/one"
+        config_lib.validate(cfg)
 
 
 @pytest.fixture(scope="module")
