@@ -10,7 +10,10 @@ MoE layer, so microbatches and pipeline stages add them up and the step divides 
 batch, so every loss is the one a single device computes on the whole batch; with
 `model.moe.lb_granularity = local` each device's load-balancing loss comes from its own
 tokens and the losses are averaged. Per-shard expert counts (`counts_LPE`, one row per
-device's batch slice) feed the local imbalance metrics.
+device's batch slice) feed the local imbalance metrics. `token_shard` is what a device
+computes on of a batch's rows (inputs, targets, document masking's segment ids and RoPE
+positions, a context rank's zig-zag shard of each): the step and every pipeline stage
+use it.
 
 The plan, as the objective and the train / eval steps (trainer/step.py) see it, is a
 `typing.Protocol`: `BatchReduction` (what the objective needs) and `Plan` (what the

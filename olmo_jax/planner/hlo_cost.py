@@ -368,3 +368,22 @@ def _attention_score_arrays(program):
             d = [int(x) for x in dims_text.split(",") if x]
             if dtype in _FLOAT and len(d) >= 3:
                 yield ins.name, dtype, d
+
+
+def document_masks(program) -> list[str]:
+    """The document masks' compares in the attention cores (any context): instructions,
+    fused or not, in the `attention_scores` scope comparing for equality into a boolean
+    array of rank >= 3, the query's segment id against the key's per row ([B, Q, A] or
+    [B, 1, M, A]; the causal and window masks compare positions, [Q, A], and the blas
+    and cuDNN cores make none, their masks being offsets). "name: type" of each."""
+    module = program if isinstance(program, HloModule) else parse_module(program)
+    walker = Walker(module)
+    out = []
+    for ins in module.instructions:
+        if ins.opcode != "compare" or ins.attr("direction") != "EQ":
+            continue
+        for dtype, dims_text in arrays(ins.type_str):
+            if (dtype == "pred" and len(dims(ins.type_str)) >= 3
+                    and walker.scope(ins) == "attention_scores"):
+                out.append(f"{ins.name}: {dtype}[{dims_text}]")
+    return out

@@ -29,6 +29,11 @@ schedule runs it (olmo_jax/planner/pipeline_cost.py).
 Buffers have the sizes the table needs: for 1F1B at most 2P - 1 microbatches whatever M
 is; for GPipe all M.
 
+Each microbatch's tokens, and with document masking its segment ids and per-row RoPE
+tables (`Positions`), are computed from its whole rows where a stage runs it
+(`objective.token_shard`: a context rank's zig-zag shard of each); a block's VJP keeps
+what its backward needs of them in the stash like any residual.
+
 Router statistics travel with the activations: a RouterStats buffer with a row per MoE
 block that every chunk fills in; the last chunk computes the losses from the whole buffer
 exactly as the single-device step does (`objective.loss_parts`), and the cotangents
