@@ -10,7 +10,10 @@ MoE layer, so microbatches and pipeline stages add them up and the step divides 
 batch, so every loss is the one a single device computes on the whole batch; with
 `model.moe.lb_granularity = local` each device's load-balancing loss comes from its own
 tokens and the losses are averaged. Per-shard expert counts (`counts_LPE`, one row per
-device's batch slice) feed the local imbalance metrics.
+device's batch slice) feed the local imbalance metrics. `token_shard` is what a device
+computes on of a batch's rows (inputs, targets, document masking's segment ids and RoPE
+positions, a context rank's zig-zag shard of each): the step and every pipeline stage
+use it.
 
 The plan, as the objective and the train / eval steps (trainer/step.py) see it, is a
 `typing.Protocol`: `BatchReduction` (what the objective needs) and `Plan` (what the
@@ -38,6 +41,7 @@ from olmo_jax.model.moe.losses import (
     load_balancing_per_layer,
     z_loss_per_layer,
 )
+from olmo_jax.model.rope import document_positions
 
 
 class LossParts(NamedTuple):
@@ -180,32 +184,64 @@ def document_segments(inputs_BT: jax.Array, cfg: TransformerConfig) -> jax.Array
     return jnp.cumsum(eos_BT, axis=1, dtype=jnp.int32) - eos_BT
 
 
+class TokenShard(NamedTuple):
+    """This device's share of a batch's token windows, and what the model needs besides the
+    tokens to compute on it as on the whole rows (`token_shard`)."""
+
+    inputs_BT: jax.Array
+    targets_BT: jax.Array
+    segment_ids_BT: jax.Array | None  # document masking (None: off)
+    positions_T: jax.Array | None  # RoPE positions shared by the rows (None: 0 .. T-1)
+    positions_BT: jax.Array | None  # per row (document masking: restarting at each document)
+    row_end_B1: jax.Array | None  # the rows' last targets when targets_BT is a context shard
+
+    def model_args(self) -> dict:
+        """The keyword arguments of `Transformer.blocks` / `__call__` besides the tokens."""
+        return dict(segment_ids_BT=self.segment_ids_BT, positions_T=self.positions_T,
+                    positions_BT=self.positions_BT)
+
+
+def token_shard(batch_BX: jax.Array, cfg: TransformerConfig) -> TokenShard:
+    """Inputs [:, :-1] and targets [:, 1:] of token windows `batch_BX`, with document
+    masking's segment ids and per-row RoPE positions (model.doc_mask_eos >= 0) computed on
+    the whole rows. With context parallelism (model.context_parallel = C > 1, inside the
+    step's shard_map) every context rank holds the whole rows and takes its zig-zag shard
+    of each [B, T] array (olmo_jax/kernels/ring_attention.py): documents may cross the
+    shards' boundaries, the attention masks by segment id, and the RoPE positions are the
+    shard's global indices, or with document masking its share of the rows' in-document
+    positions (a shard's segment ids are not contiguous, so positions are not derived from
+    them there)."""
+    inputs_BT, targets_BT = batch_BX[:, :-1], batch_BX[:, 1:]
+    segment_ids_BT = document_segments(inputs_BT, cfg)  # None without document masking
+    positions_BT = None if segment_ids_BT is None else document_positions(segment_ids_BT)
+    C = cfg.context_parallel
+    if C == 1:
+        return TokenShard(inputs_BT, targets_BT, segment_ids_BT, None, positions_BT, None)
+    rank = jax.lax.axis_index(CONTEXT_AXIS)
+
+    def shard(x_BT):
+        return None if x_BT is None else zigzag_shard(x_BT, C, rank)
+
+    return TokenShard(shard(inputs_BT), shard(targets_BT), shard(segment_ids_BT),
+                      zigzag_positions(inputs_BT.shape[1], C, rank), shard(positions_BT),
+                      targets_BT[:, -1:])
+
+
 def forward_losses(graphdef, params, model_state, batch_BX, cfg: TransformerConfig,
                    rng=None, parallel: BatchReduction = SINGLE_DEVICE) -> LossParts:
     """LossParts of token windows `batch_BX` (inputs [:, :-1], targets [:, 1:]). `rng`: a
     key in training (router jitter, random routing). With model.doc_mask_eos the
-    documents of a row are masked from each other (`document_segments`)."""
+    documents of a row are masked from each other (`document_segments`); with context
+    parallelism each device computes on its zig-zag shard of the rows (`token_shard`)."""
     model = nnx.merge(graphdef, params, model_state)
-    inputs_BT, targets_BT = batch_BX[:, :-1], batch_BX[:, 1:]
-    segment_ids_BT = document_segments(inputs_BT, cfg)  # None without document masking
-    positions_T = row_end_B1 = None
-    C = cfg.context_parallel
-    if C > 1:
-        # Context parallelism: every context rank holds the whole rows and takes its zig-zag
-        # shard of the inputs and targets; RoPE positions are the shard's global indices.
-        # (Document masking with context > 1 is refused by the config.)
-        rank = jax.lax.axis_index(CONTEXT_AXIS)
-        positions_T = zigzag_positions(inputs_BT.shape[1], C, rank)
-        row_end_B1 = targets_BT[:, -1:]
-        inputs_BT, targets_BT = zigzag_shard(inputs_BT, C, rank), zigzag_shard(targets_BT, C, rank)
+    s = token_shard(batch_BX, cfg)
     if cfg.lm_loss_chunk:  # the head and loss chunked, no [B, T, V] logits
-        x_BTD, stats = model.blocks(model.embed(inputs_BT), positions_T, rng=rng,
-                                    segment_ids_BT=segment_ids_BT)
-        return loss_parts(None, targets_BT, stats, cfg, parallel, row_end_B1,
-                          sums=head_loss_sums(model, x_BTD, targets_BT, cfg.lm_loss_chunk,
-                                              row_end_B1))
-    out = model(inputs_BT, rng=rng, segment_ids_BT=segment_ids_BT, positions_T=positions_T)
-    return loss_parts(out.logits_BTV, targets_BT, out.router_stats, cfg, parallel, row_end_B1)
+        x_BTD, stats = model.blocks(model.embed(s.inputs_BT), rng=rng, **s.model_args())
+        return loss_parts(None, s.targets_BT, stats, cfg, parallel, s.row_end_B1,
+                          sums=head_loss_sums(model, x_BTD, s.targets_BT, cfg.lm_loss_chunk,
+                                              s.row_end_B1))
+    out = model(s.inputs_BT, rng=rng, **s.model_args())
+    return loss_parts(out.logits_BTV, s.targets_BT, out.router_stats, cfg, parallel, s.row_end_B1)
 
 
 def head_loss_sums(model, x_BTD, targets_BT, chunk: int,

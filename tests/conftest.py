@@ -62,6 +62,7 @@ SLOW = (
     "tests/evals/test_downstream.py",
     "tests/evals/test_in_loop.py",
     "tests/parallel/test_gpu_paths.py",
+    "tests/parallel/test_context_doc_mask.py",
     "tests/parallel/test_context_parallel.py",
     "tests/parallel/test_parallel_bf16.py",
     "tests/parallel/test_parallel_invariance.py",

@@ -308,7 +308,8 @@ class Attention(nnx.Module):
         with jax.named_scope("attention_scores"):  # named for olmo_jax/planner
             if impl == "context":
                 C, how = self.context
-                return ring_attention.context_attention(how, q_BTNH, k_BTKH, v_BTKH, context=C)
+                return ring_attention.context_attention(how, q_BTNH, k_BTKH, v_BTKH,
+                                                        segment_ids_BT, context=C)
             if impl == "cudnn":
                 return cudnn_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT,
                                        self.cudnn_max_docs)

@@ -123,6 +123,21 @@ def block_step(graphdef, cos_TH, sin_TH, remat: str = "none", segment_ids_BT=Non
     return jax.checkpoint(body) if remat == "block" else body
 
 
+def position_tables(cfg: TransformerConfig, T: int, positions_T: jax.Array | None = None,
+                    segment_ids_BT: jax.Array | None = None,
+                    positions_BT: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """The RoPE tables the blocks use (cos, sin): per row, [B, T, H], from `positions_BT`,
+    else from the documents of `segment_ids_BT` (positions restarting at each start); else
+    shared by the rows, [T, H], from `positions_T` (default 0 .. T-1)."""
+    scaling = scaling_of(cfg)
+    if positions_BT is None and segment_ids_BT is not None:
+        positions_BT = document_positions(segment_ids_BT)
+    if positions_BT is not None:
+        return rope_tables_batch(positions_BT, cfg.head_size, cfg.rope_theta, scaling)
+    positions_T = jnp.arange(T) if positions_T is None else positions_T
+    return rope_tables(positions_T, cfg.head_size, cfg.rope_theta, scaling)
+
+
 class Output(NamedTuple):
     logits_BTV: jax.Array  # float32
     router_stats: RouterStats | None  # fields stacked over MoE layers [L_moe, B, ...]
@@ -162,20 +177,18 @@ class Transformer(nnx.Module):
 
     @shapes.check("-> B T D, _")
     def blocks(self, x_BTD: jax.Array, positions_T: jax.Array | None = None, rng=None,
-               segment_ids_BT: jax.Array | None = None):
+               segment_ids_BT: jax.Array | None = None, positions_BT: jax.Array | None = None):
         """`rng`: a key in training (router jitter, random routing); None = deterministic.
         `segment_ids_BT` (int32, document masking): a query attends only to earlier keys
         with the same id, and the RoPE positions restart at each document's start
         (`rope.document_positions`, as OLMo-core's RotaryEmbedding with cu_doc_lens);
-        None = plain causal attention over positions `positions_T` (default 0 .. T-1)."""
+        None = plain causal attention over positions `positions_T` (default 0 .. T-1).
+        `positions_BT`: per-row RoPE positions given explicitly (default: from the segment
+        ids; a context-parallel shard passes its share of the whole rows' positions, as
+        its segment ids are not contiguous)."""
         cfg = self.cfg
-        T = x_BTD.shape[1]
-        if segment_ids_BT is not None:
-            cos_TH, sin_TH = rope_tables_batch(document_positions(segment_ids_BT),
-                                               cfg.head_size, cfg.rope_theta, scaling_of(cfg))
-        else:
-            positions_T = jnp.arange(T) if positions_T is None else positions_T
-            cos_TH, sin_TH = rope_tables(positions_T, cfg.head_size, cfg.rope_theta, scaling_of(cfg))
+        cos_TH, sin_TH = position_tables(cfg, x_BTD.shape[1], positions_T, segment_ids_BT,
+                                         positions_BT)
         stats = None
         if self.dense_blocks is not None:
             x_BTD, _ = run_blocks(self.dense_blocks, x_BTD, cos_TH, sin_TH, cfg.remat,
@@ -210,11 +223,12 @@ class Transformer(nnx.Module):
     @shapes.check("-> *")
     def __call__(self, tokens_BT: jax.Array, rng: jax.Array | None = None,
                  segment_ids_BT: jax.Array | None = None,
-                 positions_T: jax.Array | None = None) -> Output:
+                 positions_T: jax.Array | None = None,
+                 positions_BT: jax.Array | None = None) -> Output:
         """`rng` is given in training only (router jitter, random routing); evaluation and
         sampling call without it. `segment_ids_BT`: document masking (`blocks`).
         `positions_T`: the tokens' RoPE positions (default 0..T-1; a context-parallel shard
-        passes its global indices)."""
+        passes its global indices); `positions_BT`: per-row positions (`blocks`)."""
         x_BTD, stats = self.blocks(self.embed(tokens_BT), positions_T, rng=rng,
-                                   segment_ids_BT=segment_ids_BT)
+                                   segment_ids_BT=segment_ids_BT, positions_BT=positions_BT)
         return Output(self.head(x_BTD), stats)

@@ -352,10 +352,6 @@ def check_context(p: ParallelConfig, trainer: BatchSettings, model_cfg: Transfor
             f"parallel.context={C}; leave it 1 and set parallel.context")
     if C == 1:
         return
-    if model_cfg.doc_mask_eos >= 0:
-        raise ConfigError(
-            f"data.doc_mask with parallel.context={C}: the context shards do not carry "
-            "document masks yet; set parallel.context=1 or data.doc_mask=False")
     if pipe != 1 and model_cfg.context_attention == "ring":
         # A stage's ops run in conds the other stages skip; the ring's collective-permute
         # spans every device of the mesh (all-gather's groups stay inside a stage).
@@ -429,10 +425,6 @@ def build_plan(parallel: ParallelConfig, trainer: BatchSettings, model_cfg: Tran
     shard = p.zero1 or p.strategy == "fsdp"
     pipeline = None
     if mesh.shape["pipe"] > 1:
-        if model_cfg.doc_mask_eos >= 0:
-            raise ConfigError(
-                f"data.doc_mask with parallel.pipe={mesh.shape['pipe']}: the pipeline's stages "
-                "do not carry document masks yet; set parallel.pipe=1 or data.doc_mask=False")
         pipeline = build_pipeline(p, model_cfg, mesh, abstract_params, compute, shard)
         layouts = pipeline.layouts
     else:

@@ -338,9 +338,26 @@ def score_buffers(program, seq_len: int) -> list[str]:
     from olmo_jax.model.attention import query_chunks
 
     tc = seq_len // query_chunks(seq_len)
+    return [f"{name}: {dtype}[{','.join(map(str, d))}]"
+            for name, dtype, d in _attention_score_arrays(program)
+            if d[-1] % tc == 0 and d[-1] <= seq_len and d[-2] % tc == 0 and d[-2] >= tc]
+
+
+def key_span_buffers(program, seq_len: int) -> list[str]:
+    """score_buffers' candidates (floating point, rank >= 3, top-level, in the
+    `attention_scores` scope) whose last dimension spans all `seq_len` keys of the
+    sequence, whatever their queries: context parallelism's all-gather attention makes one
+    [B, K, G, 2L, T] block per call (a shard's queries against every key), its ring only
+    [L, L] blocks (olmo_jax/kernels/ring_attention.py). "name: type" of each."""
+    return [f"{name}: {dtype}[{','.join(map(str, d))}]"
+            for name, dtype, d in _attention_score_arrays(program) if d[-1] == seq_len]
+
+
+def _attention_score_arrays(program):
+    """(instruction name, dtype, dims) of every floating-point array of rank >= 3 that a
+    top-level instruction in the `attention_scores` scope makes (score_buffers)."""
     module = program if isinstance(program, HloModule) else parse_module(program)
     walker = Walker(module)
-    out = []
     for ins in module.instructions:
         if ins.context != "top" or ins.opcode in ("parameter", "get-tuple-element", "tuple",
                                                   "bitcast"):
@@ -349,7 +366,24 @@ def score_buffers(program, seq_len: int) -> list[str]:
             continue
         for dtype, dims_text in arrays(ins.type_str):
             d = [int(x) for x in dims_text.split(",") if x]
-            if (dtype in _FLOAT and len(d) >= 3 and d[-1] % tc == 0 and d[-1] <= seq_len
-                    and d[-2] % tc == 0 and d[-2] >= tc):
+            if dtype in _FLOAT and len(d) >= 3:
+                yield ins.name, dtype, d
+
+
+def document_masks(program) -> list[str]:
+    """The document masks' compares in the attention cores (any context): instructions,
+    fused or not, in the `attention_scores` scope comparing for equality into a boolean
+    array of rank >= 3, the query's segment id against the key's per row ([B, Q, A] or
+    [B, 1, M, A]; the causal and window masks compare positions, [Q, A], and the blas
+    and cuDNN cores make none, their masks being offsets). "name: type" of each."""
+    module = program if isinstance(program, HloModule) else parse_module(program)
+    walker = Walker(module)
+    out = []
+    for ins in module.instructions:
+        if ins.opcode != "compare" or ins.attr("direction") != "EQ":
+            continue
+        for dtype, dims_text in arrays(ins.type_str):
+            if (dtype == "pred" and len(dims(ins.type_str)) >= 3
+                    and walker.scope(ins) == "attention_scores"):
                 out.append(f"{ins.name}: {dtype}[{dims_text}]")
     return out

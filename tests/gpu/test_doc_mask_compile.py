@@ -1,9 +1,20 @@
-"""Document masking on cuDNN, compiled by XLA:GPU for an abstract H200 (no GPU needed): the
-trainer's step with data.doc_mask runs cuDNN's fused attention forward and backward in
-its packed-segment form (padding-causal mask over per-row document offsets), makes no
-[T, S] score buffer, and keeps cuDNN's softmax statistics at model.cudnn_max_docs per row.
-One 1-GPU cell of tests/gpu/test_compile_matrix.py's model (vocab 384: the byte
-tokenizer's EOS is id 256)."""
+"""Document masking compiled by XLA:GPU for abstract H200s (no GPU needed), on
+tests/gpu/test_compile_matrix.py's model (vocab 384: the byte tokenizer's EOS is id 256).
+
+One GPU: the trainer's step with data.doc_mask runs cuDNN's fused attention forward and
+backward in its packed-segment form (padding-causal mask over per-row document offsets),
+makes no [T, S] score buffer, and keeps cuDNN's softmax statistics at
+model.cudnn_max_docs per row.
+
+Context parallelism, 8 GPUs as data 2 x context 2 x expert 2 (ring and all-gather
+attention) and pipe 2 x context 2 x expert 2 (1F1B, all-gather: the ring is refused with
+a pipeline): each cell compiles on its path, the attention's collectives being the ring's
+K/V collective-permutes or the all-gather's K/V all-gathers and dK/dV reduce-scatters,
+each attention block masked by segment (`hlo_cost.document_masks`), and the ring holding
+no score block that spans the whole sequence's keys (the all-gather's [2L, T] one is
+found by the same check). The blocks are XLA's own einsums, not cuDNN's fused attention
+(no cuDNN call: the per-block kernel under context parallelism is not done). Each cell
+is recorded in the session's table (tests/gpu/results.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +24,9 @@ import pytest
 
 from olmo_jax import config as config_lib
 from olmo_jax import targets
-from olmo_jax.planner import gpu_hlo, hlo_cost
+from olmo_jax.planner import comms, gpu_hlo, hlo_cost
 from olmo_jax.planner.compile import compile_train_step
+from tests.gpu import results
 from tests.gpu.test_compile_matrix import COMPILE_OPTIONS, SEQ_LEN, Cell, cell_config
 
 pytestmark = pytest.mark.no_compile_cache
@@ -45,3 +57,50 @@ def test_doc_masked_step_runs_cudnn_packed_attention(monkeypatch):
                         and re.search(r'"max_seg_per_batch":\s*4\b', line) for line in fmha), fmha[:1]
     B, N = cfg.trainer.global_batch_size, cfg.model.n_heads
     assert re.search(rf"f32\[{B * 4},{N},{SEQ_LEN}\]", hlo)
+
+
+# (model.context_attention, parallel.pipe) on 8 H200s
+CONTEXT_CELLS = [("ring", 1), ("allgather", 1), ("allgather", 2)]
+
+
+def context_cell_config(how: str, pipe: int):
+    """The matrix's 8-GPU rowwise cell as data 2 x context 2 x expert 2, or pipe 2 x
+    context 2 x expert 2 (1F1B, 2 microbatches, 2 MoE blocks), with data.doc_mask."""
+    cfg = cell_config(Cell("h200", 8, "rowwise", "auto", "bf16"))
+    cfg.model.vocab_size, cfg.model.context_attention = 384, how
+    cfg.data.doc_mask = True
+    p = cfg.parallel
+    p.data, p.context, p.expert = 2, 2, 2
+    if pipe > 1:
+        cfg.model.n_layers = 3
+        p.pipe, p.data, p.pipeline_schedule, p.microbatches = pipe, 1, "1f1b", 2
+    return cfg
+
+
+@pytest.mark.parametrize("how, pipe", CONTEXT_CELLS,
+                         ids=[f"{h}-pipe{p}" for h, p in CONTEXT_CELLS])
+def test_doc_masked_context_parallel_compiles_on_its_path(how, pipe):
+    cfg = context_cell_config(how, pipe)
+    step = compile_train_step(config_lib.validate(cfg), targets.abstract_devices("h200", 8),
+                              trainer_step=True, options=COMPILE_OPTIONS)
+    cell_id = f"h200x8-doc_mask-context2-{how}" + (f"-pipe{pipe}" if pipe > 1 else "")
+    kinds = {c.kind for c in comms.collectives(step.module)
+             if "attention" in c.op_name and c.group_size > 1}
+    want = {"collective-permute"} if how == "ring" else {"all-gather", "reduce-scatter"}
+    whole = hlo_cost.key_span_buffers(step.module, SEQ_LEN)
+    problems = []
+    if kinds != want:
+        problems.append(f"attention collectives {sorted(kinds)}, not {sorted(want)}")
+    if not hlo_cost.document_masks(step.module):
+        problems.append("no q-segment == k-segment mask in the attention blocks")
+    if how == "ring" and whole:
+        problems.append(f"whole-sequence score blocks next to the ring: {whole[:3]}")
+    if how == "allgather" and not whole:
+        problems.append("key_span_buffers no longer sees the all-gather's [2L, T] block")
+    if gpu_hlo.cudnn_attention(step.module):
+        problems.append("cuDNN attention under context parallelism: update the docs")
+    if pipe > 1 and gpu_hlo.collective_counts(step.module)["collective-permute"] == 0:
+        problems.append("pipe=2 has no collective-permute between stages")
+    results.record(cell_id, "wrongpath" if problems else "compiled", step.lower_s,
+                   step.compile_s, "; ".join(problems))
+    assert not problems, f"{cell_id}:\n  " + "\n  ".join(problems)

@@ -155,17 +155,3 @@ def test_data_doc_mask_sets_the_models_eos_and_bad_values_are_refused():
         TransformerConfig(vocab_size=64, doc_mask_eos=64).validate()
     with pytest.raises(ConfigError, match="model.cudnn_max_docs"):
         TransformerConfig(cudnn_max_docs=0).validate()
-
-
-def test_doc_mask_with_a_pipeline_is_refused_naming_the_fields():
-    from olmo_jax import config as config_lib
-    from olmo_jax.errors import ConfigError
-    from olmo_jax.parallel.strategy import build_plan
-
-    cfg = config_lib.default_config()
-    cfg.data.doc_mask = True
-    cfg.parallel.pipe, cfg.trainer.global_batch_size = 2, 8
-    run = config_lib.validate(cfg)
-    with pytest.raises(ConfigError, match="data.doc_mask.*parallel.pipe"):
-        build_plan(run.parallel, run.trainer, run.model_config(384), optim=run.optim,
-                   devices=jax.devices()[:2])

@@ -30,6 +30,11 @@ from tests.sections import plan_for
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 VOCAB, BATCH, SEQ, STEPS = 64, 8, 16, 5
+DOC_EOS = 1  # the EOS id of the packed-document batches (`batches(docs=True)`)
+# Where a packed row's documents end (EOS input positions, shifted by the row's index):
+# documents of 2-4 tokens whose ends straddle the zig-zag chunks of context 2 (chunks of
+# 4 inputs) and 4 (chunks of 2), so most documents cross a shard boundary.
+DOC_ENDS = (2, 6, 9, 13)
 NO_DROP_CF = 4.0  # >= num_experts / top_k: rowwise can never drop
 
 
@@ -109,14 +114,22 @@ def host_state(lb_granularity="global", layers=(2, 0), moe=(), width=32, optim="
     return model_cfg, tx, schedule, graphdef, to_numpy(state)
 
 
-def batches(steps=STEPS, batch=BATCH, seq=SEQ, seed=0) -> np.ndarray:
+def batches(steps=STEPS, batch=BATCH, seq=SEQ, seed=0, docs=False) -> np.ndarray:
     """[steps, batch, seq + 1] int32 token windows: counting sequences (next = this + 1 mod
-    VOCAB) from random starts with 10% random tokens, so a few steps visibly learn."""
+    VOCAB) from random starts with 10% random tokens, so a few steps visibly learn. `docs`:
+    packed documents, DOC_EOS ending each at the DOC_ENDS positions (+ the row's index, mod
+    seq; every fourth row is one document)."""
     rng = np.random.default_rng(seed)
     start = rng.integers(0, VOCAB, (steps, batch, 1))
     tokens = (start + np.arange(seq + 1)) % VOCAB
     noise = rng.random(tokens.shape) < 0.1
-    return np.where(noise, rng.integers(0, VOCAB, tokens.shape), tokens).astype(np.int32)
+    tokens = np.where(noise, rng.integers(0, VOCAB, tokens.shape), tokens).astype(np.int32)
+    if docs:
+        tokens[tokens == DOC_EOS] = DOC_EOS + 1  # EOS only where a document ends
+        for b in range(batch):
+            if b % 4 != 3:
+                tokens[:, b, [(e + b) % seq for e in DOC_ENDS]] = DOC_EOS
+    return tokens
 
 
 class Run(NamedTuple):
@@ -152,15 +165,26 @@ def _execute(step, state, placed_batches, abstract=False) -> Run:
                lowered.as_text(dialect="hlo"))
 
 
+def with_docs(model_cfg, docs: bool, doc_mask: bool):
+    """`model_cfg` masking the documents of `batches(docs=True)` (model.doc_mask_eos) when
+    `doc_mask` (the weights do not change)."""
+    if doc_mask and not docs:
+        raise ValueError("doc_mask=True needs the packed-document batches (docs=True)")
+    return dataclasses.replace(model_cfg, doc_mask_eos=DOC_EOS) if doc_mask else model_cfg
+
+
 @functools.cache
 def reference_run(grad_accum=1, batch=BATCH, layers=(2, 0), moe=(), width=32,
-                  optim="adamw", dtype="float32") -> Run:
-    """One device, the model's local dispatch, no parallel plan."""
+                  optim="adamw", dtype="float32", docs=False, doc_mask=False) -> Run:
+    """One device, the model's local dispatch, no parallel plan. `docs`: the
+    packed-document batches; `doc_mask`: masked from each other (data.doc_mask)."""
     model_cfg, tx, schedule, graphdef, state = host_state(layers=layers, moe=moe, width=width,
                                                           optim=optim, dtype=dtype)
+    model_cfg = with_docs(model_cfg, docs, doc_mask)
+    graphdef = abstract_model(model_cfg)[0] if doc_mask else graphdef
     dev = jax.devices()[0]
     step = jax.jit(make_train_step(graphdef, model_cfg, tx, schedule, grad_accum))
-    placed = [jax.device_put(b, dev) for b in batches(batch=batch)]
+    placed = [jax.device_put(b, dev) for b in batches(batch=batch, docs=docs)]
     return _execute(step, jax.device_put(state, dev), placed)
 
 
@@ -169,14 +193,14 @@ def plan_run(data, expert, dispatch="rowwise", strategy="ddp", zero1=True, grad_
              batch=BATCH, capacity_factor=NO_DROP_CF, layers=(2, 0), pipe: Pipe = NO_PIPE,
              remat="none", abstract=False, moe=(), width=32, optim="adamw",
              dtype="float32", steps=STEPS, lm_loss_chunk=0, context=1,
-             context_attention="ring") -> Run:
+             context_attention="ring", docs=False, doc_mask=False) -> Run:
     """The same on a pipe x data x expert mesh through the trainer's ParallelPlan and
     its jitted step (state shardings, donation). `remat`, `lm_loss_chunk`: model.remat,
     model.lm_loss_chunk (same weights);
     `abstract`: compile from ShapeDtypeStructs; `moe`, `dtype`: as host_state; `optim`:
     optim.name; `steps`: the first `steps` of the reference's batches (fewer for slow paths);
     `context`, `context_attention`: parallel.context (on data x context x expert devices
-    of the 8) and model.context_attention."""
+    of the 8) and model.context_attention; `docs`, `doc_mask`: as reference_run."""
     model_cfg, tx, schedule, _, state = host_state(layers=layers, moe=moe, width=width,
                                                    optim=optim, dtype=dtype)
     cfg = make_cfg(data, expert, dispatch, strategy, zero1, grad_accum, capacity_factor,
@@ -184,6 +208,7 @@ def plan_run(data, expert, dispatch="rowwise", strategy="ddp", zero1=True, grad_
                    context=context)
     model_cfg = with_capacity(dataclasses.replace(model_cfg, remat=remat, lm_loss_chunk=lm_loss_chunk,
                                                   context_attention=context_attention), cfg)
+    model_cfg = with_docs(model_cfg, docs, doc_mask)
     n = pipe.pipe * data * expert * context
     plan = plan_for(cfg, model_cfg, devices=jax.devices()[:n] if n < jax.device_count() else None)
     model_cfg = plan.model_cfg  # kernels resolved for the mesh
@@ -191,7 +216,7 @@ def plan_run(data, expert, dispatch="rowwise", strategy="ddp", zero1=True, grad_
     shardings = plan.state_shardings(state, tx)
     step = plan.jit_train_step(
         make_train_step(graphdef, model_cfg, tx, schedule, grad_accum, parallel=plan), shardings)
-    placed = [plan.place_batch(b) for b in batches(batch=batch)[:steps]]
+    placed = [plan.place_batch(b) for b in batches(batch=batch, docs=docs)[:steps]]
     return _execute(step, jax.device_put(state, shardings), placed, abstract)
 
 

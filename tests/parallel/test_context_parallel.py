@@ -6,8 +6,9 @@ sharding over them; AdamW and Muon) on 8, and as pipe 2 x data 2 x context 2 (al
 attention; the ring is refused with a pipeline): loss, router losses and every gradient
 within 1e-5 relative, five steps' losses within 1e-4 (test_parallel_invariance.py's
 tolerances). The compiled step holds the design's collectives: ring attention moves K/V
-by collective-permute and gathers no K/V; all-gather attention permutes nothing. Bad
-settings are refused naming the field."""
+by collective-permute and gathers no K/V; all-gather attention permutes nothing; and,
+without data.doc_mask, no segment mask (test_context_doc_mask.py has the masked cases).
+Bad settings are refused naming the field."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +19,7 @@ from olmo_jax.kernels.ring_attention import zigzag_shard
 from olmo_jax.labels import FILTERED, NO_LABEL
 from olmo_jax.model.config import TransformerConfig
 from olmo_jax.objective import labelled
-from olmo_jax.planner import comms
+from olmo_jax.planner import comms, hlo_cost
 from olmo_jax.trainer.checkpoints import architecture_difference
 from tests.parallel.harness import Pipe, make_cfg, plan_run, reference_run
 from tests.parallel.test_parallel_invariance import assert_matches_reference
@@ -46,6 +47,7 @@ def test_context_parallel_matches_single_device(case):
     data, context, expert, dispatch, how, optim = case
     run = plan_run(data, expert, dispatch, context=context, context_attention=how, optim=optim)
     assert_matches_reference(run, reference_run(optim=optim))
+    assert not hlo_cost.document_masks(run.hlo)  # no segment compares without data.doc_mask
     kinds = {c.kind for c in _attention_collectives(run)}
     if how == "ring":  # K/V (forward), K/V and dK/dV (backward) hop around the ring
         assert kinds == {"collective-permute"}, kinds

@@ -29,6 +29,11 @@ schedule runs it (olmo_jax/planner/pipeline_cost.py).
 Buffers have the sizes the table needs: for 1F1B at most 2P - 1 microbatches whatever M
 is; for GPipe all M.
 
+Each microbatch's tokens, and with document masking its segment ids and per-row RoPE
+tables (`Positions`), are computed from its whole rows where a stage runs it
+(`objective.token_shard`: a context rank's zig-zag shard of each); a block's VJP keeps
+what its backward needs of them in the stash like any residual.
+
 Router statistics travel with the activations: a RouterStats buffer with a row per MoE
 block that every chunk fills in; the last chunk computes the losses from the whole buffer
 exactly as the single-device step does (`objective.loss_parts`), and the cotangents
@@ -57,13 +62,19 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from olmo_jax.kernels.ring_attention import CONTEXT_AXIS, zigzag_positions, zigzag_shard
 from olmo_jax.kernels.vma import varying_axes
 from olmo_jax.model.config import TransformerConfig
 from olmo_jax.model.moe.losses import RouterStats
-from olmo_jax.model.rope import rope_tables, scaling_of
-from olmo_jax.model.transformer import block_step, run_blocks
-from olmo_jax.objective import LossParts, Plan, head_loss_sums, loss_parts, total_loss
+from olmo_jax.model.transformer import block_step, position_tables, run_blocks
+from olmo_jax.objective import (
+    LossParts,
+    Plan,
+    TokenShard,
+    head_loss_sums,
+    loss_parts,
+    token_shard,
+    total_loss,
+)
 from olmo_jax.parallel.mesh import AXES
 from olmo_jax.parallel.pipeline import schedule as sched_lib
 from olmo_jax.parallel.pipeline.layout import PIPE, STAGE_KEY, Chunking
@@ -164,6 +175,16 @@ def _join(*states):
     return nnx.State(out)
 
 
+class Positions(NamedTuple):
+    """What a microbatch's attention needs besides its q, k and v: the RoPE tables ([T, H]
+    shared by the rows, or per row [B, T, H] with document masking) and the segment ids
+    (document masking; None: off)."""
+
+    cos_TH: jax.Array
+    sin_TH: jax.Array
+    segment_ids_BT: jax.Array | None
+
+
 class _Carry(NamedTuple):
     stash: list  # per residual array: [slots, ...]
     prologue: list
@@ -216,33 +237,34 @@ class StageProgram:
         full = _join(self.other_params, params, nnx.State({STAGE_KEY: self.stage_params}))
         return nnx.merge(self.graphdef, full, self.model_state)
 
-    def prologue(self, prologue_params, tokens_BT, cos_TH, sin_TH):
+    def prologue(self, prologue_params, tokens_BT, pos: Positions):
         """Embedding and dense-first blocks (stage 0, before chunk 0)."""
         model = self._model(prologue_params)
         x_BTD = model.embed(tokens_BT)
         if model.dense_blocks is not None:
-            x_BTD, _ = run_blocks(model.dense_blocks, x_BTD, cos_TH, sin_TH, self.cfg.remat,
-                                  unroll=self.cfg.scan_unroll)
+            x_BTD, _ = run_blocks(model.dense_blocks, x_BTD, pos.cos_TH, pos.sin_TH, self.cfg.remat,
+                                  unroll=self.cfg.scan_unroll, segment_ids_BT=pos.segment_ids_BT)
         return _vary(x_BTD)
 
-    def body(self, chunk_params, x_BTD, v, cos_TH, sin_TH, key_data):
+    def body(self, chunk_params, x_BTD, v, pos: Positions, key_data):
         """The MoE blocks of this stage's virtual stage v -> (x, RouterStats [c, ...])."""
         blocks = nnx.merge(self.blocks_def, chunk_params, self.chunk_rows(self.stage_state, v))
         keep = jax.lax.dynamic_slice_in_dim(self.keep, v * self.c, self.c)
         keys = None if key_data is None else jax.random.wrap_key_data(key_data, impl=self.key_impl)
-        out = run_blocks(blocks, x_BTD, cos_TH, sin_TH, self.cfg.remat, unroll=self.cfg.scan_unroll,
-                         keys=keys, keep_L=keep)
+        out = run_blocks(blocks, x_BTD, pos.cos_TH, pos.sin_TH, self.cfg.remat,
+                         unroll=self.cfg.scan_unroll, keys=keys, keep_L=keep,
+                         segment_ids_BT=pos.segment_ids_BT)
         return _vary(out)
 
     def layer_rows(self, tree, row):
         """One MoE block's weights (or state): row `row` of the stage's [V * c] rows."""
         return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, row, 0, keepdims=False), tree)
 
-    def layer(self, layer_params, x_BTD, layer_state, key_data, keep, cos_TH, sin_TH):
+    def layer(self, layer_params, x_BTD, layer_state, key_data, keep, pos: Positions):
         """One MoE block of a chunk (what `body` scans): -> (x, RouterStats of the block)."""
         graphdef, state = nnx.split(nnx.merge(self.blocks_def, layer_params, layer_state))
         key = None if key_data is None else jax.random.wrap_key_data(key_data, impl=self.key_impl)
-        step = block_step(graphdef, cos_TH, sin_TH, self.cfg.remat)
+        step = block_step(graphdef, pos.cos_TH, pos.sin_TH, self.cfg.remat, pos.segment_ids_BT)
         return _vary(step(x_BTD, (state, key, keep)))
 
     def head_loss(self, head_params, x_BTD, stats: RouterStats, targets_BT, microbatches: int,
@@ -324,24 +346,35 @@ class _Ticks:
         cfg = prog.cfg
         self.prog, self.cfg, self.M, self.slots = prog, cfg, schedule.microbatches, schedule.slots
         self.micro = batch_BX.reshape(self.M, -1, batch_BX.shape[-1])
-        T = self.micro.shape[-1] - 1
-        # Context parallelism: each context rank's zig-zag shard of the tokens, RoPE at
-        # their global positions (objective.forward_losses).
-        self.C = cfg.context_parallel
-        self.rank = jax.lax.axis_index(CONTEXT_AXIS) if self.C > 1 else 0
-        positions_T = zigzag_positions(T, self.C, self.rank) if self.C > 1 else jnp.arange(T)
-        self.cos_TH, self.sin_TH = rope_tables(positions_T, cfg.head_size, cfg.rope_theta,
-                                               scaling_of(cfg))
+        # Without document masking every microbatch has the same RoPE tables: built once.
+        s = self.shard(0)
+        self.shared = None if s.segment_ids_BT is not None else Positions(
+            *position_tables(cfg, s.inputs_BT.shape[1], s.positions_T), None)
+
+    def shard(self, m) -> TokenShard:
+        """Microbatch m's tokens as the model sees them on this device, computed on the whole
+        rows (objective.token_shard: with context parallelism this context rank's zig-zag
+        shard; with document masking the segment ids and per-row positions)."""
+        return token_shard(self.micro[m], self.cfg)
 
     def inputs(self, m):
-        return zigzag_shard(self.micro[m, :, :-1], self.C, self.rank)
+        return self.shard(m).inputs_BT
 
     def targets(self, m):
-        return zigzag_shard(self.micro[m, :, 1:], self.C, self.rank)
+        return self.shard(m).targets_BT
 
     def row_end(self, m):
         """The rows' last targets when `targets` holds a context shard of them."""
-        return self.micro[m, :, -1:] if self.C > 1 else None
+        return self.shard(m).row_end_B1
+
+    def positions(self, m) -> Positions:
+        """What microbatch m's attention needs besides q, k and v: the shared tables, or
+        with document masking its own (per row) and its segment ids."""
+        if self.shared is not None:
+            return self.shared
+        s = self.shard(m)
+        return Positions(*position_tables(self.cfg, s.inputs_BT.shape[1], s.positions_T,
+                                          s.segment_ids_BT, s.positions_BT), s.segment_ids_BT)
 
     def run(self, carry, table):
         """The carry after every tick of `table`."""
@@ -413,7 +446,7 @@ class _TrainTicks(_Ticks):
     # ---- the forward pieces through jax.vjp (used by the probe and the FWD op) ----------
     def prologue_vjp(self, m):
         prog = self.prog
-        fn = _stashable(lambda p: prog.prologue(p, self.inputs(m), self.cos_TH, self.sin_TH),
+        fn = _stashable(lambda p: prog.prologue(p, self.inputs(m), self.positions(m)),
                         self.cfg.remat)
         x, vjp = jax.vjp(fn, prog.prologue_params)
         return x, self.pro_saver.save(vjp, prog.prologue_params)
@@ -427,12 +460,13 @@ class _TrainTicks(_Ticks):
         prog, c = self.prog, self.prog.c
         keys = prog.layer_keys(self.key_of(m), v)
         keep = jax.lax.dynamic_slice_in_dim(prog.keep, v * c, c)
+        pos = self.positions(m)
 
         def step(x, xs):
             i, state_i, key_i, keep_i = xs
             p_i = prog.layer_rows(prog.stage_params, v * c + i)
-            fn = _stashable(lambda p, x: prog.layer(p, x, state_i, key_i, keep_i, self.cos_TH,
-                                                    self.sin_TH), self.cfg.remat)
+            fn = _stashable(lambda p, x: prog.layer(p, x, state_i, key_i, keep_i, pos),
+                            self.cfg.remat)
             (y, stats_i), vjp = jax.vjp(fn, p_i, x)
             return y, (stats_i, self.body_saver.save(vjp, p_i))
 
@@ -567,15 +601,16 @@ class _EvalTicks(_Ticks):
     HEAD = ("sums",)
 
     def prologue(self, m):
-        return self.prog.prologue(self.prog.prologue_params, self.inputs(m), self.cos_TH, self.sin_TH)
+        return self.prog.prologue(self.prog.prologue_params, self.inputs(m), self.positions(m))
 
-    def body(self, x, v):
+    def body(self, x, m, v):
         prog = self.prog
-        return prog.body(prog.chunk_rows(prog.stage_params, v), x, v, self.cos_TH, self.sin_TH, None)
+        return prog.body(prog.chunk_rows(prog.stage_params, v), x, v, self.positions(m), None)
 
     def init_carry(self) -> _EvalCarry:
         x_shape = jax.eval_shape(lambda: self.prologue(_stage_index()))
-        stats_c_shape = jax.eval_shape(lambda: self.body(_zeros(x_shape), _stage_index()))[1]
+        stats_c_shape = jax.eval_shape(
+            lambda: self.body(_zeros(x_shape), _stage_index(), _stage_index()))[1]
         self.stats_shape = _stats_buffer_shape(stats_c_shape, self.prog.chunks.n_layers, self.prog.c)
         act = (x_shape, self.stats_shape)
         sums = (jax.ShapeDtypeStruct((), jnp.float32),) * 2
@@ -585,7 +620,7 @@ class _EvalTicks(_Ticks):
         return state, self.prologue(m), _zeros(self.stats_shape)
 
     def chunk(self, carry: _EvalCarry, x0, m, v, cell):
-        y, stats_c = self.body(x0, v)
+        y, stats_c = self.body(x0, m, v)
         return y, stats_c, carry
 
     def head(self, state, y, stats, m, cell):
