@@ -38,7 +38,9 @@ and z-loss gradients reach each router on the stage that owns it.
 The ticks are methods of one object per trace: `_Ticks` holds the scan, the tick and the
 FWD op; `_TrainTicks` (make_grad_fn) adds what a training forward keeps and the BWD op;
 `_EvalTicks` (make_eval_fn) runs the same ticks forwards only over the `forward_only`
-table (no stash), the last chunk summing cross-entropy and tokens.
+table (no stash), the last chunk summing cross-entropy and tokens; `_RowTicks`
+(make_rows_fn, downstream scoring: olmo_jax/evals/score.py) the same, the last chunk
+keeping a caller's per-row sums of the logits instead.
 
 Gradients come back in the compute layout: the stage's [V * c] chunk rows for the MoE
 blocks, per-device partial sums for everything else (zero outside the first / last
@@ -320,21 +322,24 @@ class _Ticks:
     FIRST: tuple[str, ...] = ()
     HEAD: tuple[str, ...] = ()
 
-    def __init__(self, prog: StageProgram, schedule: sched_lib.Schedule, batch_BX):
+    def __init__(self, prog: StageProgram, schedule: sched_lib.Schedule, batch_BX, T: int | None = None):
+        """`batch_BX`: token windows [rows, T + 1] (inputs [:, :-1], targets [:, 1:]); or,
+        with `T` given, rows whose first T columns are the inputs (_RowTicks: [rows, T])."""
         cfg = prog.cfg
         self.prog, self.cfg, self.M, self.slots = prog, cfg, schedule.microbatches, schedule.slots
         self.micro = batch_BX.reshape(self.M, -1, batch_BX.shape[-1])
-        T = self.micro.shape[-1] - 1
+        T = self.micro.shape[-1] - 1 if T is None else T
+        self.T = T
         # Context parallelism: each context rank's zig-zag shard of the tokens, RoPE at
         # their global positions (objective.forward_losses).
         self.C = cfg.context_parallel
         self.rank = jax.lax.axis_index(CONTEXT_AXIS) if self.C > 1 else 0
-        positions_T = zigzag_positions(T, self.C, self.rank) if self.C > 1 else jnp.arange(T)
-        self.cos_TH, self.sin_TH = rope_tables(positions_T, cfg.head_size, cfg.rope_theta,
+        self.positions_T = zigzag_positions(T, self.C, self.rank) if self.C > 1 else jnp.arange(T)
+        self.cos_TH, self.sin_TH = rope_tables(self.positions_T, cfg.head_size, cfg.rope_theta,
                                                scaling_of(cfg))
 
     def inputs(self, m):
-        return zigzag_shard(self.micro[m, :, :-1], self.C, self.rank)
+        return zigzag_shard(self.micro[m, :, : self.T], self.C, self.rank)
 
     def targets(self, m):
         return zigzag_shard(self.micro[m, :, 1:], self.C, self.rank)
@@ -595,6 +600,40 @@ class _EvalTicks(_Ticks):
         return (jax.tree.map(jnp.add, sums, _vary((parts.ce_sum, parts.n_tokens), (PIPE,))),)
 
 
+class _RowCarry(NamedTuple):
+    fwd_in: tuple  # (x [slots + 1, ...], RouterStats of [slots + 1, ...])
+    out_fwd: tuple
+    outs: tuple  # row_head's outputs of each microbatch: [M, rows / M, ...]
+
+
+class _RowTicks(_EvalTicks):
+    """Per-row outputs (make_rows_fn): forwards only, as _EvalTicks; the last chunk runs
+    the LM head and `row_head` on its microbatch's rows, kept at the microbatch's slot."""
+
+    HEAD = ("outs",)
+
+    def __init__(self, prog: StageProgram, schedule: sched_lib.Schedule, inputs_BT, rows, row_head):
+        super().__init__(prog, schedule, inputs_BT, T=inputs_BT.shape[-1])
+        self.rows = tuple(r.reshape((self.M, -1) + r.shape[1:]) for r in rows)
+        self.row_head = row_head
+
+    def head_rows(self, head_params, x_BTD, m):
+        logits_BTV = self.prog._model(head_params).head(x_BTD)
+        return tuple(self.row_head(logits_BTV, self.positions_T, *_read(self.rows, m)))
+
+    def init_carry(self) -> _RowCarry:
+        x_shape = jax.eval_shape(lambda: self.prologue(_stage_index()))
+        stats_c_shape = jax.eval_shape(lambda: self.body(_zeros(x_shape), _stage_index()))[1]
+        self.stats_shape = _stats_buffer_shape(stats_c_shape, self.prog.chunks.n_layers, self.prog.c)
+        outs = jax.eval_shape(lambda: self.head_rows(self.prog.head_params, _zeros(x_shape), _stage_index()))
+        act = (x_shape, self.stats_shape)
+        return _RowCarry(_zeros(act, self.slots["fwd_in"] + 1), _zeros(act), _zeros(outs, self.M))
+
+    def head(self, state, y, stats, m, cell):
+        (outs,) = state
+        return (_write(outs, m, self.head_rows(self.prog.head_params, y, m)),)
+
+
 def make_grad_fn(schedule: sched_lib.Schedule, chunks: Chunking, graphdef, cfg: TransformerConfig,
                  ops: Plan):
     """grad_fn(params, model_state, batch_BX, rng) -> ((loss, LossParts), grads): the mean
@@ -624,3 +663,26 @@ def make_eval_fn(stages: int, virtual: int, microbatches: int, chunks: Chunking,
         return jax.lax.psum(ticks.run(ticks.init_carry(), schedule.table).sums, PIPE)
 
     return eval_fn
+
+
+def make_rows_fn(stages: int, virtual: int, microbatches: int, chunks: Chunking, graphdef,
+                 cfg: TransformerConfig, ops: Plan, row_head):
+    """rows_fn(params, model_state, inputs_BT, *rows) -> row_head's per-row outputs for every
+    local row: forwards only through the stages (the local rows split into `microbatches`
+    when they divide, else one), as eval_fn. On the last chunk, per microbatch,
+    `row_head(logits_BTV, positions_T, *rows) -> tuple of [rows, ...]` sees the logits of the
+    positions `positions_T` (the whole row, or with context parallelism this rank's zig-zag
+    shard: their global indices) and the microbatch's whole `rows`; each output must be a
+    sum over those positions, so that the shards' outputs add up to the row's (they are
+    summed over `context`, and over `pipe`, where only the last stage holds them)."""
+
+    def rows_fn(params, model_state, inputs_BT, *rows):
+        n = inputs_BT.shape[0]
+        M = microbatches if n % microbatches == 0 else 1
+        schedule = sched_lib.forward_only(stages, virtual, M)
+        prog = StageProgram(graphdef, cfg, chunks, params, model_state, ops)
+        ticks = _RowTicks(prog, schedule, inputs_BT, rows, row_head)
+        outs = jax.lax.psum(ticks.run(ticks.init_carry(), schedule.table).outs, (PIPE, CONTEXT_AXIS))
+        return tuple(o.reshape((n,) + o.shape[2:]) for o in outs)
+
+    return rows_fn
