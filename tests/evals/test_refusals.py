@@ -88,3 +88,34 @@ def test_report_curves_carry_the_downstream_series():
     got = run_charts.curves_section(records)["downstream"]
     assert got == {"arc_easy_rc_5shot": {"acc_v1": {"step": [2], "value": [0.25]}},
                    "hellaswag_bpb_5shot": {"bpb_v2": {"step": [2], "value": [4.0]}}}
+
+
+def test_evaluate_refuses_bad_meshes_and_finds_the_runs_tokenizer(tmp_path):
+    """python -m olmo_jax.evaluate: mesh flags that cannot work are refused by name before
+    any model is built; the tokenizer is --tokenizer, else the one the run recorded, else
+    PATH/tokenizer.json, and a byte-tokenizer run is refused."""
+    from olmo_jax import evaluate
+
+    def refused(*flags):
+        with pytest.raises(ConfigError) as e:
+            evaluate.make_run(None, evaluate.build_parser().parse_args(["--ckpt", "x", "--tasks", "t", *flags]))
+        return str(e.value)
+
+    assert "--microbatches splits a batch for pipeline stages: it needs --pipe > 1" in refused("--microbatches", "2")
+    assert "--microbatches" in refused("--data", "2", "--microbatches", "2")
+    assert "--batch-size=6 must be a multiple of --data x --expert x --microbatches = 4" in refused(
+        "--pipe", "2", "--data", "2", "--microbatches", "2", "--batch-size", "6")
+    assert "= 64 devices, and this machine has" in refused("--pipe", "4", "--data", "4", "--expert", "4")
+
+    recorded = tmp_path / "recorded.json"
+    recorded.write_text("{}")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    run = {"data": {"tokenizer": str(recorded)}}
+    assert evaluate.tokenizer_path(None, tmp_path, run) == recorded
+    assert evaluate.tokenizer_path(None, tmp_path, {"data": {"tokenizer": str(tmp_path / "moved.json")}}) \
+        == tmp_path / "tokenizer.json"
+    assert evaluate.tokenizer_path(str(recorded), tmp_path / "none", {}) == recorded
+    with pytest.raises(ConfigError, match="trained with the byte tokenizer"):
+        evaluate.tokenizer_path(None, tmp_path / "none", {"data": {"tokenizer": "bytes"}})
+    with pytest.raises(ConfigError, match="neither the run's data.tokenizer '/gone.json' nor"):
+        evaluate.tokenizer_path(None, tmp_path / "none", {"data": {"tokenizer": "/gone.json"}})
