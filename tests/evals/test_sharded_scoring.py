@@ -1,6 +1,6 @@
-"""Downstream scoring on 8 fake devices equals one device on the same weights: the
-continuation sums and the answer-position log-probabilities of every request, and the
-ICLMetric numbers computed from them. Meshes: data x expert (DDP and FSDP), the pipeline
+"""Downstream scoring on 8 fake devices, as the trainer runs it in the loop, equals one
+device on the same weights: the continuation sums and the answer-position
+log-probabilities of every request, and the ICLMetric numbers logged. Meshes: data x expert (DDP and FSDP), the pipeline
 (pipe 2 x data 2 x expert 2, 1F1B, 2 microbatches: the stages' forward as the trainer's
 evaluation runs it), and context parallelism (zig-zag shards of the positions) without
 and with a pipeline. Each mesh compiles one program (one [8, 16] batch shape)."""
@@ -14,7 +14,9 @@ from flax import nnx
 
 from olmo_jax.errors import ConfigError
 from olmo_jax.evals import metric, score, tasks
+from olmo_jax.evals.suite import Suite
 from olmo_jax.model.abstract import abstract_model
+from olmo_jax.trainer.evaluation import Downstream
 from tests.parallel.harness import VOCAB, Pipe, host_state, make_cfg, with_capacity
 from tests.sections import plan_for
 
@@ -77,24 +79,44 @@ MESHES = {
 }
 
 
+def _suite(tasks_) -> Suite:
+    """A Suite of the toy tasks (built directly: Suite() builds olmo_eval's labels)."""
+    suite = Suite.__new__(Suite)
+    suite.tasks = {t.label: t for t in tasks_}
+    return suite
+
+
 @pytest.mark.parametrize("mesh", list(MESHES))
 def test_sharded_scores_equal_one_device(reference, mesh):
+    """Scored as the trainer scores in the loop (trainer.evaluation.Downstream over the
+    placed TrainState, the scorer loop._downstream builds): its records and every
+    request's scores equal one device's."""
     tasks_, want, want_metrics = reference
     _, tx, _, _, state = host_state()
     plan = _plan(**MESHES[mesh])
-    assert plan.mesh.size == 8
+    assert plan.mesh.size == 8 and (plan.pipeline is not None) == ("pipe" in mesh)
     graphdef = abstract_model(plan.model_cfg, plan.dispatcher)[0]
     placed = jax.device_put(state, plan.state_shardings(state, tx))
-    run = score.sharded_run(graphdef, plan, lambda: (placed.params, placed.model_state))
-    scorer = score.Scorer(run, 8, pad_id=0, fixed_ctx_len=True)
-    got = [scorer(t) for t in tasks_]
-    assert scorer.programs == 1  # [8, 16]
+    scored, scorers = {}, []
+
+    def make_scorer(get_state):
+        scorers.append(score.Scorer(score.sharded_run(graphdef, plan, get_state), 8, pad_id=0, fixed_ctx_len=True))
+
+        def recording(task):
+            scored[task.label] = scorers[0](task)
+            return scored[task.label]
+
+        return recording
+
+    records = Downstream(_suite(tasks_), make_scorer).run(placed)
+    assert scorers[0].programs == 1  # [8, 16]
+    got = [scored[t.label] for t in tasks_]
     diff = max(np.abs(np.asarray(g, np.float64) - np.asarray(w)).max() for g, w in zip(got, want, strict=True))
     print(f"{mesh}: max |diff| {diff:.2g}")
     assert diff <= 1e-5
-    for task, g, w in zip(tasks_, got, want_metrics, strict=True):
-        m = _metrics(task, g)
-        assert m.keys() == w.keys()
+    for task, w in zip(tasks_, want_metrics, strict=True):
+        m = {k.split("/")[-1]: v for k, v in records.items() if k.startswith(f"downstream/{task.label}/")}
+        assert m.pop("seconds") > 0 and m.keys() == w.keys()
         assert m[f"{task.metric_type}_v1"] == w[f"{task.metric_type}_v1"]  # the same choices
         assert max(abs(m[k] - w[k]) for k in w) <= 1e-5, (task.label, m, w)
 
