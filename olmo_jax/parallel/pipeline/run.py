@@ -578,11 +578,16 @@ class _EvalTicks(_Ticks):
         prog = self.prog
         return prog.body(prog.chunk_rows(prog.stage_params, v), x, v, self.cos_TH, self.sin_TH, None)
 
-    def init_carry(self) -> _EvalCarry:
+    def act_shapes(self) -> tuple:
+        """The shapes of what a stage sends on, (x, RouterStats buffer), traced once
+        (nothing computed); sets `stats_shape`."""
         x_shape = jax.eval_shape(lambda: self.prologue(_stage_index()))
         stats_c_shape = jax.eval_shape(lambda: self.body(_zeros(x_shape), _stage_index()))[1]
         self.stats_shape = _stats_buffer_shape(stats_c_shape, self.prog.chunks.n_layers, self.prog.c)
-        act = (x_shape, self.stats_shape)
+        return x_shape, self.stats_shape
+
+    def init_carry(self) -> _EvalCarry:
+        act = self.act_shapes()
         sums = (jax.ShapeDtypeStruct((), jnp.float32),) * 2
         return _EvalCarry(_zeros(act, self.slots["fwd_in"] + 1), _zeros(act), _zeros(sums, axes=(PIPE,)))
 
@@ -622,11 +627,8 @@ class _RowTicks(_EvalTicks):
         return tuple(self.row_head(logits_BTV, self.positions_T, *_read(self.rows, m)))
 
     def init_carry(self) -> _RowCarry:
-        x_shape = jax.eval_shape(lambda: self.prologue(_stage_index()))
-        stats_c_shape = jax.eval_shape(lambda: self.body(_zeros(x_shape), _stage_index()))[1]
-        self.stats_shape = _stats_buffer_shape(stats_c_shape, self.prog.chunks.n_layers, self.prog.c)
-        outs = jax.eval_shape(lambda: self.head_rows(self.prog.head_params, _zeros(x_shape), _stage_index()))
-        act = (x_shape, self.stats_shape)
+        act = self.act_shapes()
+        outs = jax.eval_shape(lambda: self.head_rows(self.prog.head_params, _zeros(act[0]), _stage_index()))
         return _RowCarry(_zeros(act, self.slots["fwd_in"] + 1), _zeros(act), _zeros(outs, self.M))
 
     def head(self, state, y, stats, m, cell):
