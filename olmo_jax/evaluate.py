@@ -77,17 +77,15 @@ def make_run(model, args):
     from olmo_jax.parallel.strategy import build_plan
 
     sizes = {name: getattr(args, name) or 1 for name in ("pipe", "data", "context", "expert")}
+    if sizes["pipe"] == 1 and args.microbatches != 1:
+        raise ConfigError("--microbatches splits a batch for pipeline stages: it needs --pipe > 1")
     if not (args.pipe or args.data or args.context or args.expert):
-        if args.microbatches != 1:
-            raise ConfigError("--microbatches splits a batch for pipeline stages: it needs --pipe > 1")
         apply = lambda params, ids: model._forward(params, model.model_state, ids)  # noqa: E731
         return score.single_device_run(apply, model.params)
     n, devices = sizes["pipe"] * sizes["data"] * sizes["context"] * sizes["expert"], jax.devices()
     if n > len(devices):
         raise ConfigError(f"--pipe x --data x --context x --expert = {n} devices, and this machine has "
                           f"{len(devices)}: make the mesh smaller")
-    if sizes["pipe"] == 1 and args.microbatches != 1:
-        raise ConfigError("--microbatches splits a batch for pipeline stages: it needs --pipe > 1")
     rows = sizes["data"] * sizes["expert"] * args.microbatches
     if args.batch_size % rows:
         raise ConfigError(f"--batch-size={args.batch_size} must be a multiple of --data x --expert x --microbatches"
