@@ -86,6 +86,8 @@ class PipelineRunner(Protocol):
 
     def eval_fn(self, graphdef, cfg: TransformerConfig, ops: Plan) -> Callable: ...
 
+    def rows_fn(self, graphdef, cfg: TransformerConfig, ops: Plan, row_head: Callable) -> Callable: ...
+
 
 @runtime_checkable
 class Plan(BatchReduction, Protocol):

@@ -304,6 +304,16 @@ def saved_model_config(ckpts: Checkpoints, step: int) -> TransformerConfig:
     return model_config_from_dict(saved["model"])
 
 
+def saved_run_config(path: str | Path) -> dict:
+    """The run config (RunConfig.to_dict()) an olmo_jax checkpoint recorded beside its model
+    (`resolve`'s step); {} when it recorded none."""
+    ckpts, step = resolve(path)
+    with ckpts:
+        saved = ckpts.read_json(step, CONFIG) if ckpts.has_item(step, CONFIG) else {}
+    config = saved.get("config") if isinstance(saved, dict) else None
+    return config if isinstance(config, dict) else {}
+
+
 def resolve(path: str | Path) -> tuple[Checkpoints, int]:
     """A checkpoint named by a run folder ({path}/checkpoints, its latest step), a
     checkpoints folder (its latest step) or one step folder ({dir}/{step}): (an open

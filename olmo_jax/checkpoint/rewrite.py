@@ -40,11 +40,7 @@ def build_model(cfg, params: dict, model_state: dict) -> hf.HFModel:
 
 
 def _tokenizer(ckpt) -> str:
-    ckpts, step = m.resolve(ckpt)
-    with ckpts:
-        if not ckpts.has_item(step, m.CONFIG):
-            return ""
-        tok = ckpts.read_json(step, m.CONFIG).get("config", {}).get("data", {}).get("tokenizer", "")
+    tok = m.saved_run_config(ckpt).get("data", {}).get("tokenizer", "")
     return "" if tok == "bytes" else tok
 
 

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from olmo_jax.errors import ConfigError
+from olmo_jax.kernels.ring_attention import CONTEXT_AXIS, zigzag_positions, zigzag_shard
 
 
 def bucket_len(n: int, model_ctx_len: int, fixed_ctx_len: bool = False) -> int:
@@ -37,12 +38,18 @@ def row_arrays(sample: dict, T: int, pad_id: int):
     return ids, tgt, mask, start
 
 
-def continuation_sums(logits_BTV, tgt_BT, mask_BT, pos_B):
-    """(sum over masked positions of log p(target) [B], log p at pos [B, V]), float32."""
+def continuation_sums(logits_BTV, positions_T, tgt_BT, mask_BT, pos_B):
+    """(sum over masked positions of log p(target) [B], log p at pos [B, V]), float32, over
+    the positions `positions_T` the logits are of: the whole row (0 .. T-1), or a
+    context-parallel rank's zig-zag shard (their global indices; `tgt_BT`, `mask_BT` and
+    `pos_B` are the whole rows'). Both are sums over those positions (log p at pos is zero
+    where pos is not one of them), so the shards' results add up to the whole row's."""
     logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
+    tgt_BT, mask_BT = jnp.take(tgt_BT, positions_T, axis=1), jnp.take(mask_BT, positions_T, axis=1)
     picked_BT = jnp.take_along_axis(logp_BTV, tgt_BT[..., None], axis=-1)[..., 0]
-    at_pos_BV = jnp.take_along_axis(logp_BTV, pos_B[:, None, None], axis=1)[:, 0]
-    return jnp.sum(picked_BT * mask_BT, axis=-1), at_pos_BV
+    at_BT = positions_T[None, :] == pos_B[:, None]
+    at_pos_BV = jnp.sum(jnp.where(at_BT[..., None], logp_BTV, 0.0), axis=1)
+    return jnp.sum(jnp.where(mask_BT > 0, picked_BT, 0.0), axis=-1), at_pos_BV
 
 
 class Scorer:
@@ -86,36 +93,68 @@ class Scorer:
 def single_device_run(apply, params):
     """A Scorer's `run` from `apply(params, ids_BT) -> logits_BTV` (one jit; the params are
     an argument, not baked-in constants)."""
-    fn = jax.jit(lambda p, ids, tgt, mask, pos: continuation_sums(apply(p, ids), tgt, mask, pos))
+    fn = jax.jit(lambda p, ids, tgt, mask, pos: continuation_sums(apply(p, ids), jnp.arange(ids.shape[1]),
+                                                                  tgt, mask, pos))
     return lambda ids, tgt, mask, pos: fn(params, ids, tgt, mask, pos)
 
 
 
-def sharded_run(graphdef, plan, get_state):
-    """A Scorer's `run` on a parallel plan's mesh (data x expert; not pipeline or context-parallel plans):
-    `get_state() -> (params, model_state)` as the trainer stores them (FSDP / ZeRO gathers
-    included), read at each call; the rows of each batch split over the batch's devices as
-    an eval batch's are (the plan's BATCH_SPEC), each device scoring its rows. One jit: a
-    program per (batch, length) shape. The batch size must be a multiple of the batch shards."""
+def _row_head(logits_BTV, positions_T, tgt_BT, mask_BT, pos_B1):
+    """continuation_sums as a plan's per-row outputs ([rows, 1], [rows, V])."""
+    sums_B, logp_BV = continuation_sums(logits_BTV, positions_T, tgt_BT, mask_BT, pos_B1[:, 0])
+    return sums_B[:, None], logp_BV
+
+
+def forward_rows(graphdef, plan, row_head):
+    """rows(params, model_state, ids_BT, *rows) -> row_head's per-row outputs, on one device of
+    a plan without a pipeline (inside its shard_map): the model forward on the device's rows;
+    with context parallelism each context rank runs its zig-zag shard of the positions (RoPE
+    at their global indices) and row_head's sums (over the positions it is given, as
+    Pipeline.rows_fn asks) are added over `context`."""
     from flax import nnx
 
-    if plan.pipeline is not None:
-        raise ConfigError("trainer.downstream_evals: downstream evals do not run on pipeline plans "
-                          "(parallel.pipe > 1) yet: evaluate a checkpoint with python -m olmo_jax.evaluate")
-    if plan.model_cfg.context_parallel > 1:
-        raise ConfigError("trainer.downstream_evals: downstream evals do not run with context "
-                          f"parallelism (parallel.context={plan.model_cfg.context_parallel}) yet: "
-                          "evaluate a checkpoint with python -m olmo_jax.evaluate")
+    C = plan.model_cfg.context_parallel
 
-    def rows(params, model_state, ids, tgt, mask, pos):
+    def rows(params, model_state, ids_BT, *rest):
         model = nnx.merge(graphdef, plan.use_params(params), model_state)
-        sums, logp = continuation_sums(model(ids).logits_BTV, tgt, mask, pos[:, 0])
-        return sums[:, None], logp
+        T = ids_BT.shape[1]
+        if C == 1:
+            return row_head(model(ids_BT).logits_BTV, jnp.arange(T), *rest)
+        rank = jax.lax.axis_index(CONTEXT_AXIS)
+        positions_T = zigzag_positions(T, C, rank)
+        logits_BTV = model(zigzag_shard(ids_BT, C, rank), positions_T=positions_T).logits_BTV
+        return jax.lax.psum(tuple(row_head(logits_BTV, positions_T, *rest)), CONTEXT_AXIS)
 
+    return rows
+
+
+def sharded_run(graphdef, plan, get_state):
+    """A Scorer's `run` on a parallel plan's mesh: `get_state() -> (params, model_state)` as
+    the trainer stores them (FSDP / ZeRO gathers included), read at each call; the rows of
+    each batch split over the batch's devices as an eval batch's are (the plan's
+    BATCH_SPEC), each device scoring its rows: through the model (`forward_rows`), or on a
+    pipeline plan forwards through the stages as the trainer's evaluation runs
+    (`Pipeline.rows_fn`: the local rows in parallel.microbatches microbatches when they
+    divide); with parallel.context > 1 each context rank scores its zig-zag shard of the
+    positions and the sums are added. One jit: a program per (batch, length) shape. The
+    batch size must be a multiple of the batch shards (data x expert)."""
+    C = plan.model_cfg.context_parallel
+
+    def check_len(T):
+        if T % (2 * C):
+            raise ConfigError(f"a scoring length of {T} tokens does not split into the 2 x parallel.context = "
+                              f"{2 * C} zig-zag chunks: use length buckets (multiples of 128) or a context "
+                              "length divisible by it")
+
+    if plan.pipeline is not None:
+        rows = plan.pipeline.rows_fn(graphdef, plan.model_cfg, plan, _row_head)
+    else:
+        rows = forward_rows(graphdef, plan, _row_head)
     fn = jax.jit(plan.shard_rows(rows, 4))
     sharding = plan.batch_sharding()
 
     def run(ids, tgt, mask, pos):
+        check_len(np.shape(ids)[1])
         placed = [jax.device_put(np.asarray(x)[None], sharding) for x in (ids, tgt, mask, pos[:, None])]
         sums, logp = fn(*get_state(), *placed)
         return sums[0, :, 0], logp[0]

