@@ -15,11 +15,6 @@ mode, started once for the module on 127.0.0.1 (a free port), with the credentia
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -35,17 +30,11 @@ from olmo_jax import storage  # noqa: E402
 from olmo_jax.data import build_data, write_token_file  # noqa: E402
 from olmo_jax.data.token_file import RemoteTokenFile  # noqa: E402
 from olmo_jax.errors import ConfigError, DataError  # noqa: E402
+from tests import moto_s3  # noqa: E402
 
-KEY_ID = "AKIAOLMOJAXTESTKEY01"
-SECRET = "olmoJaxTestSecret/NeverLogged+0123456789ab"
+KEY_ID, SECRET = moto_s3.KEY_ID, moto_s3.SECRET
 BUCKET = "tokens"
 SEQ_LEN, B, VOCAB = 16, 4, 8000
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -53,22 +42,7 @@ def s3(tmp_path_factory):
     """A moto S3 server on 127.0.0.1 with bucket `tokens` holding the local tree under
     `data/`; yields (local root, 's3://tokens/data'). The environment carries the
     credentials and the endpoint for the module's tests."""
-    port = _free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    env = {"AWS_ACCESS_KEY_ID": KEY_ID, "AWS_SECRET_ACCESS_KEY": SECRET,
-           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_DEFAULT_REGION": "us-east-1"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    storage._FILESYSTEMS.clear()
-    try:
-        for _ in range(200):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                time.sleep(0.1)
+    with moto_s3.server() as endpoint, moto_s3.environment(endpoint):
         root = tmp_path_factory.mktemp("tree")
         rng = np.random.default_rng(0)
         for k, n in enumerate([200, 333, 150]):
@@ -90,15 +64,6 @@ def s3(tmp_path_factory):
                 if path.suffix == ".npy" and path.name != "big.npy":
                     fs.put_file(str(path), f"{BUCKET}/data/tok/{path.relative_to(root)}")
         yield root, f"s3://{BUCKET}/data"
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-        storage._FILESYSTEMS.clear()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _batches(cfg: dict, steps: int = 6, rows=None) -> list[np.ndarray]:
