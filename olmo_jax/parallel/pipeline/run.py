@@ -345,28 +345,23 @@ class _Ticks:
     FIRST: tuple[str, ...] = ()
     HEAD: tuple[str, ...] = ()
 
-    def __init__(self, prog: StageProgram, schedule: sched_lib.Schedule, batch_BX, T: int | None = None):
-        """`batch_BX`: token windows [rows, T + 1] (inputs [:, :-1], targets [:, 1:]); or,
-        with `T` given, rows whose first T columns are the inputs (_RowTicks: [rows, T])."""
+    def __init__(self, prog: StageProgram, schedule: sched_lib.Schedule, batch_BX):
+        """`batch_BX`: token windows [rows, T + 1] (inputs [:, :-1], targets [:, 1:])."""
         cfg = prog.cfg
         self.prog, self.cfg, self.M, self.slots = prog, cfg, schedule.microbatches, schedule.slots
         self.micro = batch_BX.reshape(self.M, -1, batch_BX.shape[-1])
-        self.T = self.micro.shape[-1] - (1 if T is None else 0)
         # Without document masking every microbatch has the same RoPE tables: built once.
         s = self.shard(0)
-        self.positions_T = s.positions_T if s.positions_T is not None else jnp.arange(self.T)
+        self.positions_T = (s.positions_T if s.positions_T is not None
+                            else jnp.arange(s.inputs_BT.shape[1]))
         self.shared = None if s.segment_ids_BT is not None else Positions(
             *position_tables(cfg, s.inputs_BT.shape[1], s.positions_T), None)
 
     def shard(self, m) -> TokenShard:
         """Microbatch m's tokens as the model sees them on this device, computed on the whole
         rows (objective.token_shard: with context parallelism this context rank's zig-zag
-        shard; with document masking the segment ids and per-row positions). Rows of inputs
-        only (`T` given) get a dummy target column, so token_shard's inputs are the rows."""
-        micro = self.micro[m]
-        if micro.shape[-1] == self.T:
-            micro = jnp.pad(micro, ((0, 0), (0, 1)))
-        return token_shard(micro, self.cfg)
+        shard; with document masking the segment ids and per-row positions)."""
+        return token_shard(self.micro[m], self.cfg)
 
     def inputs(self, m):
         return self.shard(m).inputs_BT
@@ -659,7 +654,8 @@ class _RowTicks(_EvalTicks):
     HEAD = ("outs",)
 
     def __init__(self, prog: StageProgram, schedule: sched_lib.Schedule, inputs_BT, rows, row_head):
-        super().__init__(prog, schedule, inputs_BT, T=inputs_BT.shape[-1])
+        # token windows whose inputs are the rows: a target column no one reads
+        super().__init__(prog, schedule, jnp.pad(inputs_BT, ((0, 0), (0, 1))))
         self.rows = tuple(r.reshape((self.M, -1) + r.shape[1:]) for r in rows)
         self.row_head = row_head
 
