@@ -56,6 +56,7 @@ the buffers hold weights); `layout.reduce` turns them into the stored placement.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -713,7 +714,10 @@ def make_rows_fn(stages: int, virtual: int, microbatches: int, chunks: Chunking,
     positions `positions_T` (the whole row, or with context parallelism this rank's zig-zag
     shard: their global indices) and the microbatch's whole `rows`; each output must be a
     sum over those positions, so that the shards' outputs add up to the row's (they are
-    summed over `context`, and over `pipe`, where only the last stage holds them)."""
+    summed over `context`, and over `pipe`, where only the last stage holds them). Rows
+    are scored without document masking, as the one-device and the non-pipeline scorers
+    (evals/score.py) score them."""
+    cfg = dataclasses.replace(cfg, doc_mask_eos=-1)
 
     def rows_fn(params, model_state, inputs_BT, *rows):
         n = inputs_BT.shape[0]
