@@ -41,7 +41,10 @@ model.attention_impl=auto in bfloat16; its control, the xla attention core's for
 backward on one GPU, has no cuDNN call and score buffers the check finds); stage-to-stage
 sends in the pipelined cells. A step that compiled a CPU path for a GPU mesh fails here.
 
-The session prints each cell's status and wall times (tests/gpu/results.py).
+An `auto` cell whose resolution the matrix also names explicitly (on Hopper auto is pallas)
+builds the twin cell's plan too and asserts the same resolved model config and kernels,
+the whole input of the compiled program; it is not compiled a second time (status
+"same"). The session prints each cell's status and wall times (tests/gpu/results.py).
 """
 
 from __future__ import annotations
@@ -217,6 +220,21 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
+def _plan(cell: Cell):
+    run = config_lib.validate(cell_config(cell))
+    return build_plan(run.parallel, run.trainer, model_config(run), optim=run.optim,
+                      devices=targets.abstract_devices(cell.kind, cell.n))
+
+
+def explicit_twin(cell: Cell) -> Cell | None:
+    """The cell that names explicitly the gmm_impl this `auto` cell resolves to, where the
+    matrix has one (on Hopper: pallas). Its plan builds the same model config (asserted),
+    so its compile is this cell's: the auto cell checks the resolution, not the program
+    again."""
+    twin = dataclasses.replace(cell, gmm=cell.resolved_gmm)
+    return twin if cell.gmm == "auto" and twin != cell and twin in CELLS else None
+
+
 @pytest.mark.parametrize("cell", CELLS, ids=lambda c: c.id)
 def test_cell(cell):
     cfg = cell_config(cell)
@@ -224,8 +242,7 @@ def test_cell(cell):
     expected = REFUSED.get((cell.kind, cell.gmm))
     t0 = time.perf_counter()
     try:  # phase 1: the only place a cell may be refused
-        run = config_lib.validate(cfg)
-        build_plan(run.parallel, run.trainer, model_config(run), optim=run.optim, devices=devices)
+        plan = _plan(cell)
         refusal = None
     except ValueError as e:  # ConfigError is one
         refusal = e
@@ -235,6 +252,15 @@ def test_cell(cell):
                        note=_first_line(refusal))
         assert expected is not None, f"{cell.id} is refused but must compile: {refusal}"
         assert expected in str(refusal), f"the refusal must name {expected}: {refusal}"
+        return
+    assert plan.kernels.gmm == cell.resolved_gmm, (cell.id, plan.kernels)
+    if (twin := explicit_twin(cell)) is not None:  # the same program as a cell of its own
+        twin_plan = _plan(twin)
+        same = plan.model_cfg == twin_plan.model_cfg and plan.kernels == twin_plan.kernels
+        results.record(cell.id, "same" if same else "FAILED", time.perf_counter() - t0,
+                       note=f"resolves to {twin.id}'s model config and kernels: its program")
+        assert same, (f"{cell.id} resolves like {twin.id} but builds another model config:\n"
+                      f"  {plan.model_cfg}\n  {twin_plan.model_cfg}")
         return
     try:  # phase 2: trace, lower, compile
         step = compile_train_step(config_lib.validate(cfg), devices, trainer_step=True, options=COMPILE_OPTIONS)
