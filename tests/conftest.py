@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 # compile venv), run gpu_check end to end, or compile several mesh-sized train steps, on
 # top of the tests marked @pytest.mark.slow where they are defined. The fast tier keeps at
 # least one test file of every package (model, parallel, kernels, trainer, checkpoint,
-# data, planner, report, config) and the golden loss curve.
+# data, planner, report, config) and the golden loss curve's one-device run.
 SLOW = (
     "tests/model/test_doc_mask.py::test_a_packed_row_gives_each_document_its_own_logits_and_gradients",
     "tests/olmo_core/test_batch_size_schedule.py",
@@ -50,6 +50,7 @@ SLOW = (
     "tests/olmo_core/test_sliding_window_oracle.py",
     "tests/olmo_core/test_rope_scaling.py",
     "tests/checkpoint/test_hf_parity.py",
+    "tests/test_golden_curve.py::test_the_default_run_reproduces_the_golden_curve[data2_expert4]",
     "tests/checkpoint/test_generate_hf.py",
     "tests/data/test_object_store.py::test_a_run_trains_from_the_bucket_as_from_disk",
     "tests/data/test_object_store.py::test_credentials_appear_nowhere",
