@@ -43,7 +43,7 @@ CPU_TEST_XLA_FLAGS := $(XLA_FLAGS) --xla_backend_optimization_level=0
 EDITABLE := $(if $(shell command -v flock),flock .editable-install.lock)
 VENV_JOBS := $(if $(EDITABLE),-j4,-j1)
 
-.PHONY: train test check docs venv oracle jax011 gpu-venv gpu-wheels chromium lint clean
+.PHONY: train test test-beside check docs venv oracle jax011 gpu-venv gpu-wheels chromium lint clean
 
 venv: $(VENV)/.installed
 
@@ -124,18 +124,28 @@ chromium:
 	  fi; \
 	fi
 
-# The suite in .venv (CPU), the jax 0.11.2 subset in .venv-jax011, then tests/gpu in
-# .venv-gpu (README: "Compiling for GPUs without one"). The venvs install in parallel
-# (1:46 instead of 3:30 from a fresh clone), each one's output printed when it is done.
-# Each pytest run compiles through its own persistent compilation cache, a fresh folder
-# shared by its workers and their child processes (tests/conftest.py; OLMO_JAX_TEST_CACHE=0
-# turns it off), so the jax 0.11.2 and GPU runs never read the main run's programs.
+# The suite in .venv (CPU); beside it, niced, the jax 0.11.2 subset in .venv-jax011 and then
+# tests/gpu in .venv-gpu (README: "Compiling for GPUs without one"), which take the CPU
+# time the main suite leaves idle and print their output when the main suite is done
+# (test-beside; .artifacts/test-beside.log). The venvs install in parallel (1:46 instead
+# of 3:30 from a fresh clone), each one's output printed when it is done. Each pytest run
+# compiles through its own persistent compilation cache, a fresh folder shared by its
+# workers and their child processes (tests/conftest.py; OLMO_JAX_TEST_CACHE=0 turns it
+# off), so the jax 0.11.2 and GPU runs never read the main run's programs.
 test:
 	@$(MAKE) --no-print-directory $(VENV_JOBS) --output-sync=target venv oracle jax011 gpu-venv chromium || { \
 	  echo "error: a venv could not be installed (see pip's message above): the tests cannot run" >&2; \
 	  exit 1; }
 	@$(MAKE) --no-print-directory docs
-	XLA_FLAGS="$(CPU_TEST_XLA_FLAGS)" $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --ignore=tests/gpu $(PYTEST_ARGS)
+	@mkdir -p .artifacts; rm -f .artifacts/test-beside.log; \
+	  (nice -n 19 $(MAKE) --no-print-directory test-beside > .artifacts/test-beside.log 2>&1) & beside=$$!; \
+	  echo "main suite; the jax 0.11.2 and GPU-compile stages run beside it (output below when done)"; \
+	  XLA_FLAGS="$(CPU_TEST_XLA_FLAGS)" $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --ignore=tests/gpu $(PYTEST_ARGS); \
+	  main=$$?; wait $$beside; rc=$$?; cat .artifacts/test-beside.log; \
+	  if [ $$main != 0 ] || [ $$rc != 0 ]; then echo "make test: main suite exit $$main, jax 0.11.2 + GPU stages exit $$rc" >&2; exit 1; fi
+
+# The stages `make test` runs beside the main suite, one after another.
+test-beside:
 	@if [ -n "$(strip $(J11_TESTS))" ]; then echo "jax 0.11.2 ($(J11)): $(J11_TESTS)"; \
 	  XLA_FLAGS="$(CPU_TEST_XLA_FLAGS)" $(J11_PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile \
 	    -m "not slow or image" $(J11_TESTS); fi

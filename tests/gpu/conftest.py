@@ -1,6 +1,6 @@
 """tests/gpu: XLA:GPU compiles for abstract GPUs (olmo_jax.targets), no GPU needed. They
 run in .venv-gpu, which has the jax CUDA plugin (`make gpu-venv`; `make test` runs them
-after the main suite with `.venv-gpu/bin/python -m pytest tests/gpu`). In an interpreter
+beside the main suite with `.venv-gpu/bin/python -m pytest tests/gpu`). In an interpreter
 without the plugin they do not skip: collection stops with that message.
 
 The step is compiled as the trainer compiles it, so the main conftest's test-wide
