@@ -67,6 +67,8 @@ SLOW = (
     "tests/parallel/test_parallel_bf16.py",
     "tests/parallel/test_parallel_invariance.py",
     "tests/parallel/test_pipeline.py",
+    "tests/parallel/test_window_parallel.py",
+    "tests/model/test_window_pattern.py",
     "tests/planner/test_plan_compiled.py",
     "tests/planner/test_plan_xla_gpu.py",
     "tests/reliability/test_run_faults.py",
