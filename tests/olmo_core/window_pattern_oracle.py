@@ -5,12 +5,18 @@ IN: a list of cases {n_layers, pattern, first, last}. OUT: per case, each layer'
 OLMo-core's AttentionConfig builds that layer's Attention with
 `sliding_window=SlidingWindowAttentionConfig(pattern, force_full_attention_on_first_layer=
 first, force_full_attention_on_last_layer=last)` (its `window_size`, -1 where the layer is
-full); and under "olmo3_7B" the sliding-window settings of OLMo-core's OLMo 3 7B preset."""
+full); under "olmo3_7B" the sliding-window settings of OLMo-core's OLMo 3 7B preset; under
+"positions" its `_causal_attention_positions(s, w)` (the pairs its FLOPs count) for the
+(s, w) of IN's "positions" (w 0 = None)."""
 
 import json
 import sys
 
-from olmo_core.nn.attention import AttentionConfig, SlidingWindowAttentionConfig
+from olmo_core.nn.attention import (
+    AttentionConfig,
+    SlidingWindowAttentionConfig,
+    _causal_attention_positions,
+)
 from olmo_core.nn.transformer import TransformerConfig
 
 
@@ -27,7 +33,8 @@ def layer_windows(n_layers, pattern, first, last):
 
 
 def main(in_path: str, out_path: str) -> None:
-    cases = json.load(open(in_path))
+    spec = json.load(open(in_path))
+    cases = spec["cases"]
     swa = TransformerConfig.olmo3_7B(vocab_size=100_352).block.sequence_mixer.sliding_window
     result = {
         "cases": [layer_windows(c["n_layers"], c["pattern"], c["first"], c["last"])
@@ -35,6 +42,7 @@ def main(in_path: str, out_path: str) -> None:
         "olmo3_7B": {"pattern": list(swa.pattern),
                      "first": swa.force_full_attention_on_first_layer,
                      "last": swa.force_full_attention_on_last_layer},
+        "positions": [_causal_attention_positions(s, w or None) for s, w in spec["positions"]],
     }
     json.dump(result, open(out_path, "w"))
 
