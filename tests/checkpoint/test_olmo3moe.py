@@ -85,12 +85,10 @@ def test_windows_map_to_layer_types_and_back(n_layers, pattern, first, last):
     assert back.layer_windows == windows and not back.window_full_first
     assert olmo3moe.from_config(olmo3moe.to_config(back)) == back  # one canonical pattern
     assert olmo3moe.to_config(back) == hf
-
-
-def test_no_windows_write_full_layer_types():
-    hf = olmo3moe.to_config(CFG)
-    assert hf["layer_types"] == ["full_attention"] * 3 and "sliding_window" not in hf
-    assert olmo3moe.from_config({**hf, "sliding_window": 4096}) == CFG  # OLMo-core writes one
+    # without windows: every layer full, and OLMo-core's placeholder sliding_window ignored
+    plain = olmo3moe.to_config(CFG)
+    assert plain["layer_types"] == ["full_attention"] * 3 and "sliding_window" not in plain
+    assert olmo3moe.from_config({**plain, "sliding_window": 4096}) == CFG
 
 
 def test_export_refuses_two_window_sizes():

@@ -3,12 +3,11 @@ single-device results, with document masking (harness.batches docs=True) on: dat
 context 2 x expert 2 (the ring masks keys outside each layer's window across the zig-zag
 shards), and pipe 2 x data 2 x expert 2 under interleaved 1F1B (2 microbatches, 2 virtual
 stages), whose chunks hold layers of different windows on different stages and virtual
-stages (each block reads its window by its row, as its weights). Loss, router losses and
+stages (each block reads its window by its row, as its weights), and pipe 2 x data 2 x
+context 2 under 1F1B with the all-gather kernel. Loss, router losses and
 every gradient within 1e-5 relative, five steps' losses within 1e-4
 (test_parallel_invariance.py's tolerances); the windowed reference differs from the
 full-attention one by far more, so the windows are applied."""
-
-import pytest
 
 from tests.parallel.harness import Pipe, plan_run, reference_run, rel_err
 from tests.parallel.test_parallel_invariance import assert_matches_reference
@@ -39,10 +38,10 @@ def test_windows_in_pipeline_stages_match_single_device():
     assert rel_err(ref.curve, full.curve) > 1e-3, "the windows must matter"
 
 
-@pytest.mark.parametrize("how", ["allgather"])
-def test_windows_under_context_parallel_pipeline_match_single_device(how):
-    # the all-gather kernel (the ring does not run with a pipeline) in pipeline stages
+def test_windows_under_context_parallel_pipeline_match_single_device():
+    # pipe 2 x data 2 x context 2, 1F1B: the all-gather kernel (the ring does not run with
+    # a pipeline) in pipeline stages
     batch, M = 8, 2
     run = plan_run(2, 1, "rowwise", batch=batch, pipe=Pipe(2, "1f1b", M), context=2,
-                   context_attention=how, **DOCS, **PIPED)
+                   context_attention="allgather", **DOCS, **PIPED)
     assert_matches_reference(run, reference_run(grad_accum=M, batch=batch, **DOCS, **PIPED))
