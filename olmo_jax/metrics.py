@@ -3,6 +3,9 @@ MFU, and parameter counts.
 
 FLOPs per token, training (forward + backward), docs/reference.md:
   attention  6 * attn_params + 12 * heads * head_dim * (s + 1) / 2   (causal)
+             a layer with a sliding window w < s: 12 * heads * head_dim * P / s, P = the
+             (query, key) pairs w (w + 1) / 2 + (s - w) w (OLMo-core's
+             `_causal_attention_positions`; full attention's P is s (s + 1) / 2)
   router     6 * d * E
   routed     18 * d * h * k
   shared     18 * d * h_s * n_s
@@ -36,13 +39,23 @@ def attention_params(cfg: TransformerConfig) -> int:
     return D * N * H * 2 + D * K * H * 2
 
 
+def attention_positions(seq_len: int, window: int = 0) -> int:
+    """The (query, key) pairs causal attention over `seq_len` tokens scores, with a
+    sliding `window` (0 = full): OLMo-core's `_causal_attention_positions`."""
+    if not window or window >= seq_len:
+        return seq_len * (seq_len + 1) // 2
+    return window * (window + 1) // 2 + (seq_len - window) * window
+
+
 def flops_per_token_parts(cfg: TransformerConfig, seq_len: int) -> dict[str, float]:
-    """The terms of `flops_per_token`, summed over the layers that have them."""
+    """The terms of `flops_per_token`, summed over the layers that have them (each
+    layer's scores over its own window, model.window_pattern)."""
     D, m = cfg.d_model, cfg.moe
     L, L_moe = cfg.n_layers, cfg.n_moe_layers
+    pairs = sum(attention_positions(seq_len, w) for w in cfg.layer_windows)
     return {
         "attention_proj": L * 6 * attention_params(cfg),
-        "attention_scores": L * 12 * cfg.n_heads * cfg.head_size * (seq_len + 1) / 2,
+        "attention_scores": 12 * cfg.n_heads * cfg.head_size * pairs / seq_len,
         "router": L_moe * 6 * D * m.num_experts,
         "routed_experts": L_moe * 18 * D * m.expert_hidden * m.top_k,
         "shared_experts": L_moe * 18 * D * m.shared_hidden * m.n_shared_experts,

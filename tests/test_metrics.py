@@ -42,3 +42,17 @@ def test_param_counts_match_the_model():
     experts = model.moe_blocks.ffn.experts
     per_expert = sum(int(np.prod(w.shape[2:])) for w in (experts.w_gate, experts.w_up, experts.w_down))
     assert active == total - 2 * (8 - 2) * per_expert
+
+
+def test_windowed_layers_count_their_window_pairs():
+    """OLMo-core's count: a window w < s scores w (w + 1) / 2 + (s - w) w pairs, full
+    attention s (s + 1) / 2; each layer by its own window (model.window_pattern)."""
+    assert metrics.attention_positions(8) == 36
+    assert metrics.attention_positions(8, 3) == 6 + 5 * 3  # 1 + 2 + 3, then 3 a query
+    assert metrics.attention_positions(8, 8) == metrics.attention_positions(8, 100) == 36
+    full = TransformerConfig(n_layers=4, n_heads=2, d_model=32)
+    windowed = full.replace(window_pattern=(3, 3, 3, -1), window_full_first=False)
+    per_pair = 12 * 2 * 16 / 8  # 12 * heads * head_dim / s
+    f, w = (metrics.flops_per_token_parts(c, 8)["attention_scores"] for c in (full, windowed))
+    assert f == 4 * 36 * per_pair
+    assert w == (3 * 21 + 36) * per_pair

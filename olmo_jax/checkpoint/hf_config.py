@@ -150,7 +150,9 @@ def from_hf_config(hf: dict, where: str = "config.json") -> TransformerConfig:
         ("attention_bias", False, "olmo_jax attention projections have no bias"),
         ("hidden_act", "silu", "olmo_jax experts are SwiGLU (silu)"),
         ("attention_dropout", 0.0, "olmo_jax has no attention dropout"),
-        ("sliding_window", None, "olmo_jax attention is full causal"),
+        ("sliding_window", None, "OlmoeForCausalLM's causal mask has no window (its "
+         "sliding_window reaches some attention kernels only), so the model it means is not "
+         "one model; OLMo-core's olmo3moe export carries windows (olmo3moe-to-orbax)"),
     ):
         value = hf.get(field, supported)
         if value != supported:
@@ -225,6 +227,9 @@ def check_representable(cfg: TransformerConfig) -> None:
     ):
         if value != ok:
             raise _refuse(where, field, value, why)
+    if any(cfg.layer_windows):
+        raise _refuse(where, "model.window_pattern", cfg.window_pattern,
+                      "OLMoE attends fully in every layer (a windowed model: orbax-to-olmo3moe)")
     if cfg.head_size * cfg.n_heads != cfg.d_model:
         raise _refuse(
             where,

@@ -17,7 +17,13 @@ dense first layers, one optional shared expert. Config map (config.json -> model
   gating_function softmax | sigmoid; normalize_expert_weights 1 | null -> moe.norm_topk_prob
   (softmax) / moe.sigmoid_renorm (sigmoid, with sigmoid_eps 1e-7, OLMo-core's);
   restore_weight_scale -> moe.router_weight_scale = top_k (else 1)
-Anything else OLMo-core can write there (sliding windows, attention gates, scalable
+  layer_types ("sliding_attention" | "full_attention" per layer) + sliding_window W ->
+  window_pattern (`window_fields`: the shortest period of the layers' windows, -1 =
+  full, with window_full_last where only the last layer breaks it; window_full_first
+  off). OLMo-core writes sliding_window = its window_size W (flash-attention's W - 1,
+  plus one), the W keys up to and including the query, as model.window_pattern means it.
+  One window size for every sliding layer (OLMo-core's export refuses more).
+Anything else OLMo-core can write there (attention gates, scalable
 softmax, latent MoE, linear attention, per-head gains, original_num_experts_per_tok, an L2
 weight norm) is refused naming the field, and so is an olmo_jax model the
 format cannot hold (pre-norm blocks, no or whole-projection QK-norm, clipping, grouped or
@@ -93,9 +99,8 @@ def from_config(hf: dict, where: str = "config.json") -> TransformerConfig:
         if hf.get(field, ok) not in (ok, None) and not (ok is False and not hf.get(field)):
             raise _refuse(where, field, hf[field], "olmo_jax has no such option")
     L = int(hf["num_hidden_layers"])
-    types = hf.get("layer_types") or ["full_attention"] * L
-    if any(t != "full_attention" for t in types):
-        raise _refuse(where, "layer_types", types, "olmo_jax has full attention only")
+    windows = window_fields(hf, L, where)
+    hf = _one_rope(hf, where)
     dense = sorted(hf.get("dense_layers_indices") or [])
     if dense != list(range(len(dense))):
         raise _refuse(where, "dense_layers_indices", dense,
@@ -138,10 +143,65 @@ def from_config(hf: dict, where: str = "config.json") -> TransformerConfig:
         embed_scale=0.0 if embed_scale == 1.0 else embed_scale,
         embedding_norm=bool(hf.get("embed_norm", False)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        init_std=float(hf.get("initializer_range", 0.02)), moe=moe,
+        init_std=float(hf.get("initializer_range", 0.02)), moe=moe, **windows,
     )
     check_yarn_exact(cfg, where)
     return cfg.validate()
+
+
+def _one_rope(hf: dict, where: str) -> dict:
+    """`hf` with rope_parameters keyed by layer type (OLMo-core's long-context exports:
+    e.g. YaRN on the full-attention layers, plain RoPE on the sliding ones) made one
+    rope_parameters when every type has the same; refused otherwise: olmo_jax applies one
+    RoPE to every layer, as OLMo-core's RoPEConfig."""
+    rope = hf.get("rope_parameters")
+    types = {"full_attention", "sliding_attention"}
+    if not (isinstance(rope, dict) and rope and set(rope) <= types):
+        return hf
+    kinds = list(rope.values())
+    if any(k != kinds[0] for k in kinds):
+        raise _refuse(where, "rope_parameters", rope,
+                      "a RoPE per layer type; olmo_jax applies one RoPE (model.rope_scaling) to "
+                      "every layer, as OLMo-core's RoPEConfig")
+    return {**hf, "rope_parameters": kinds[0]}
+
+
+def window_fields(hf: dict, n_layers: int, where: str) -> dict:
+    """model.window_pattern / window_full_first / window_full_last of config.json's
+    layer_types and sliding_window ({} when every layer is full): the shortest pattern
+    that gives each layer its window, trying the last layer forced full too."""
+    types = hf.get("layer_types") or ["full_attention"] * n_layers
+    if len(types) != n_layers or any(t not in ("full_attention", "sliding_attention")
+                                      for t in types):
+        raise _refuse(where, "layer_types", types, f"olmo_jax reads {n_layers} entries, each "
+                      "'full_attention' or 'sliding_attention'")
+    if "sliding_attention" not in types:
+        return {}
+    W = hf.get("sliding_window")
+    if isinstance(W, bool) or not isinstance(W, int) or W < 1:
+        raise _refuse(where, "sliding_window", W, "sliding layers need a window of >= 1 tokens")
+    want = [W if t == "sliding_attention" else -1 for t in types]
+    for period in range(1, n_layers + 1):
+        for last in (False, True):
+            cfg = TransformerConfig(n_layers=n_layers, window_pattern=tuple(want[:period]),
+                                    window_full_first=False, window_full_last=last)
+            if list(cfg.layer_windows) == [0 if w == -1 else w for w in want]:
+                return {"window_pattern": tuple(want[:period]), "window_full_first": False,
+                        "window_full_last": last}
+    raise AssertionError("the whole list is always a pattern")  # pragma: no cover
+
+
+def _layer_types(cfg: TransformerConfig) -> tuple[list[str], int | None]:
+    """(layer_types, sliding_window) of the model's windows; one window size only."""
+    windows = cfg.layer_windows
+    sizes = sorted(set(windows) - {0})
+    if len(sizes) > 1:
+        raise CheckpointError(
+            f"olmo3moe export: model.window_pattern={cfg.window_pattern!r} cannot be written: "
+            f"its layers have windows {sizes}, olmo3moe one sliding_window for every sliding "
+            "layer (as OLMo-core's export)")
+    return (["sliding_attention" if w else "full_attention" for w in windows],
+            sizes[0] if sizes else None)
 
 
 def check_representable(cfg: TransformerConfig) -> None:
@@ -182,8 +242,11 @@ def to_config(cfg: TransformerConfig, base: dict | None = None, dtype: str = "fl
     m = cfg.moe
     renorm = m.norm_topk_prob if m.gating == "softmax" else m.sigmoid_renorm
     rope = hf_rope_parameters(cfg, "olmo3moe export")
+    layer_types, sliding_window = _layer_types(cfg)
     out = dict(base or {})
     out.pop("rope_scaling", None)  # OLMo-core's legacy key: rope_parameters holds it
+    if sliding_window is not None:
+        out["sliding_window"] = sliding_window
     out.update({
         "model_type": MODEL_TYPE, "architectures": ["Olmo3MoeForCausalLM"],
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
@@ -201,7 +264,7 @@ def to_config(cfg: TransformerConfig, base: dict | None = None, dtype: str = "fl
         "restore_weight_scale": m.router_weight_scale != 1.0,
         "rope_theta": rope["rope_theta"], "rope_parameters": rope,
         "rms_norm_eps": cfg.norm_eps, "use_head_qk_norm": True,
-        "layer_types": ["full_attention"] * cfg.n_layers,
+        "layer_types": layer_types,
         "embed_scale": cfg.embedding_scale or 1.0, "embed_norm": cfg.embedding_norm,
         "use_peri_ln": cfg.block_norm == "peri", "tie_word_embeddings": cfg.tie_embeddings,
         "initializer_range": cfg.init_std, "dtype": dtype,

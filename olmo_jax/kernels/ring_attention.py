@@ -88,19 +88,23 @@ def zigzag_unshard(shards, axis: int = 1):
 
 
 # ---- one masked block --------------------------------------------------------------------
-def _scores(qs_BKGQH, k_BKAH, qpos_Q, kpos_A, qseg_BQ, kseg_BA):
-    """Float32 scores of pre-scaled queries, and the visibility mask [B, 1, 1, Q, A]."""
+def _scores(qs_BKGQH, k_BKAH, qpos_Q, kpos_A, qseg_BQ, kseg_BA, window=0):
+    """Float32 scores of pre-scaled queries, and the visibility mask [B, 1, 1, Q, A]
+    (`window` > 0: also only the keys less than `window` positions back)."""
     s = jnp.einsum("bkgqh,bkah->bkgqa", qs_BKGQH, k_BKAH, preferred_element_type=jnp.float32)
-    vis = (qpos_Q[:, None] >= kpos_A[None, :])[None, None, None]
+    causal_QA = qpos_Q[:, None] >= kpos_A[None, :]
+    if window > 0:
+        causal_QA &= qpos_Q[:, None] - kpos_A[None, :] < window
+    vis = causal_QA[None, None, None]
     if qseg_BQ is not None:
         vis = vis & (qseg_BQ[:, :, None] == kseg_BA[:, None, :])[:, None, None]
     return jnp.where(vis, s, _MASKED), vis
 
 
-def _block_fwd(qs, k, v, qpos, kpos, qseg, kseg, state):
+def _block_fwd(qs, k, v, qpos, kpos, qseg, kseg, state, window=0):
     """One online-softmax step: state (m, l, acc) of the queries, updated with a key block."""
     m, l, acc = state
-    s, vis = _scores(qs, k, qpos, kpos, qseg, kseg)
+    s, vis = _scores(qs, k, qpos, kpos, qseg, kseg, window)
     m_new = jnp.maximum(m, jnp.max(s, axis=-1, keepdims=True))
     p = jnp.where(vis, jnp.exp(s - m_new), 0.0)
     corr = jnp.exp(m - m_new)
@@ -110,9 +114,9 @@ def _block_fwd(qs, k, v, qpos, kpos, qseg, kseg, state):
     return m_new, l, acc
 
 
-def _block_bwd(qs, k, v, qpos, kpos, qseg, kseg, lse, do, delta):
+def _block_bwd(qs, k, v, qpos, kpos, qseg, kseg, lse, do, delta, window=0):
     """dq (of the pre-scaled queries), dk, dv of one key block, in float32."""
-    s, vis = _scores(qs, k, qpos, kpos, qseg, kseg)
+    s, vis = _scores(qs, k, qpos, kpos, qseg, kseg, window)
     p = jnp.where(vis, jnp.exp(s - lse), 0.0)
     dv = jnp.einsum("bkgqa,bkgqh->bkah", p.astype(do.dtype), do,
                     preferred_element_type=jnp.float32)
@@ -121,6 +125,9 @@ def _block_bwd(qs, k, v, qpos, kpos, qseg, kseg, lse, do, delta):
     dqs = jnp.einsum("bkgqa,bkah->bkgqh", ds, k, preferred_element_type=jnp.float32)
     dk = jnp.einsum("bkgqa,bkgqh->bkah", ds, qs, preferred_element_type=jnp.float32)
     return dqs, dk, dv
+
+
+_block_fwd_any, _block_bwd_any = _block_fwd, _block_bwd
 
 
 def _init_state(q):
@@ -150,18 +157,20 @@ def _where(c, a, b):
 
 # ---- ring attention ----------------------------------------------------------------------
 def ring_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT=None, *, context: int,
-                   axis_name: str = CONTEXT_AXIS):
+                   axis_name: str = CONTEXT_AXIS, window: int = 0):
     """Causal attention of this rank's zig-zag shard ([B, 2L, ...], module docstring) with
     K / V passed around `axis_name` (size `context`); out [B, 2L, N, H] in q's dtype.
-    `segment_ids_BT`: int32 [B, 2L] sharded like q, or None (no document masking)."""
+    `segment_ids_BT`: int32 [B, 2L] sharded like q, or None (no document masking);
+    `window` > 0: a sliding window of that many keys (masked in each block)."""
     seg = segment_ids_BT if segment_ids_BT is not None else jnp.zeros(q_BTNH.shape[:2], jnp.int32)
-    o = _ring(q_BTNH, k_BTKH, v_BTKH, seg, context, axis_name, segment_ids_BT is not None)
+    o = _ring(q_BTNH, k_BTKH, v_BTKH, seg, context, axis_name, segment_ids_BT is not None,
+              window)
     return o
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _ring(q, k, v, seg, C, axis, masked):
-    return _ring_fwd(q, k, v, seg, C, axis, masked)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _ring(q, k, v, seg, C, axis, masked, window=0):
+    return _ring_fwd(q, k, v, seg, C, axis, masked, window)[0]
 
 
 def _halves(x, axis):
@@ -212,7 +221,8 @@ def _key_parts(kv_src, j, Lk, C):
     return _halves(ks, 2), _halves(vs, 2), _halves(kpos, 0), _halves(kseg, 1)
 
 
-def _ring_fwd(q, k, v, seg, C, axis, masked):
+def _ring_fwd(q, k, v, seg, C, axis, masked, window=0):
+    _block_fwd = partial(_block_fwd_any, window=window)
     r, pos = _ring_setup(q, seg, C, axis)
     qs = _scaled(_heads(q, k))  # [B, K, G, 2L, H]
     kh, vh = _kv_heads(k), _kv_heads(v)
@@ -255,7 +265,8 @@ def _ring_fwd(q, k, v, seg, C, axis, masked):
     return o, (q, k, v, seg, o_h, lse)
 
 
-def _ring_bwd(C, axis, masked, res, do):
+def _ring_bwd(C, axis, masked, window, res, do):
+    _block_bwd = partial(_block_bwd_any, window=window)
     q, k, v, seg, o_h, lse = res
     r, pos = _ring_setup(q, seg, C, axis)
     qs = _scaled(_heads(q, k))
@@ -324,7 +335,7 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 # ---- all-gather attention ------------------------------------------------------------------
 def allgather_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT=None, *, context: int,
-                        axis_name: str = CONTEXT_AXIS):
+                        axis_name: str = CONTEXT_AXIS, window: int = 0):
     """The same result as ring_attention: K, V (and the keys' segment ids) all-gathered over
     `axis_name`, one masked block against the whole sequence; autodiff turns the gather
     into dK / dV reduce-scatters."""
@@ -337,32 +348,33 @@ def allgather_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT=None, *, context:
     masked = segment_ids_BT is not None
     seg = segment_ids_BT if masked else jnp.zeros(q_BTNH.shape[:2], jnp.int32)
     kseg = jax.lax.all_gather(seg, axis_name, axis=1, tiled=True)
-    return _masked_attention(q_BTNH, k_all, v_all, qpos, kpos, seg, kseg, masked)
+    return _masked_attention(q_BTNH, k_all, v_all, qpos, kpos, seg, kseg, masked, window)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _masked_attention(q, k, v, qpos, kpos, qseg, kseg, masked):
-    return _masked_fwd(q, k, v, qpos, kpos, qseg, kseg, masked)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _masked_attention(q, k, v, qpos, kpos, qseg, kseg, masked, window=0):
+    return _masked_fwd(q, k, v, qpos, kpos, qseg, kseg, masked, window)[0]
 
 
-def _masked_fwd(q, k, v, qpos, kpos, qseg, kseg, masked):
+def _masked_fwd(q, k, v, qpos, kpos, qseg, kseg, masked, window=0):
     qs = _scaled(_heads(q, k))
     kh, vh = _kv_heads(k), _kv_heads(v)
     sq, sk = (qseg, kseg) if masked else (None, None)
-    m, l, acc = _block_fwd(qs, kh, vh, qpos, kpos, sq, sk, _init_state(qs))
+    m, l, acc = _block_fwd_any(qs, kh, vh, qpos, kpos, sq, sk, _init_state(qs), window)
     o_h = (acc / l).astype(q.dtype)
     B, T, N, H = q.shape
     o = o_h.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
     return o, (q, k, v, qpos, kpos, qseg, kseg, o_h, m + jnp.log(l))
 
 
-def _masked_bwd(masked, res, do):
+def _masked_bwd(masked, window, res, do):
     q, k, v, qpos, kpos, qseg, kseg, o_h, lse = res
     qs = _scaled(_heads(q, k))
     do_h = _heads(do, k)
     delta = jnp.sum(do_h.astype(jnp.float32) * o_h.astype(jnp.float32), axis=-1, keepdims=True)
     sq, sk = (qseg, kseg) if masked else (None, None)
-    dqs, dk, dv = _block_bwd(qs, _kv_heads(k), _kv_heads(v), qpos, kpos, sq, sk, lse, do_h, delta)
+    dqs, dk, dv = _block_bwd_any(qs, _kv_heads(k), _kv_heads(v), qpos, kpos, sq, sk, lse, do_h,
+                                 delta, window)
     B, T, N, H = q.shape
     dq = _scaled(dqs).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
     dk, dv = (x.transpose(0, 2, 1, 3) for x in (dk, dv))
@@ -374,7 +386,8 @@ _masked_attention.defvjp(_masked_fwd, _masked_bwd)
 
 
 def context_attention(impl: str, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT=None, *,
-                      context: int, axis_name: str = CONTEXT_AXIS):
-    """`impl` (CONTEXT_ATTENTIONS) of this rank's zig-zag shard."""
+                      context: int, axis_name: str = CONTEXT_AXIS, window: int = 0):
+    """`impl` (CONTEXT_ATTENTIONS) of this rank's zig-zag shard (`window` > 0: sliding)."""
     fn = ring_attention if impl == "ring" else allgather_attention
-    return fn(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, context=context, axis_name=axis_name)
+    return fn(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, context=context, axis_name=axis_name,
+              window=window)

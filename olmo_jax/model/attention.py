@@ -30,7 +30,16 @@ Sliding windows (`window` W > 0, the cores' argument): query t attends keys
 masking too. Keys left of a query chunk's window are skipped, not masked: the xla core
 slices each chunk's keys from its first query's window start, the blas kernel starts each
 query block at its first query's first key, cuDNN takes the window as its own
-`sliding_window_length`. (The per-layer window pattern of a model is not wired yet.)
+`sliding_window_length`.
+
+A model's layers take their windows from `model.window_pattern` (OLMo-core's
+SlidingWindowAttentionConfig; model/config.TransformerConfig.layer_windows). The layers
+of a stack are one scanned program, so a layer holds a core per distinct window of the
+model (`window_choices`, usually two: full and W) and runs the one its scanned
+`window_index` picks (`lax.switch`: the other is not executed). A model whose layers share
+one window (the default: all full) has a static core and no switch. Under context
+parallelism the ring and all-gather kernels mask keys outside the window
+(kernels/ring_attention.py: their blocks are computed, not skipped).
 """
 
 from __future__ import annotations
@@ -251,17 +260,31 @@ class Attention(nnx.Module):
         # Context parallelism: the sequence's zig-zag shard, attended over the plan's
         # `context` axis (olmo_jax/kernels/ring_attention.py; set by the plan).
         self.context = (cfg.context_parallel, cfg.context_attention)
+        self.windows = cfg.window_choices  # the cores compiled (module docstring)
 
     def _proj(self, spec: str, x, w):
         if self.mxfp8_proj:
             return mxfp8_gemm.einsum(spec, x, w, impl=self.mxfp8_impl)
         return jnp.einsum(spec, x, w)
 
+    def _by_window(self, core, window_index):
+        """core(window) for this layer's window: static when the model has one window,
+        else the `lax.switch` branch of `window_index` (module docstring)."""
+        if len(self.windows) == 1:
+            return core(self.windows[0])
+        if window_index is None:
+            raise ValueError(
+                f"this model's layers have windows {self.windows} (model.window_pattern): "
+                "an attention layer needs its window_index (transformer.run_blocks passes it)")
+        return jax.lax.switch(window_index, [partial(core, w) for w in self.windows])
+
     @shapes.check("cos_TH: ... T H", "sin_TH: ... T H", "-> B T D")
     def __call__(self, x_BTD: jax.Array, cos_TH: jax.Array, sin_TH: jax.Array,
-                 segment_ids_BT: jax.Array | None = None) -> jax.Array:
+                 segment_ids_BT: jax.Array | None = None, window_index=None) -> jax.Array:
         """`cos_TH` / `sin_TH`: the RoPE tables, [T, H] or per row [B, T, H];
-        `segment_ids_BT`: document masking (module docstring), None = causal only."""
+        `segment_ids_BT`: document masking (module docstring), None = causal only;
+        `window_index`: int32 scalar, this layer's entry of `model.window_choices`
+        (needed when the model has more than one window)."""
         dt = self.dtype
         B, T, D = x_BTD.shape
         N, K, H = self.q_proj.shape[1], self.k_proj.shape[1], self.q_proj.shape[2]
@@ -284,15 +307,17 @@ class Attention(nnx.Module):
                 qkv_SJ.reshape(B, T, -1), N, K, cos_TH, sin_TH, norm=self.qk_norm_span,
                 clip=self.clip_qkv, **norms)
             with jax.named_scope("attention_scores"):  # named for olmo_jax/planner
-                o_BTNH = cpu_attention.causal_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
+                o_BTNH = self._by_window(lambda w: cpu_attention.causal_attention(
+                    q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, w), window_index)
         else:
             o_BTNH = self._xla_or_cudnn(impl, qkv_SJ, B, T, N, K, H, cos_TH, sin_TH,
-                                        segment_ids_BT)
+                                        segment_ids_BT, window_index)
         o_SJ = o_BTNH.reshape(B * T, N * H)
         y_SD = self._proj("rj,jd->rd", o_SJ, self.o_proj[...].reshape(N * H, D).astype(dt))
         return y_SD.reshape(B, T, D)
 
-    def _xla_or_cudnn(self, impl, qkv_SJ, B, T, N, K, H, cos_TH, sin_TH, segment_ids_BT):
+    def _xla_or_cudnn(self, impl, qkv_SJ, B, T, N, K, H, cos_TH, sin_TH, segment_ids_BT,
+                      window_index):
         # sliced as [B * T, J] rows (2-D slices, then free reshapes)
         q_BTNH = qkv_SJ[:, : N * H].reshape(B, T, N, H)
         k_BTKH = qkv_SJ[:, N * H : (N + K) * H].reshape(B, T, K, H)
@@ -308,13 +333,16 @@ class Attention(nnx.Module):
         with jax.named_scope("attention_scores"):  # named for olmo_jax/planner
             if impl == "context":
                 C, how = self.context
-                return ring_attention.context_attention(how, q_BTNH, k_BTKH, v_BTKH,
-                                                        segment_ids_BT, context=C)
+                return self._by_window(lambda w: ring_attention.context_attention(
+                    how, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, context=C, window=w),
+                    window_index)
             if impl == "cudnn":
-                return cudnn_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT,
-                                       self.cudnn_max_docs)
+                return self._by_window(lambda w: cudnn_attention(
+                    q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, self.cudnn_max_docs, w),
+                    window_index)
             # Head-major for the core: one 4-D transpose each (XLA fuses it into the
             # norm / RoPE element-wise work that produces q and k), none per chunk.
             q_BNTH, k_BKAH, v_BKAH = (a.transpose(0, 2, 1, 3) for a in (q_BTNH, k_BTKH, v_BTKH))
-            o_BNTH = causal_attention_heads(q_BNTH, k_BKAH, v_BKAH, segment_ids_BT)
+            o_BNTH = self._by_window(lambda w: causal_attention_heads(
+                q_BNTH, k_BKAH, v_BKAH, segment_ids_BT, w), window_index)
             return o_BNTH.transpose(0, 2, 1, 3)  # fused with the chunks' concatenation

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -289,7 +290,24 @@ class TransformerConfig:
     # from parallel.context (the model then runs inside the plan's shard_map); leave it 1.
     context_attention: ContextAttention = "ring"
     context_parallel: int = 1
+    # Sliding-window attention per layer, OLMo-core's SlidingWindowAttentionConfig
+    # (nn/attention/__init__.py; `layer_windows`): window sizes in tokens cycled over the
+    # layers, -1 = full attention, e.g. (4096, 4096, 4096, -1): three windowed layers of
+    # every four. Empty = off (every layer full). A query at t attends keys [t - W + 1, t].
+    window_pattern: tuple[int, ...] = ()
+    # The first / last layer attends fully whatever the pattern says (OLMo-core's
+    # force_full_attention_on_first_layer / _last_layer, both True by default there; OLMo
+    # 3 sets first False, last True). With the first forced, the pattern starts at layer 1.
+    window_full_first: bool = True
+    window_full_last: bool = True
     moe: MoEConfig = field(default_factory=MoEConfig)
+
+    def __post_init__(self):  # a list (a saved config's JSON) -> a tuple: configs hash
+        pattern = self.window_pattern
+        if isinstance(pattern, (list, tuple)):
+            pattern = tuple(int(w) if isinstance(w, numbers.Integral) and not isinstance(w, bool)
+                            else w for w in pattern)
+        object.__setattr__(self, "window_pattern", pattern)
 
     @property
     def kv_heads(self) -> int:
@@ -311,6 +329,37 @@ class TransformerConfig:
     def embedding_scale(self) -> float:
         """The factor the embeddings are multiplied by (0.0 = none): embed_scale resolved."""
         return math.sqrt(self.d_model) if self.embed_scale == -1 else float(self.embed_scale)
+
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        """Each layer's sliding window in tokens, 0 = full attention: OLMo-core's
+        `SlidingWindowAttentionConfig._get_window_size` (its -1 is 0 here, the cores' "no
+        window"). Layer i takes pattern[(i - 1 if window_full_first else i) % len(pattern)]
+        unless it is a forced-full first or last layer."""
+        n, pat = self.n_layers, self.window_pattern
+        if not pat:
+            return (0,) * n
+        out = []
+        for i in range(n):
+            if (self.window_full_first and i == 0) or (self.window_full_last and i == n - 1):
+                out.append(0)
+                continue
+            w = pat[(i - 1 if self.window_full_first else i) % len(pat)]
+            out.append(0 if w == -1 else int(w))
+        return tuple(out)
+
+    @property
+    def window_choices(self) -> tuple[int, ...]:
+        """The distinct windows of the layers, sorted (0 = full first): what an attention
+        layer compiles a core for (model/attention.py); one entry = a static window."""
+        return tuple(sorted(set(self.layer_windows)))
+
+    @property
+    def layer_window_index(self) -> tuple[int, ...]:
+        """Each layer's window as an index into `window_choices` (the scanned per-layer
+        value, transformer.run_blocks)."""
+        choices = self.window_choices
+        return tuple(choices.index(w) for w in self.layer_windows)
 
     @property
     def compute_dtype(self):
@@ -370,6 +419,7 @@ class TransformerConfig:
         if self.context_parallel < 1:
             raise ConfigError(f"{prefix}.context_parallel must be >= 1 (set by the plan from "
                               f"parallel.context), got {self.context_parallel}")
+        self._validate_windows(prefix)
         widths = (self.d_model, self.n_heads * self.head_size, self.kv_heads * self.head_size)
         if self.attention_precision == "mxfp8" and any(w % 32 for w in widths):
             raise ConfigError(
@@ -383,6 +433,18 @@ class TransformerConfig:
             )
         self.moe.validate(prefix + ".moe")
         return self
+
+    def _validate_windows(self, prefix: str) -> None:
+        if not isinstance(self.window_pattern, tuple):
+            raise ConfigError(
+                f"{prefix}.window_pattern={self.window_pattern!r} must be a tuple of windows in "
+                f"tokens (-1 = full attention), e.g. (4096, 4096, 4096, -1), or () for off")
+        for i, w in enumerate(self.window_pattern):
+            if isinstance(w, bool) or not isinstance(w, int) or (w < 1 and w != -1):
+                raise ConfigError(
+                    f"{prefix}.window_pattern[{i}]={w!r}: each entry is a window in tokens "
+                    f"(an int >= 1) or -1 for full attention, e.g. (4096, 4096, 4096, -1); "
+                    f"() turns sliding windows off")
 
     def _validate_rope(self, prefix: str) -> None:
         check_choice(f"{prefix}.rope_scaling", self.rope_scaling, ROPE_SCALINGS, one_of=False)

@@ -8,7 +8,8 @@ slots, so every row writes its next token at the same slot and decoding is one
 `dynamic_update_slice` per layer; row b's prompt starts at slot `start_B[b]` = P - its
 length, and the token in slot a has the position a - start_B[b] (RoPE per row).
 A query at slot q attends the slots [start_B[b], q] (a padding query attends only itself,
-so it stays finite; no real query ever attends a padding slot).
+so it stays finite; no real query ever attends a padding slot), in a layer with a sliding
+window W (model.window_pattern) only the last W of them.
 
 The blocks are the model's own (`Block`'s norms in every layout: pre / post / peri, QK-norm
 over all heads or per head, clipping, the MoE layer with its routing per token, dense
@@ -147,18 +148,23 @@ def _block(block: Block, x_BTD, cos_BTH, sin_BTH, k_LBAKH, v_LBAKH, layer, index
     return h_BTD + f_BTD.astype(h_BTD.dtype), k_LBAKH, v_LBAKH
 
 
-def _run_group(blocks, x_BTD, cos_BTH, sin_BTH, k_LBAKH, v_LBAKH, index, mask_BTA):
+def _run_group(blocks, x_BTD, cos_BTH, sin_BTH, k_LBAKH, v_LBAKH, index, mask_BTA, back_BTA,
+               windows):
+    """The group's blocks over the cache; `windows`: the layers' sliding windows (0 =
+    full; model.window_pattern), `back_BTA` how far back each slot is from the query."""
     graphdef, state = nnx.split(blocks)
     n_layers = k_LBAKH.shape[0]
 
     def body(carry, xs):
         x, k, v = carry
-        layer_state, layer = xs
+        layer_state, layer, window = xs
         block = nnx.merge(graphdef, layer_state)
-        return _block(block, x, cos_BTH, sin_BTH, k, v, layer, index, mask_BTA), None
+        mask = mask_BTA & ((window == 0) | (back_BTA < window))  # a query sees itself
+        return _block(block, x, cos_BTH, sin_BTH, k, v, layer, index, mask), None
 
     (x_BTD, k_LBAKH, v_LBAKH), _ = jax.lax.scan(
-        body, (x_BTD, k_LBAKH, v_LBAKH), (state, jnp.arange(n_layers)))
+        body, (x_BTD, k_LBAKH, v_LBAKH),
+        (state, jnp.arange(n_layers), jnp.asarray(windows, jnp.int32)))
     return x_BTD, k_LBAKH, v_LBAKH
 
 
@@ -178,12 +184,16 @@ def forward(model: Transformer, tokens_BT: jax.Array, cache: Cache, index) -> tu
     a_A = jnp.arange(A)
     q_BT1 = slot_T[None, :, None]
     mask_BTA = (a_A <= q_BT1) & ((a_A >= start_B[:, None, None]) | (a_A == q_BT1))
+    back_BTA = jnp.broadcast_to(q_BT1 - a_A, mask_BTA.shape)
+    windows, n_dense = cfg.layer_windows, cfg.n_dense_layers
     x_BTD = model.embed(tokens_BT)
     dk, dv, mk, mv = cache.dense_k, cache.dense_v, cache.moe_k, cache.moe_v
     if model.dense_blocks is not None:
-        x_BTD, dk, dv = _run_group(model.dense_blocks, x_BTD, cos_BTH, sin_BTH, dk, dv, index, mask_BTA)
+        x_BTD, dk, dv = _run_group(model.dense_blocks, x_BTD, cos_BTH, sin_BTH, dk, dv, index,
+                                   mask_BTA, back_BTA, windows[:n_dense])
     if model.moe_blocks is not None:
-        x_BTD, mk, mv = _run_group(model.moe_blocks, x_BTD, cos_BTH, sin_BTH, mk, mv, index, mask_BTA)
+        x_BTD, mk, mv = _run_group(model.moe_blocks, x_BTD, cos_BTH, sin_BTH, mk, mv, index,
+                                   mask_BTA, back_BTA, windows[n_dense:])
     return model.head(x_BTD), Cache(dk, dv, mk, mv, start_B)
 
 

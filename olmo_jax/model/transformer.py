@@ -54,12 +54,14 @@ class Block(nnx.Module):
         self.remat_ffn = cfg.remat == "mlp"
 
     @shapes.check("cos_TH: ... T H", "sin_TH: ... T H", "-> B T D, _")
-    def __call__(self, x_BTD, cos_TH, sin_TH, rng=None, segment_ids_BT=None):
+    def __call__(self, x_BTD, cos_TH, sin_TH, rng=None, segment_ids_BT=None, window_index=None):
+        """`window_index`: the layer's entry of model.window_choices (model/attention.py)."""
         attn = self.attn
         if self.remat_attention:
             attn = nnx.remat(attn)
         with jax.named_scope("attention"):  # scopes name the HLO ops (olmo_jax/planner)
-            a_BTD = attn(self._in(self.attn_norm, x_BTD), cos_TH, sin_TH, segment_ids_BT)
+            a_BTD = attn(self._in(self.attn_norm, x_BTD), cos_TH, sin_TH, segment_ids_BT,
+                         window_index)
             h_BTD = x_BTD + self._out(self.attn_norm, self.attn_post_norm, a_BTD).astype(x_BTD.dtype)
         f_in_BTD = self._in(self.ffn_norm, h_BTD)
         ffn = nnx.remat(self.ffn) if self.remat_ffn else self.ffn
@@ -93,29 +95,33 @@ def _stacked_blocks(cfg: TransformerConfig, n: int, moe: bool, rngs: nnx.Rngs, d
 
 @shapes.check("cos_TH: ... T H", "sin_TH: ... T H", "-> B T D, _")
 def run_blocks(blocks: Block, x_BTD, cos_TH, sin_TH, remat: str = "none", rng=None, unroll: int = 1,
-               *, keys=None, keep_L=None, segment_ids_BT=None):
+               *, keys=None, keep_L=None, segment_ids_BT=None, window_index_L=None):
     """Scan x through stacked blocks; returns (x, per-layer stats stacked on axis 0).
     `rng` (training only): a key, split into one per block; or `keys`: the blocks' keys.
     `keep_L` (bool per block, pipeline padding): a False block passes x through unchanged
     (its stats are still computed; the caller drops them). `segment_ids_BT`: document
-    masking (model/attention.py; the tables then per row, [B, T, H]); None = causal only."""
+    masking (model/attention.py; the tables then per row, [B, T, H]); None = causal only.
+    `window_index_L` (int32 per block): each block's entry of model.window_choices, scanned
+    with the blocks (`Transformer.window_index`); None where the model has one window."""
     graphdef, state = nnx.split(blocks)
     n_layers = jax.tree.leaves(state)[0].shape[0]
     if keys is None and rng is not None:
         keys = jax.random.split(rng, n_layers)
     return jax.lax.scan(block_step(graphdef, cos_TH, sin_TH, remat, segment_ids_BT), x_BTD,
-                        (state, keys, keep_L), unroll=unroll)
+                        (state, keys, keep_L, window_index_L), unroll=unroll)
 
 
 def block_step(graphdef, cos_TH, sin_TH, remat: str = "none", segment_ids_BT=None):
-    """run_blocks' scan body: (x, (one block's state, key, keep)) -> (x, stats), checkpointed
+    """run_blocks' scan body: (x, (one block's state, key, keep, window index)) -> (x, stats),
+    checkpointed
     with model.remat = block (all recomputed) or dots (the weight GEMMs' outputs kept);
     `graphdef` the stacked blocks' (a pipeline stage runs the body one block at a time,
     parallel/pipeline/run.py)."""
 
     def body(x, xs):
-        layer_state, key, keep = xs
-        y, stats = nnx.merge(graphdef, layer_state)(x, cos_TH, sin_TH, key, segment_ids_BT)
+        layer_state, key, keep, window_index = xs
+        y, stats = nnx.merge(graphdef, layer_state)(x, cos_TH, sin_TH, key, segment_ids_BT,
+                                                    window_index)
         return (y if keep is None else jnp.where(keep, y, x)), stats
 
     if remat == "dots":
@@ -136,6 +142,16 @@ def position_tables(cfg: TransformerConfig, T: int, positions_T: jax.Array | Non
         return rope_tables_batch(positions_BT, cfg.head_size, cfg.rope_theta, scaling)
     positions_T = jnp.arange(T) if positions_T is None else positions_T
     return rope_tables(positions_T, cfg.head_size, cfg.rope_theta, scaling)
+
+
+def window_index(cfg: TransformerConfig, moe: bool) -> jax.Array | None:
+    """The dense (moe=False) or MoE blocks' window indices, int32 [L] (run_blocks), or None
+    when every layer has the same window (the cores then take it statically)."""
+    if len(cfg.window_choices) == 1:
+        return None
+    index = cfg.layer_window_index
+    return jnp.asarray(index[cfg.n_dense_layers:] if moe else index[:cfg.n_dense_layers],
+                       jnp.int32)
 
 
 class Output(NamedTuple):
@@ -192,10 +208,12 @@ class Transformer(nnx.Module):
         stats = None
         if self.dense_blocks is not None:
             x_BTD, _ = run_blocks(self.dense_blocks, x_BTD, cos_TH, sin_TH, cfg.remat,
-                                  unroll=cfg.scan_unroll, segment_ids_BT=segment_ids_BT)
+                                  unroll=cfg.scan_unroll, segment_ids_BT=segment_ids_BT,
+                                  window_index_L=window_index(cfg, moe=False))
         if self.moe_blocks is not None:
             x_BTD, stats = run_blocks(self.moe_blocks, x_BTD, cos_TH, sin_TH, cfg.remat, rng,
-                                      cfg.scan_unroll, segment_ids_BT=segment_ids_BT)
+                                      cfg.scan_unroll, segment_ids_BT=segment_ids_BT,
+                                      window_index_L=window_index(cfg, moe=True))
         return x_BTD, stats
 
     @shapes.check("-> B T V")

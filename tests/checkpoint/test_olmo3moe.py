@@ -56,7 +56,8 @@ def test_export_refuses_what_olmo3moe_cannot_hold(change, field):
 @pytest.mark.parametrize("field,value", [
     ("model_type", "olmoe"), ("attention_gate_type", "elementwise"), ("scalable_softmax", True),
     ("latent_moe_dim", 16), ("normalize_expert_weights", 2.0), ("use_head_qk_norm", False),
-    ("layer_types", ["sliding_attention"] * 3), ("dense_layers_indices", [1]),
+    ("layer_types", ["linear_attention"] * 3), ("layer_types", ["full_attention"] * 2),
+    ("dense_layers_indices", [1]),
     ("gating_function", "topk_softmax"),
 ])
 def test_import_refuses_what_olmo_jax_cannot_express(field, value):
@@ -64,3 +65,62 @@ def test_import_refuses_what_olmo_jax_cannot_express(field, value):
     hf[field] = value
     with pytest.raises(CheckpointError, match=field):
         olmo3moe.from_config(hf)
+
+
+@pytest.mark.parametrize("n_layers, pattern, first, last", [
+    (4, (5, 5, 5, -1), False, True),  # OLMo 3's shape: one period, the last layer full
+    (8, (5, 5, 5, -1), False, True),
+    (6, (5, 5, 5, -1), False, True),  # the last layer forced full breaks the period
+    (3, (7,), True, True),
+    (5, (5, -1), False, False),
+])
+def test_windows_map_to_layer_types_and_back(n_layers, pattern, first, last):
+    cfg = CFG.replace(n_layers=n_layers, window_pattern=pattern, window_full_first=first,
+                      window_full_last=last)
+    hf = olmo3moe.to_config(cfg)
+    windows = cfg.layer_windows
+    assert hf["layer_types"] == ["sliding_attention" if w else "full_attention" for w in windows]
+    assert hf["sliding_window"] == max(windows)  # OLMo-core's window_size, keys incl. the query
+    back = olmo3moe.from_config(hf)
+    assert back.layer_windows == windows and not back.window_full_first
+    assert olmo3moe.from_config(olmo3moe.to_config(back)) == back  # one canonical pattern
+    assert olmo3moe.to_config(back) == hf
+    # without windows: every layer full, and OLMo-core's placeholder sliding_window ignored
+    plain = olmo3moe.to_config(CFG)
+    assert plain["layer_types"] == ["full_attention"] * 3 and "sliding_window" not in plain
+    assert olmo3moe.from_config({**plain, "sliding_window": 4096}) == CFG
+
+
+def test_export_refuses_two_window_sizes():
+    cfg = CFG.replace(window_pattern=(4, 8), window_full_first=False, window_full_last=False)
+    with pytest.raises(CheckpointError, match=r"model\.window_pattern.*windows \[4, 8\]"):
+        olmo3moe.to_config(cfg)
+
+
+def test_import_refuses_a_window_it_cannot_read_and_a_rope_per_layer_type():
+    hf = olmo3moe.to_config(CFG.replace(window_pattern=(5,), window_full_first=False,
+                                        window_full_last=False))
+    with pytest.raises(CheckpointError, match="sliding_window"):
+        olmo3moe.from_config({**hf, "sliding_window": 0})
+    yarn = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192,
+            "rope_theta": 500_000.0}
+    plain = {"rope_type": "default", "rope_theta": 500_000.0}
+    with pytest.raises(CheckpointError, match="rope_parameters.*per layer type"):
+        olmo3moe.from_config({**hf, "rope_parameters": {"full_attention": yarn,
+                                                         "sliding_attention": plain}})
+    same = olmo3moe.from_config({**hf, "rope_parameters": {"full_attention": plain,
+                                                            "sliding_attention": plain}})
+    assert same == olmo3moe.from_config({**hf, "rope_parameters": plain})
+
+
+def test_olmoe_export_refuses_windows():
+    from olmo_jax.checkpoint.hf_config import check_representable, from_hf_config
+    from olmo_jax.model.config import HF_OLMOE_LAYOUT
+
+    cfg = TransformerConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, **HF_OLMOE_LAYOUT,
+                            window_pattern=(8,), window_full_first=False)
+    with pytest.raises(CheckpointError, match=r"model\.window_pattern"):
+        check_representable(cfg)
+    check_representable(cfg.replace(window_pattern=(-1,)))  # every layer full: fine
+    with pytest.raises(CheckpointError, match="sliding_window=8.*olmo3moe"):
+        from_hf_config({"model_type": "olmoe", "sliding_window": 8})

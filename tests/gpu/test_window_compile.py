@@ -43,3 +43,36 @@ def test_cudnn_window_compiles_to_fused_attention(monkeypatch, docs):
     fmha = [line for line in hlo.splitlines() if "__cudnn$fmha" in line and "custom-call(" in line]
     assert fmha and all(re.search(rf'"sliding_window_length":\s*{W}\b', line) for line in fmha)
     assert not hlo_cost.score_buffers(hlo, T)
+
+
+def test_window_pattern_step_switches_between_cudnn_cores(monkeypatch):
+    """The trainer's step of tests/gpu/test_compile_matrix.py's model (a dense block, then
+    two MoE blocks) with model.window_pattern (16, -1) and document masking, one H200: the
+    scanned MoE layers hold a windowed and a full cuDNN attention as the branches of one
+    conditional (the layer's window index picks one), forward and backward, and no
+    [T, S] score buffer."""
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    from olmo_jax import config as config_lib
+    from olmo_jax.planner.compile import compile_train_step
+    from tests.gpu.test_compile_matrix import COMPILE_OPTIONS, SEQ_LEN, Cell, cell_config
+
+    monkeypatch.setattr(fused_attention_stablehlo, "check_compute_capability",
+                        lambda capability: tuple(map(int, capability.split("."))) <= (9, 0))
+    cfg = cell_config(Cell("h200", 1, "local", "ragged_dot", "bf16"))
+    m = cfg.model
+    m.vocab_size, m.cudnn_max_docs, m.n_layers = 384, 4, 3
+    m.window_pattern, m.window_full_first, m.window_full_last = (16, -1), False, False
+    cfg.data.doc_mask = True
+    run = config_lib.validate(cfg)
+    assert run.model_config().layer_windows == (16, 0, 16)  # the MoE stack: full, then 16
+    step = compile_train_step(run, targets.abstract_devices("h200", 1), trainer_step=True,
+                              options=COMPILE_OPTIONS)
+    hlo = step.compiled.as_text()
+    fmha = [line for line in hlo.splitlines() if "__cudnn$fmha" in line and "custom-call(" in line]
+    windowed = [line for line in fmha if re.search(r'"sliding_window_length":\s*16\b', line)]
+    assert windowed and len(windowed) < len(fmha), "both cores, windowed and full"
+    assert {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"} <= {
+        c.target for c in gpu_hlo.cudnn_attention(step.module)}
+    assert " conditional(" in hlo
+    assert not hlo_cost.score_buffers(step.module, SEQ_LEN)

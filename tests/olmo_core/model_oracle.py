@@ -119,10 +119,18 @@ def model_config(c: dict):
 
     D = c["d_model"]
     norm = LayerNormConfig(name=LayerNormType.rms, eps=c["eps"], bias=False)
+    window = c.get("window")  # (pattern, first, last): SlidingWindowAttentionConfig
+    sliding = None
+    if window:
+        from olmo_core.nn.attention import SlidingWindowAttentionConfig
+
+        sliding = SlidingWindowAttentionConfig(
+            pattern=list(window[0]), force_full_attention_on_first_layer=window[1],
+            force_full_attention_on_last_layer=window[2])
     attention = AttentionConfig(
         n_heads=c["n_heads"], n_kv_heads=c["n_kv_heads"], bias=False,
         rope=RoPEConfig(theta=c["rope_theta"]), qk_norm=norm,
-        use_head_qk_norm=c["head_qk_norm"])
+        use_head_qk_norm=c["head_qk_norm"], sliding_window=sliding)
     layout = dict(use_pre_norm=c["block_norm"] == "pre", use_peri_norm=c["block_norm"] == "peri")
     shared = (SharedExpertsConfig(d_model=D, hidden_size=c["shared_hidden"], num_experts=1,
                                   bias=False, dtype=DType.float32)

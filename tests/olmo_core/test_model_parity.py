@@ -56,7 +56,13 @@ EXPORTS = {  # OLMo-core's own HF export (no dense layers: its builder's olmo3mo
     "export_post": dict(block_norm="post", n_dense_layers=0, embedding_norm=True,
                         embed_scale=math.sqrt(32), shared_hidden=24, seed=4, export=True),
     "export_peri": dict(block_norm="peri", n_dense_layers=0, seed=5, export=True),
+    # OLMo 3's window pattern shape (SlidingWindowAttentionConfig([W, W, W, -1], first
+    # False, last True)), W = 5 of the 16 tokens: its export's layer_types and
+    # sliding_window read back as the same windows.
+    "export_window": dict(block_norm="post", n_dense_layers=0, n_layers=4, seed=6,
+                          export=True, window=[[5, 5, 5, -1], False, True]),
 }
+WINDOWS = {"export_window": (5, 5, 5, 0)}  # the per-layer windows OLMo-core builds (0 = full)
 TOL = 1e-5  # the issue's bound for float32 logits, losses, gradients
 
 
@@ -183,8 +189,15 @@ def test_olmo_core_hf_export_converts_both_ways_exactly(oracle, name, tmp_path):
     folder = out / f"{name}-hf"
     model = olmo3moe.load_model(folder)
     assert model.config.block_norm == c["block_norm"] and model.config.head_qk_norm
+    assert model.config.layer_windows == WINDOWS.get(name, (0,) * c["n_layers"])
     logits = model(jnp.asarray(c["tokens"], jnp.int32))
     assert _report(f"{name} logits (OLMo-core's export)", logits, npz["logits"]) <= TOL
+    if name in WINDOWS:  # the windows change the logits: full attention does not match
+        full_cfg = model.config.replace(window_pattern=())
+        full = HFModel.from_params(full_cfg, olmo3moe.to_params(_part(npz, "before"), full_cfg,
+                                                                name))
+        assert _report(f"{name} logits without windows", full(jnp.asarray(c["tokens"])),
+                       npz["logits"]) > 100 * TOL
 
     olmo3moe.save_model(model, tmp_path / "back")
     want = safetensors_io.read_tensors(folder)
@@ -197,7 +210,8 @@ def test_olmo_core_hf_export_converts_both_ways_exactly(oracle, name, tmp_path):
                   "moe_intermediate_size", "shared_expert_intermediate_size", "rms_norm_eps",
                   "use_peri_ln", "use_head_qk_norm", "embed_norm", "embed_scale",
                   "normalize_expert_weights", "restore_weight_scale", "gating_function",
-                  "num_key_value_heads", "head_dim", "vocab_size", "dense_layers_indices"):
+                  "num_key_value_heads", "head_dim", "vocab_size", "dense_layers_indices",
+                  "layer_types", "sliding_window"):
         assert back[field] == hf[field], field
     assert olmo3moe.from_config(back) == model.config
 

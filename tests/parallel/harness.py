@@ -173,15 +173,26 @@ def with_docs(model_cfg, docs: bool, doc_mask: bool):
     return dataclasses.replace(model_cfg, doc_mask_eos=DOC_EOS) if doc_mask else model_cfg
 
 
+def with_windows(model_cfg, windows: tuple[int, ...]):
+    """`model_cfg` with sliding windows: model.window_pattern `windows` cycled over the
+    layers from layer 0, no layer forced full (the weights do not change)."""
+    if not windows:
+        return model_cfg
+    return dataclasses.replace(model_cfg, window_pattern=windows, window_full_first=False,
+                               window_full_last=False)
+
+
 @functools.cache
 def reference_run(grad_accum=1, batch=BATCH, layers=(2, 0), moe=(), width=32,
-                  optim="adamw", dtype="float32", docs=False, doc_mask=False) -> Run:
+                  optim="adamw", dtype="float32", docs=False, doc_mask=False,
+                  windows=()) -> Run:
     """One device, the model's local dispatch, no parallel plan. `docs`: the
-    packed-document batches; `doc_mask`: masked from each other (data.doc_mask)."""
+    packed-document batches; `doc_mask`: masked from each other (data.doc_mask);
+    `windows`: sliding windows (`with_windows`)."""
     model_cfg, tx, schedule, graphdef, state = host_state(layers=layers, moe=moe, width=width,
                                                           optim=optim, dtype=dtype)
-    model_cfg = with_docs(model_cfg, docs, doc_mask)
-    graphdef = abstract_model(model_cfg)[0] if doc_mask else graphdef
+    model_cfg = with_windows(with_docs(model_cfg, docs, doc_mask), windows)
+    graphdef = abstract_model(model_cfg)[0] if doc_mask or windows else graphdef
     dev = jax.devices()[0]
     step = jax.jit(make_train_step(graphdef, model_cfg, tx, schedule, grad_accum))
     placed = [jax.device_put(b, dev) for b in batches(batch=batch, docs=docs)]
@@ -193,14 +204,14 @@ def plan_run(data, expert, dispatch="rowwise", strategy="ddp", zero1=True, grad_
              batch=BATCH, capacity_factor=NO_DROP_CF, layers=(2, 0), pipe: Pipe = NO_PIPE,
              remat="none", abstract=False, moe=(), width=32, optim="adamw",
              dtype="float32", steps=STEPS, lm_loss_chunk=0, context=1,
-             context_attention="ring", docs=False, doc_mask=False) -> Run:
+             context_attention="ring", docs=False, doc_mask=False, windows=()) -> Run:
     """The same on a pipe x data x expert mesh through the trainer's ParallelPlan and
     its jitted step (state shardings, donation). `remat`, `lm_loss_chunk`: model.remat,
     model.lm_loss_chunk (same weights);
     `abstract`: compile from ShapeDtypeStructs; `moe`, `dtype`: as host_state; `optim`:
     optim.name; `steps`: the first `steps` of the reference's batches (fewer for slow paths);
     `context`, `context_attention`: parallel.context (on data x context x expert devices
-    of the 8) and model.context_attention; `docs`, `doc_mask`: as reference_run."""
+    of the 8) and model.context_attention; `docs`, `doc_mask`, `windows`: as reference_run."""
     model_cfg, tx, schedule, _, state = host_state(layers=layers, moe=moe, width=width,
                                                    optim=optim, dtype=dtype)
     cfg = make_cfg(data, expert, dispatch, strategy, zero1, grad_accum, capacity_factor,
@@ -208,7 +219,7 @@ def plan_run(data, expert, dispatch="rowwise", strategy="ddp", zero1=True, grad_
                    context=context)
     model_cfg = with_capacity(dataclasses.replace(model_cfg, remat=remat, lm_loss_chunk=lm_loss_chunk,
                                                   context_attention=context_attention), cfg)
-    model_cfg = with_docs(model_cfg, docs, doc_mask)
+    model_cfg = with_windows(with_docs(model_cfg, docs, doc_mask), windows)
     n = pipe.pipe * data * expert * context
     plan = plan_for(cfg, model_cfg, devices=jax.devices()[:n] if n < jax.device_count() else None)
     model_cfg = plan.model_cfg  # kernels resolved for the mesh

@@ -69,7 +69,7 @@ from olmo_jax.kernels.ring_attention import CONTEXT_AXIS
 from olmo_jax.kernels.vma import varying_axes
 from olmo_jax.model.config import TransformerConfig
 from olmo_jax.model.moe.losses import RouterStats
-from olmo_jax.model.transformer import block_step, position_tables, run_blocks
+from olmo_jax.model.transformer import block_step, position_tables, run_blocks, window_index
 from olmo_jax.objective import (
     LossParts,
     Plan,
@@ -231,6 +231,10 @@ class StageProgram:
         self.keep = jnp.asarray(chunks.keep)[self.s]  # [V * c]
         self.rows = jnp.asarray(chunks.rows)[self.s]
         self.offsets = jnp.asarray(chunks.offsets)
+        # Each slot's window (model.window_pattern): the MoE layer in it, read by the stage
+        # index like the weights (a layer keeps its own window on whichever stage it runs).
+        moe_windows = window_index(cfg, moe=True)
+        self.window_rows = None if moe_windows is None else moe_windows[self.rows]  # [V * c]
 
     # ---- chunk pieces --------------------------------------------------------------------
     def chunk_rows(self, tree, v):
@@ -247,7 +251,8 @@ class StageProgram:
         x_BTD = model.embed(tokens_BT)
         if model.dense_blocks is not None:
             x_BTD, _ = run_blocks(model.dense_blocks, x_BTD, pos.cos_TH, pos.sin_TH, self.cfg.remat,
-                                  unroll=self.cfg.scan_unroll, segment_ids_BT=pos.segment_ids_BT)
+                                  unroll=self.cfg.scan_unroll, segment_ids_BT=pos.segment_ids_BT,
+                                  window_index_L=window_index(self.cfg, moe=False))
         return _vary(x_BTD)
 
     def body(self, chunk_params, x_BTD, v, pos: Positions, key_data):
@@ -257,19 +262,27 @@ class StageProgram:
         keys = None if key_data is None else jax.random.wrap_key_data(key_data, impl=self.key_impl)
         out = run_blocks(blocks, x_BTD, pos.cos_TH, pos.sin_TH, self.cfg.remat,
                          unroll=self.cfg.scan_unroll, keys=keys, keep_L=keep,
-                         segment_ids_BT=pos.segment_ids_BT)
+                         segment_ids_BT=pos.segment_ids_BT, window_index_L=self.chunk_windows(v))
         return _vary(out)
 
     def layer_rows(self, tree, row):
         """One MoE block's weights (or state): row `row` of the stage's [V * c] rows."""
         return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, row, 0, keepdims=False), tree)
 
-    def layer(self, layer_params, x_BTD, layer_state, key_data, keep, pos: Positions):
-        """One MoE block of a chunk (what `body` scans): -> (x, RouterStats of the block)."""
+    def chunk_windows(self, v):
+        """The window indices of virtual stage v's c slots (None: one window)."""
+        if self.window_rows is None:
+            return None
+        return jax.lax.dynamic_slice_in_dim(self.window_rows, v * self.c, self.c)
+
+    def layer(self, layer_params, x_BTD, layer_state, key_data, keep, pos: Positions,
+              window=None):
+        """One MoE block of a chunk (what `body` scans): -> (x, RouterStats of the block).
+        `window`: the block's window index (chunk_windows)."""
         graphdef, state = nnx.split(nnx.merge(self.blocks_def, layer_params, layer_state))
         key = None if key_data is None else jax.random.wrap_key_data(key_data, impl=self.key_impl)
         step = block_step(graphdef, pos.cos_TH, pos.sin_TH, self.cfg.remat, pos.segment_ids_BT)
-        return _vary(step(x_BTD, (state, key, keep)))
+        return _vary(step(x_BTD, (state, key, keep, window)))
 
     def head_loss(self, head_params, x_BTD, stats: RouterStats, targets_BT, microbatches: int,
                   row_end_B1=None):
@@ -470,14 +483,15 @@ class _TrainTicks(_Ticks):
         pos = self.positions(m)
 
         def step(x, xs):
-            i, state_i, key_i, keep_i = xs
+            i, state_i, key_i, keep_i, window_i = xs
             p_i = prog.layer_rows(prog.stage_params, v * c + i)
-            fn = _stashable(lambda p, x: prog.layer(p, x, state_i, key_i, keep_i, pos),
+            fn = _stashable(lambda p, x: prog.layer(p, x, state_i, key_i, keep_i, pos, window_i),
                             self.cfg.remat)
             (y, stats_i), vjp = jax.vjp(fn, p_i, x)
             return y, (stats_i, self.body_saver.save(vjp, p_i))
 
-        xs = (jnp.arange(c), prog.chunk_rows(prog.stage_state, v), keys, keep)
+        xs = (jnp.arange(c), prog.chunk_rows(prog.stage_state, v), keys, keep,
+              prog.chunk_windows(v))
         y, (stats_c, res) = jax.lax.scan(step, x_BTD, xs, unroll=self.cfg.scan_unroll)
         return y, stats_c, res
 
