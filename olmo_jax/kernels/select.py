@@ -20,22 +20,25 @@ and expert GEMM dims (d_model, expert hidden):
   auto, GPU target:      mxfp8 experts on a GPU with block-scaled MMA (Blackwell, sm_100+)
                          -> einsum (the blocked layout, whose GEMMs are
                          `jax.nn.scaled_matmul`: no grouped block-scaled GEMM exists for
-                         the sorted layout); a Hopper GPU (sm_90) with a 16-bit dtype and
-                         both dims multiples of PALLAS_GMM_DIM_MULTIPLE -> pallas (the
-                         wgmma kernels of kernels/grouped_matmul.py); else einsum (batched
-                         GEMMs over rowwise's or capacity's equal groups, the blocked layout
-                         for dropless runs). Never ragged_dot on a GPU: this jaxlib's
-                         XLA:GPU lowers `jax.lax.ragged_dot` as a dense masked product over
-                         the expert groups (every row times every expert's weights, E times
-                         the FLOPs), on Blackwell, in float32 and at any shape; there is no
-                         grouped GEMM kernel for Blackwell here (docs/kernels.md), and the
-                         planner marks a dense lowering an error (planner/plan_build.py).
+                         the sorted layout); with a 16-bit dtype and both dims multiples of
+                         PALLAS_GMM_DIM_MULTIPLE, a Hopper GPU (sm_90) -> pallas (the wgmma
+                         kernels of kernels/grouped_matmul.py) and a datacenter Blackwell
+                         GPU (sm_100 B200, sm_103 B300) -> pallas_tcgen05 (the tcgen05/TMEM
+                         kernels of kernels/grouped_matmul_tcgen05.py); else einsum
+                         (batched GEMMs over rowwise's or capacity's equal groups, the
+                         blocked layout for dropless runs). Never ragged_dot on a GPU: this
+                         jaxlib's XLA:GPU lowers `jax.lax.ragged_dot` as a dense masked
+                         product over the expert groups (every row times every expert's
+                         weights, E times the FLOPs), on Blackwell, in float32 and at any
+                         shape, and the planner marks a dense lowering an error
+                         (planner/plan_build.py).
   auto, TPU target:      ragged_dot (XLA:TPU's grouped matmul).
   explicit choices are kept, and refused (ValueError naming the field and the fix) where
   they cannot run: tiled and blas have no MXFP8 version; blas runs float32 on a CPU
-  target and must build here (g++, numpy's OpenBLAS); pallas needs a Hopper target and a
-  16-bit dtype (both waived with `interpret`: Pallas' GPU interpret mode on a CPU, for
-  tests) and dims that fit its tiles.
+  target and must build here (g++, numpy's OpenBLAS); pallas needs a Hopper target,
+  pallas_tcgen05 an sm_100/sm_103 Blackwell target, both a 16-bit dtype (target and dtype
+  waived with `interpret`: Pallas' GPU interpret mode on a CPU, for tests) and dims that
+  fit their tiles; pallas_tcgen05 has no MXFP8 version.
 
 model.attention_impl (ATTENTION_IMPLS), for compute dtype `dtype`:
   auto:   cudnn on a GPU target in bfloat16/float16; blas on a CPU target in float32
@@ -64,7 +67,7 @@ The dropless expert buffer's row layout follows from the grouped matmul (`run_pa
 KernelChoice.run_padding): each expert's run is padded to blocks of rows for the blocked
 einsum ("blocks", model/moe/sizing.block_size), to the tiled loop's tile ("tiles",
 sizing.TILE_MULTIPLE), or not at all for the grouped GEMMs ("none": ragged_dot, pallas,
-blas). The expert-parallel backends size their buffers from this requirement, not from
+pallas_tcgen05, blas). The expert-parallel backends size their buffers from this requirement, not from
 the kernel's name.
 """
 
@@ -78,7 +81,7 @@ import jax.numpy as jnp
 
 from olmo_jax.kernels import platform
 
-GmmImpl = Literal["auto", "blas", "tiled", "pallas", "ragged_dot", "einsum"]  # model.moe.gmm_impl
+GmmImpl = Literal["auto", "blas", "tiled", "pallas", "pallas_tcgen05", "ragged_dot", "einsum"]  # model.moe.gmm_impl
 GMM_IMPLS = get_args(GmmImpl)
 AttentionImpl = Literal["auto", "cudnn", "blas", "xla"]  # model.attention_impl
 ATTENTION_IMPLS = get_args(AttentionImpl)
@@ -87,8 +90,8 @@ NORM_IMPLS = get_args(NormImpl)
 Mxfp8GemmImpl = Literal["auto", "scaled_matmul", "dequantize"]  # model.mxfp8_gemm_impl
 MXFP8_GEMM_IMPLS = get_args(Mxfp8GemmImpl)
 RUN_PADDINGS = ("blocks", "tiles", "none")
-# The Pallas grouped matmul tiles d_model and the expert hidden size in blocks of 64 (the
-# weight-gradient kernel's wgmma M is one of them).
+# The Pallas grouped matmuls tile d_model and the expert hidden size in blocks of 64 (the
+# weight-gradient kernel's wgmma / tcgen05 M is one of them).
 PALLAS_GMM_DIM_MULTIPLE = 64
 
 
@@ -96,7 +99,8 @@ PALLAS_GMM_DIM_MULTIPLE = 64
 class KernelChoice:
     """The kernels a model runs on one target (module docstring: the table)."""
 
-    gmm: str  # a concrete model.moe.gmm_impl: blas | tiled | pallas | ragged_dot | einsum
+    gmm: str  # a concrete model.moe.gmm_impl: blas | tiled | pallas | pallas_tcgen05 |
+    #           ragged_dot | einsum
     attention: str  # a concrete model.attention_impl: cudnn | blas | xla
     run_padding: str  # RUN_PADDINGS: how the dropless expert buffer pads each expert's run
     norm: str  # a concrete model.norm_impl: blas | xla
@@ -137,6 +141,11 @@ def _hopper(target: platform.Target) -> bool:
     return target.capability is not None and target.capability[0] == 9
 
 
+def _tcgen05(target: platform.Target) -> bool:
+    """Datacenter Blackwell (sm_100 B200, sm_103 B300): tcgen05 MMA and tensor memory."""
+    return target.capability is not None and target.capability[0] == 10
+
+
 def _block_scaled_mma(target: platform.Target) -> bool:
     return target.capability is not None and target.capability[0] >= 10
 
@@ -157,6 +166,8 @@ def resolve_gmm_impl(gmm_impl: str, target: platform.Target, dtype=None, precisi
         fits = dims is None or pallas_gmm_fits(dims)
         if _hopper(target) and _is_16bit(dtype) and fits:
             return "pallas"
+        if _tcgen05(target) and _is_16bit(dtype) and fits:
+            return "pallas_tcgen05"
         return "einsum" if target.is_gpu else "ragged_dot"
     if gmm_impl in ("tiled", "blas") and precision == "mxfp8":
         raise ValueError(
@@ -173,21 +184,30 @@ def resolve_gmm_impl(gmm_impl: str, target: platform.Target, dtype=None, precisi
         why = _cpu_ffi_missing()
         if why is not None:
             raise ValueError(f"model.moe.gmm_impl=blas cannot run here: {why}")
-    if gmm_impl == "pallas":
-        if not _hopper(target) and not interpret:
+    if gmm_impl == "pallas_tcgen05" and precision == "mxfp8":
+        raise ValueError(
+            "model.moe.gmm_impl=pallas_tcgen05 has no MXFP8 version (model.moe.precision="
+            "mxfp8): use model.moe.gmm_impl=auto (on Blackwell the blocked einsum on cuDNN's "
+            "block-scaled GEMM) or einsum"
+        )
+    if gmm_impl in ("pallas", "pallas_tcgen05"):
+        arch_ok, arch = ((_hopper(target), "an NVIDIA Hopper GPU (sm_90, wgmma)")
+                         if gmm_impl == "pallas" else
+                         (_tcgen05(target), "an NVIDIA B200/B300 GPU (sm_100/sm_103, tcgen05)"))
+        if not arch_ok and not interpret:
             raise ValueError(
-                "model.moe.gmm_impl=pallas needs an NVIDIA Hopper GPU (sm_90, wgmma); the target "
+                f"model.moe.gmm_impl={gmm_impl} needs {arch}; the target "
                 f"is {target.describe()}. Use model.moe.gmm_impl=auto (on a "
                 "CPU the kernel runs only inside olmo_jax.kernels.platform.interpret(), for tests)"
             )
         if not _is_16bit(dtype) and not interpret:
             raise ValueError(
-                f"model.moe.gmm_impl=pallas runs bfloat16/float16 GEMMs but model.dtype is "
+                f"model.moe.gmm_impl={gmm_impl} runs bfloat16/float16 GEMMs but model.dtype is "
                 f"{jnp.dtype(dtype).name}; set model.dtype=bfloat16 or gmm_impl=auto"
             )
         if dims is not None and not pallas_gmm_fits(dims):
             raise ValueError(
-                f"model.moe.gmm_impl=pallas tiles model.d_model={dims[0]} and "
+                f"model.moe.gmm_impl={gmm_impl} tiles model.d_model={dims[0]} and "
                 f"model.moe.expert_hidden={dims[1]} in blocks of {PALLAS_GMM_DIM_MULTIPLE}: "
                 f"make both multiples of {PALLAS_GMM_DIM_MULTIPLE}, or set gmm_impl=auto"
             )
@@ -256,7 +276,7 @@ def run_padding(gmm: str) -> str:
         return "blocks"
     if gmm == "tiled":
         return "tiles"
-    if gmm in ("ragged_dot", "pallas", "blas"):
+    if gmm in ("ragged_dot", "pallas", "pallas_tcgen05", "blas"):
         return "none"
     raise ValueError(f"run_padding needs a resolved model.moe.gmm_impl, got {gmm!r}")
 

@@ -5,7 +5,8 @@ library / kernel custom calls, so a test or a plan can say which path a step too
     collective_counts(module)   # Counter: all-to-all 6, ragged-all-to-all 2, ...
     block_scaled_dots(module)   # cuDNN MXFP8 GEMMs (jax.nn.scaled_matmul on Blackwell)
     cudnn_attention(module)     # cuDNN fused attention (forward and backward calls)
-    mosaic_gpu_kernels(module)  # Pallas Mosaic GPU kernels; .wgmma: a Hopper matmul kernel
+    mosaic_gpu_kernels(module)  # Pallas Mosaic GPU kernels; .wgmma / .tcgen05: a Hopper /
+                                # Blackwell matmul kernel
     custom_call_dot_flops(module, ins)  # matmul FLOPs of a library / kernel custom call
     dense_grouped_dots(module)  # jax.lax.ragged_dot lowered as a dense product over groups
 
@@ -23,7 +24,9 @@ How each appears in XLA:GPU's compiled HLO (checked by tests/gpu/test_toolchain.
 - Pallas `plgpu.kernel` / Mosaic GPU: custom call `mosaic_gpu_v2` (older: `mosaic_gpu`)
   whose backend_config carries the kernel's MLIR module; a kernel issuing Hopper
   warpgroup MMAs names `wgmma` ops there (the grouped matmul does, the MXFP8 quantizer
-  does not). The op_name is the generic `mpmd_map`, so the module is what tells them apart.
+  does not), one issuing Blackwell tensor-core MMAs `tcgen05` ops (the Blackwell grouped
+  matmul, kernels/grouped_matmul_tcgen05.py). The op_name is the generic `mpmd_map`, so
+  the module is what tells them apart.
 - `jax.lax.ragged_dot`: this jaxlib's XLA:GPU (like XLA:CPU) has no grouped GEMM for it
   and rewrites it into a plain `dot` (op_name `.../ragged_dot_general`) over the rows
   masked per group, with the groups as a batch dimension, then a sum over them: every row
@@ -136,6 +139,7 @@ class MosaicKernel:
     op_name: str
     wgmma: bool  # issues Hopper warpgroup MMAs (a matmul kernel)
     count: int | float
+    tcgen05: bool = False  # issues Blackwell tcgen05 MMAs (a matmul kernel)
 
 
 def mosaic_gpu_kernels(program) -> list[MosaicKernel]:
@@ -143,7 +147,8 @@ def mosaic_gpu_kernels(program) -> list[MosaicKernel]:
     out = []
     for ins in _module(program).instructions:
         if ins.custom_call_target in MOSAIC_GPU:
-            out.append(MosaicKernel(ins.name, ins.op_name, "wgmma" in ins.args, ins.count))
+            out.append(MosaicKernel(ins.name, ins.op_name, "wgmma" in ins.args, ins.count,
+                                    "tcgen05" in ins.args))
     return out
 
 

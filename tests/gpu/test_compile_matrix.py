@@ -13,7 +13,7 @@ collectives and buffers, in ~60% of the compile time (5.7 instead of 9.8 CPU sec
 an 8-GPU cell).
 
 Cells (ids `<kind>x<gpus>-<dispatch>-<gmm_impl>-<precision>[-pipe2-<schedule>]`):
-  - 1 H200, dispatch local, x model.moe.gmm_impl {auto, ragged_dot, pallas} x
+  - 1 H200, dispatch local, x model.moe.gmm_impl {auto, ragged_dot, pallas, pallas_tcgen05} x
     model.moe.precision {bf16, mxfp8};
   - 8 H200 and 8 B300 (parallel.data=2, parallel.expert=4) x parallel.dispatch {rowwise,
     ragged, allgather} x the same gmm_impl x precision;
@@ -30,8 +30,10 @@ the path the cell asks for (`path_problems`): native ragged_all_to_all for
 dispatch=ragged (not the dense emulation CPU runs); the expert GEMMs in the cell's layout
 (`expert_layout`: every dispatch runs the resolved grouped matmul, rowwise over its
 equal-sized capacity groups: the Pallas kernel's wgmma Mosaic GPU calls for pallas (= auto
-on Hopper), jax.lax.ragged_dot for ragged_dot; on Blackwell auto takes the batched /
-blocked einsum layouts, and no cell but an explicit ragged_dot compiles a dense product
+on Hopper), its tcgen05 calls for pallas_tcgen05 (= auto on Blackwell in bf16; the B200
+cells compile it, the B300 auto cells are its twins), jax.lax.ragged_dot for ragged_dot;
+MXFP8 on Blackwell takes the batched / blocked einsum layouts, and no cell but an
+explicit ragged_dot compiles a dense product
 over the expert groups (`gpu_hlo.dense_grouped_dots`: XLA:GPU lowers every ragged_dot
 so, which the explicit cells show); cuDNN block-scaled
 GEMMs for MXFP8 experts on Blackwell (`block_scaled_expected`), none on Hopper or in
@@ -41,7 +43,8 @@ model.attention_impl=auto in bfloat16; its control, the xla attention core's for
 backward on one GPU, has no cuDNN call and score buffers the check finds); stage-to-stage
 sends in the pipelined cells. A step that compiled a CPU path for a GPU mesh fails here.
 
-An `auto` cell whose resolution the matrix also names explicitly (on Hopper auto is pallas)
+An `auto` cell whose resolution the matrix also names explicitly (on Hopper auto is pallas,
+on a B300 in bf16 pallas_tcgen05)
 builds the twin cell's plan too and asserts the same resolved model config and kernels,
 the whole input of the compiled program; it is not compiled a second time (status
 "same"). The session prints each cell's status and wall times (tests/gpu/results.py).
@@ -70,7 +73,7 @@ from tests.gpu import results
 # run's persistent compilation cache (tests/conftest.py).
 pytestmark = pytest.mark.no_compile_cache
 
-GMM_IMPLS = ("auto", "ragged_dot", "pallas")
+GMM_IMPLS = ("auto", "ragged_dot", "pallas", "pallas_tcgen05")
 PRECISIONS = ("bf16", "mxfp8")
 DISPATCHES = ("rowwise", "ragged", "allgather")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -78,11 +81,18 @@ HOPPER, BLACKWELL = ("h100", "h200"), ("b200", "b300")
 COMPILE_OPTIONS = {"xla_gpu_autotune_level": 0}
 SEQ_LEN = 64
 
-# Cells refused while the plan is built: (kind, gmm_impl) -> what the message must name.
+# Cells refused while the plan is built: (kind, gmm_impl) or (kind, gmm_impl, precision)
+# -> what the message must name.
 REFUSED = {
-    # The Pallas grouped matmul is Hopper wgmma; Blackwell has tcgen05 instead.
+    # The Pallas grouped matmuls are per architecture: wgmma (Hopper), tcgen05 (Blackwell).
     ("b300", "pallas"): "model.moe.gmm_impl",
+    ("h200", "pallas_tcgen05"): "model.moe.gmm_impl",
+    ("b300", "pallas_tcgen05", "mxfp8"): "model.moe.precision=mxfp8",  # no MXFP8 version
 }
+
+
+def refused(cell) -> str | None:
+    return REFUSED.get((cell.kind, cell.gmm)) or REFUSED.get((cell.kind, cell.gmm, cell.precision))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +116,8 @@ class Cell:
             return self.gmm
         if self.kind in HOPPER:
             return "pallas"
-        return "einsum"  # Blackwell: no grouped GEMM kernel; ragged_dot would be dense
+        # Blackwell: the tcgen05 kernel in bf16; MXFP8 runs the blocked scaled_matmul einsum
+        return "pallas_tcgen05" if self.precision == "bf16" else "einsum"
 
 
 CELLS = (
@@ -146,8 +157,8 @@ def expert_layout(cell: Cell) -> str:
     buffers are such groups of equal size), or with einsum (auto on Blackwell)
     batched products: over rowwise's capacity buffers, or the blocked dropless layout."""
     r = cell.resolved_gmm
-    if r in ("pallas", "ragged_dot"):
-        return {"pallas": "pallas", "ragged_dot": "ragged"}[r]
+    if r in ("pallas", "pallas_tcgen05", "ragged_dot"):
+        return {"pallas": "pallas", "pallas_tcgen05": "tcgen05", "ragged_dot": "ragged"}[r]
     return "batched" if cell.dispatch == "rowwise" else "blocked"
 
 
@@ -165,6 +176,7 @@ def path_problems(cell: Cell, step) -> list[str]:
     colls = gpu_hlo.collective_counts(module)
     kernels = gpu_hlo.mosaic_gpu_kernels(module)
     wgmma = [k for k in kernels if k.wgmma]
+    tcgen05 = [k for k in kernels if k.tcgen05]
     scaled = gpu_hlo.block_scaled_dots(module)
     layout, want_scaled = expert_layout(cell), block_scaled_expected(cell)
     out = []
@@ -176,6 +188,11 @@ def path_problems(cell: Cell, step) -> list[str]:
                    f"{len(wgmma)} wgmma Mosaic GPU kernels (of {len(kernels)} Mosaic calls)")
     if layout != "pallas" and wgmma:
         out.append(f"{len(wgmma)} Pallas grouped-matmul kernels in the {layout} layout")
+    if layout == "tcgen05" and len(tcgen05) < 3:
+        out.append(f"gmm_impl={cell.gmm} must run the Blackwell grouped matmul on {cell.kind}: "
+                   f"{len(tcgen05)} tcgen05 Mosaic GPU kernels (of {len(kernels)} Mosaic calls)")
+    if layout != "tcgen05" and tcgen05:
+        out.append(f"{len(tcgen05)} Blackwell grouped-matmul kernels in the {layout} layout")
     if layout == "ragged" and not want_scaled and "ragged_dot" not in stablehlo:
         out.append(f"gmm_impl={cell.gmm} must resolve to ragged_dot on {cell.kind}: the "
                    "StableHLO has no ragged_dot")
@@ -190,7 +207,7 @@ def path_problems(cell: Cell, step) -> list[str]:
                    "compiled no cuDNN block-scaled GEMM (__cudnn$blockScaledDot)")
     if scaled and (cell.kind in HOPPER or cell.precision == "bf16"):
         out.append(f"{scaled} block-scaled GEMMs on {cell.kind} in {cell.precision}")
-    if cell.precision == "mxfp8" and not [k for k in kernels if not k.wgmma]:
+    if cell.precision == "mxfp8" and not [k for k in kernels if not (k.wgmma or k.tcgen05)]:
         out.append("MXFP8 weights quantized without the fused Pallas quantizer kernel "
                    "(kernels.mxfp8_quant.quantize_rowcol on sm_90+)")
     out += attention_problems(cell, module)
@@ -239,7 +256,7 @@ def explicit_twin(cell: Cell) -> Cell | None:
 def test_cell(cell):
     cfg = cell_config(cell)
     devices = targets.abstract_devices(cell.kind, cell.n)
-    expected = REFUSED.get((cell.kind, cell.gmm))
+    expected = refused(cell)
     t0 = time.perf_counter()
     try:  # phase 1: the only place a cell may be refused
         plan = _plan(cell)

@@ -1,7 +1,8 @@
 """The trimmed CUDA wheel set of .venv-gpu (tools/requirements/gpu.txt) compiles each kind
 of program the GPU paths use, for abstract GPUs: a shard_map all_to_all and
 ragged_all_to_all over 8 GPUs, cuDNN fused attention forward + backward, Pallas Mosaic GPU
-kernels (a plain one and the Hopper grouped matmul), and jax.nn.scaled_matmul as cuDNN's
+kernels (a plain one, the Hopper grouped matmul and the Blackwell one for B200 and B300),
+and jax.nn.scaled_matmul as cuDNN's
 block-scaled GEMM on Blackwell. Each is found in the compiled HLO by the helpers of
 olmo_jax.planner.gpu_hlo, which this also checks."""
 
@@ -15,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from olmo_jax import targets
-from olmo_jax.kernels import platform
+from olmo_jax.kernels import grouped_matmul_tcgen05, platform
 from olmo_jax.kernels.grouped_matmul import grouped_matmul
 from olmo_jax.planner import gpu_hlo
 
@@ -63,7 +64,7 @@ def test_pallas_mosaic_gpu_kernels(mesh8):
 
     plain = gpu_hlo.mosaic_gpu_kernels(
         jax.jit(add_one).lower(_spec(mesh8, (128,), jnp.float32)).compile())
-    assert [k.wgmma for k in plain] == [False]
+    assert [(k.wgmma, k.tcgen05) for k in plain] == [(False, False)]
 
     def loss(x, w, gs):
         return grouped_matmul(x, w, gs).astype(jnp.float32).sum()
@@ -73,7 +74,29 @@ def test_pallas_mosaic_gpu_kernels(mesh8):
     with platform.cross_lowering():  # the kernel's own platform check reads jax.devices()
         compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile()
     kernels = gpu_hlo.mosaic_gpu_kernels(compiled)
-    assert len(kernels) == 3 and all(k.wgmma for k in kernels)  # forward, dx, dw
+    assert len(kernels) == 3 and all(k.wgmma and not k.tcgen05 for k in kernels)  # fwd, dx, dw
+
+
+@pytest.mark.parametrize("kind", ["b200", "b300"])
+def test_blackwell_grouped_matmul_compiles_to_tcgen05_kernels(kind):
+    """The tcgen05 kernels (forward, dx, dw) lowered through Mosaic GPU and assembled by
+    ptxas for sm_100a / sm_103a at bf16 shapes with full 128-row tiles and a 4-stage K
+    pipeline (the tgmm's pipeline cut to fit SMEM), each declaring its FLOPs."""
+    mesh = targets.make_mesh(kind, (1,), ("x",))
+    M, K, N, G = 512, 256, 256, 4
+
+    def loss(x, w, gs):
+        return grouped_matmul_tcgen05.grouped_matmul(x, w, gs).astype(jnp.float32).sum()
+
+    args = (_spec(mesh, (M, K), jnp.bfloat16), _spec(mesh, (G, K, N), jnp.bfloat16),
+            _spec(mesh, (G,), jnp.int32))
+    with platform.targeting(platform.target_of(mesh.devices)):
+        compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile()
+    kernels = gpu_hlo.mosaic_gpu_kernels(compiled)
+    assert len(kernels) == 3 and all(k.tcgen05 and not k.wgmma for k in kernels), kernels
+    module = gpu_hlo._module(compiled)
+    flops = [gpu_hlo.custom_call_dot_flops(module, module.instruction(k.name)) for k in kernels]
+    assert flops == [2.0 * M * K * N] * 3, flops
 
 
 @pytest.mark.parametrize("kind, cudnn", [("b300", 1), ("b200", 1), ("h200", 0)])

@@ -68,8 +68,10 @@ def test_tiled_with_mxfp8_is_refused_naming_the_fix():
         ((9, 0), jnp.bfloat16, "bf16", (32, 128), "einsum"),  # d_model off the 64 tiles
         ((9, 0), jnp.float32, "bf16", None, "einsum"),  # the kernel takes 16-bit operands
         ((9, 0), jnp.bfloat16, "mxfp8", None, "pallas"),  # no block-scaled MMA on Hopper
-        ((10, 0), jnp.bfloat16, "bf16", None, "einsum"),  # Blackwell: no wgmma
-        ((10, 3), jnp.bfloat16, "bf16", (4096, 4096), "einsum"),
+        ((10, 0), jnp.bfloat16, "bf16", None, "pallas_tcgen05"),  # B200: the tcgen05 kernel
+        ((10, 3), jnp.bfloat16, "bf16", (4096, 4096), "pallas_tcgen05"),  # B300
+        ((10, 3), jnp.bfloat16, "bf16", (4096, 96), "einsum"),  # expert width off the tiles
+        ((12, 0), jnp.bfloat16, "bf16", None, "einsum"),  # consumer Blackwell: no tcgen05
         ((10, 0), jnp.float32, "bf16", None, "einsum"),
         ((10, 0), jnp.bfloat16, "mxfp8", None, "einsum"),  # blocked layout: scaled_matmul
         ((10, 3), jnp.bfloat16, "mxfp8", None, "einsum"),
@@ -96,6 +98,22 @@ def test_pallas_is_refused_where_it_cannot_run():
         resolve_gmm_impl("pallas", _gpu((9, 0)), jnp.bfloat16, dims=(96, 128))
     with pytest.raises(ValueError, match=r"compute capability \(10, 0\)"):
         resolve_gmm_impl("pallas", _gpu((10, 0)), jnp.bfloat16)
+
+
+def test_pallas_tcgen05_is_refused_where_it_cannot_run():
+    assert resolve_gmm_impl("pallas_tcgen05", _gpu((10, 3)), jnp.bfloat16) == "pallas_tcgen05"
+    with pytest.raises(ValueError, match=r"gmm_impl=pallas_tcgen05 needs an NVIDIA B200/B300"
+                                         r".*capability \(9, 0\)"):
+        resolve_gmm_impl("pallas_tcgen05", _gpu((9, 0)), jnp.bfloat16)
+    with pytest.raises(ValueError, match="capability \\(12, 0\\)"):
+        resolve_gmm_impl("pallas_tcgen05", _gpu((12, 0)), jnp.bfloat16)
+    assert resolve_gmm_impl("pallas_tcgen05", CPU, jnp.float32, interpret=True) == "pallas_tcgen05"
+    with pytest.raises(ValueError, match="model.dtype=bfloat16"):
+        resolve_gmm_impl("pallas_tcgen05", _gpu((10, 0)), jnp.float32)
+    with pytest.raises(ValueError, match=r"model.moe.expert_hidden=96 .* blocks of 64"):
+        resolve_gmm_impl("pallas_tcgen05", _gpu((10, 0)), jnp.bfloat16, dims=(128, 96))
+    with pytest.raises(ValueError, match="pallas_tcgen05 has no MXFP8 version.*gmm_impl=auto"):
+        resolve_gmm_impl("pallas_tcgen05", _gpu((10, 0)), jnp.bfloat16, "mxfp8")
 
 
 def test_config_fields_are_validated():
@@ -174,7 +192,7 @@ def _model(dtype="bfloat16", precision="bf16", gmm="auto", attention="auto", d_m
         ("h200", "bfloat16", "bf16", KernelChoice("pallas", "cudnn", "none", "xla", "dequantize")),
         ("h200", "float32", "bf16", KernelChoice("einsum", "xla", "blocks", "xla", "dequantize")),
         ("h200", "bfloat16", "mxfp8", KernelChoice("pallas", "cudnn", "none", "xla", "dequantize")),
-        ("b300", "bfloat16", "bf16", KernelChoice("einsum", "cudnn", "blocks", "xla",
+        ("b300", "bfloat16", "bf16", KernelChoice("pallas_tcgen05", "cudnn", "none", "xla",
                                                   "scaled_matmul")),
         ("b300", "bfloat16", "mxfp8", KernelChoice("einsum", "cudnn", "blocks", "xla",
                                                    "scaled_matmul")),

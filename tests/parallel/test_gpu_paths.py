@@ -4,7 +4,8 @@ compared with one device's plain float32 step at the mesh-invariance tolerances
 relative, five AdamW steps within 1e-4):
 
 - model.moe.gmm_impl=pallas (the Hopper grouped-matmul kernels, in Pallas' GPU
-  interpret mode) under rowwise and ragged dispatch on data 2 x expert 4. The reference is
+  interpret mode) under rowwise and ragged dispatch on data 2 x expert 4, and
+  pallas_tcgen05 (the Blackwell kernels) under ragged dispatch (dropless runs). The reference is
   the single-device default (the blocked einsum), not the kernel itself. Two steps, not
   five (an interpreted step takes ~20 s on 2 cores): the first step's loss and gradients,
   and the loss after one AdamW update.
@@ -24,10 +25,11 @@ PALLAS_WIDTH = 64  # the kernels tile d_model and the expert hidden size by 64
 PALLAS_STEPS = 2
 
 
-@pytest.mark.parametrize("dispatch", ["rowwise", "ragged"])
-def test_pallas_kernels_through_the_plan_match_one_device(dispatch):
+@pytest.mark.parametrize("gmm_impl,dispatch", [("pallas", "rowwise"), ("pallas", "ragged"),
+                                               ("pallas_tcgen05", "ragged")])
+def test_pallas_kernels_through_the_plan_match_one_device(gmm_impl, dispatch):
     with platform.interpret():
-        run = plan_run(2, 4, dispatch, width=PALLAS_WIDTH, moe=(("gmm_impl", "pallas"),),
+        run = plan_run(2, 4, dispatch, width=PALLAS_WIDTH, moe=(("gmm_impl", gmm_impl),),
                        steps=PALLAS_STEPS)
     assert len(run.curve) == PALLAS_STEPS
     assert "callback" in run.hlo  # the interpreted kernels (the einsum path has none)

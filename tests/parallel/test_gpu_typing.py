@@ -19,9 +19,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from olmo_jax.kernels import grouped_matmul, grouped_matmul_tcgen05, platform, vma
 from olmo_jax.kernels import mxfp8_quant as mx
-from olmo_jax.kernels import platform, vma
-from olmo_jax.kernels.grouped_matmul import gmm, tgmm
 from olmo_jax.model.abstract import abstract_model
 from olmo_jax.parallel.expert.ragged_a2a import ragged_all_to_all
 from olmo_jax.trainer.step import make_train_step
@@ -82,9 +81,12 @@ def test_ragged_all_to_all_result_varies_like_its_rows(emulate):
         _traced_types(invariant_buffer, jnp.zeros((rows, 8)), jnp.zeros((EP,), jnp.int32))
 
 
-def test_pallas_grouped_matmul_outputs_vary_like_their_inputs():
+@pytest.mark.parametrize("kernels", [grouped_matmul, grouped_matmul_tcgen05],
+                         ids=["hopper", "blackwell"])
+def test_pallas_grouped_matmul_outputs_vary_like_their_inputs(kernels):
     M, K, N, G = 128, 64, 64, 4
     gs = jnp.zeros((G,), jnp.int32)
+    gmm, tgmm = kernels.gmm, kernels.tgmm
     with platform.cross_lowering():
         types = _traced_types(
             lambda x, w, dy, gs: (gmm(x, w[0], gs), gmm(dy, w[0], gs, transpose_rhs=True),

@@ -6,6 +6,8 @@ runs where: the table of olmo_jax/kernels/select.py):
               it expands to a dense masked product, E times the FLOPs);
   pallas      the sorted layout on the Pallas grouped-matmul kernels (Hopper GPUs;
               olmo_jax/kernels/grouped_matmul.py);
+  pallas_tcgen05  the same on the Blackwell tcgen05 kernels (B200/B300;
+              olmo_jax/kernels/grouped_matmul_tcgen05.py);
   einsum      a padded batched einsum: over [E, C, D] capacity buffers, or, dropless,
               over blocks of the blocked layout with each block's expert's weights
               gathered ([U, b, D] x [U, D, F]);

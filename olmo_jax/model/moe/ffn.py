@@ -2,11 +2,11 @@
 expert FFN from the buffer's group layout (olmo_jax/model/moe/buffer.py), the resolved
 gmm_impl and model.moe.precision.
 
-  Slots  ragged_dot, pallas, blas: the grouped GEMM with every group `capacity` rows;
+  Slots  ragged_dot, pallas, pallas_tcgen05, blas: the grouped GEMM with every group `capacity` rows;
          einsum, tiled: one batched product over the [G, C, D] capacity buffers
   Runs   einsum: the blocked batched matmul (runs padded to blocks, each block's owner
          from the run sizes); tiled: the per-expert GEMM loop (runs padded to 8 rows);
-         ragged_dot, pallas, blas: the grouped GEMM over the runs
+         ragged_dot, pallas, pallas_tcgen05, blas: the grouped GEMM over the runs
 bf16 FFNs: olmo_jax/model/moe/experts.py, tiled.py and (float32 on CPU, one BLAS SGEMM
 per expert) olmo_jax/kernels/cpu_gmm.py; MXFP8: mxfp8_experts.py.
 """
@@ -25,7 +25,7 @@ from olmo_jax.model.config import MoEConfig
 from olmo_jax.model.moe import dispatch, experts, mxfp8_experts, tiled
 from olmo_jax.model.moe.buffer import GroupLayout, Runs, Slots
 
-GROUPED_GEMMS = ("ragged_dot", "pallas")
+GROUPED_GEMMS = ("ragged_dot", "pallas", "pallas_tcgen05")
 
 
 class ExpertFFNs(NamedTuple):
@@ -39,11 +39,15 @@ class ExpertFFNs(NamedTuple):
 
 def expert_ffns(cfg: MoEConfig, impl: str, mxfp8_impl: str = "auto") -> ExpertFFNs:
     """The expert FFNs for cfg.precision; `impl` (resolved gmm_impl) picks the ragged
-    product: jax.lax.ragged_dot, or the Pallas grouped matmul for "pallas"; `mxfp8_impl`
-    (model.mxfp8_gemm_impl) the MXFP8 GEMM."""
+    product: jax.lax.ragged_dot, or the Pallas grouped matmul for "pallas" (Hopper) and
+    "pallas_tcgen05" (Blackwell); `mxfp8_impl` (model.mxfp8_gemm_impl) the MXFP8 GEMM."""
     if cfg.precision == "bf16":
         if impl == "pallas":
             from olmo_jax.kernels.grouped_matmul import grouped_matmul
+
+            ragged = functools.partial(experts.ffn_ragged, gmm=grouped_matmul)
+        elif impl == "pallas_tcgen05":
+            from olmo_jax.kernels.grouped_matmul_tcgen05 import grouped_matmul
 
             ragged = functools.partial(experts.ffn_ragged, gmm=grouped_matmul)
         else:
