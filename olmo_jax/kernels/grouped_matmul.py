@@ -429,34 +429,37 @@ def tgmm(x_MK, dy_MN, group_sizes_G, *, config: TileConfig | None = None):
 # ----------------------------------------------------------------------------- custom VJP
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _grouped_matmul(x_MK, w_GKN, group_sizes_G, config):
-    return gmm(x_MK, w_GKN, group_sizes_G, config=config)
+def differentiable(gmm_fn, tgmm_fn):
+    """The grouped matmul over a pair of kernels, one `jax.custom_vjp` with `config` static:
+    forward gmm_fn, input gradient gmm_fn against w transposed (its tiles chosen for the
+    transposed shapes), weight gradient tgmm_fn; `gmm_fn` and `tgmm_fn` take gmm's and
+    tgmm's arguments. This module's kernels and the tcgen05 ones share it."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+    def fn(x_MK, w_GKN, group_sizes_G, config):
+        return gmm_fn(x_MK, w_GKN, group_sizes_G, config=config)
+
+    def fwd(x_MK, w_GKN, group_sizes_G, config):
+        return gmm_fn(x_MK, w_GKN, group_sizes_G, config=config), (x_MK, w_GKN, group_sizes_G)
+
+    def bwd(config, res, dy_MN):
+        x_MK, w_GKN, group_sizes_G = res
+        dy_MN = dy_MN.astype(x_MK.dtype)
+        base = config or TileConfig()
+        K, N = w_GKN.shape[1:]
+        kw = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+        dgrad_cfg = TileConfig.for_shapes(N, K, **kw)  # contracts N, produces K columns
+        dx_MK = gmm_fn(dy_MN, w_GKN, group_sizes_G, transpose_rhs=True, config=dgrad_cfg)
+        dw_GKN = tgmm_fn(x_MK, dy_MN, group_sizes_G, config=base)
+        gs_ct = np.zeros(group_sizes_G.shape, dtype=jax.dtypes.float0)  # integer input
+        return (vma.cotangent_like(dx_MK, x_MK),
+                vma.cotangent_like(dw_GKN.astype(w_GKN.dtype), w_GKN), gs_ct)
+
+    fn.defvjp(fwd, bwd)
+    return fn
 
 
-def _gm_fwd(x_MK, w_GKN, group_sizes_G, config):
-    return gmm(x_MK, w_GKN, group_sizes_G, config=config), (x_MK, w_GKN, group_sizes_G)
-
-
-def _gm_bwd(config, res, dy_MN):
-    x_MK, w_GKN, group_sizes_G = res
-    dy_MN = dy_MN.astype(x_MK.dtype)
-    base = config or TileConfig()
-    K, N = w_GKN.shape[1:]
-    kw = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
-    dgrad_cfg = TileConfig.for_shapes(N, K, **kw)  # contracts N, produces K columns
-    dx_MK = gmm(dy_MN, w_GKN, group_sizes_G, transpose_rhs=True, config=dgrad_cfg)
-    dw_GKN = tgmm(x_MK, dy_MN, group_sizes_G, config=base)
-    gs_ct = _integer_cotangent(group_sizes_G)
-    return (vma.cotangent_like(dx_MK, x_MK),
-            vma.cotangent_like(dw_GKN.astype(w_GKN.dtype), w_GKN), gs_ct)
-
-
-def _integer_cotangent(a):
-    return np.zeros(a.shape, dtype=jax.dtypes.float0)
-
-
-_grouped_matmul.defvjp(_gm_fwd, _gm_bwd)
+_grouped_matmul = differentiable(gmm, tgmm)
 
 
 @shapes.check("-> M N")

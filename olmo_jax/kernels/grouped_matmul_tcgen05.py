@@ -288,30 +288,7 @@ def tgmm(x_MK, dy_MN, group_sizes_G, *, config: TileConfig | None = None):
 # ----------------------------------------------------------------------------- custom VJP
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _grouped_matmul(x_MK, w_GKN, group_sizes_G, config):
-    return gmm(x_MK, w_GKN, group_sizes_G, config=config)
-
-
-def _gm_fwd(x_MK, w_GKN, group_sizes_G, config):
-    return gmm(x_MK, w_GKN, group_sizes_G, config=config), (x_MK, w_GKN, group_sizes_G)
-
-
-def _gm_bwd(config, res, dy_MN):
-    x_MK, w_GKN, group_sizes_G = res
-    dy_MN = dy_MN.astype(x_MK.dtype)
-    base = config or TileConfig()
-    K, N = w_GKN.shape[1:]
-    kw = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
-    dx_MK = gmm(dy_MN, w_GKN, group_sizes_G, transpose_rhs=True,
-                config=TileConfig.for_shapes(N, K, **kw))  # contracts N, produces K columns
-    dw_GKN = tgmm(x_MK, dy_MN, group_sizes_G, config=base)
-    return (vma.cotangent_like(dx_MK, x_MK),
-            vma.cotangent_like(dw_GKN.astype(w_GKN.dtype), w_GKN),
-            gm._integer_cotangent(group_sizes_G))
-
-
-_grouped_matmul.defvjp(_gm_fwd, _gm_bwd)
+_grouped_matmul = gm.differentiable(gmm, tgmm)
 
 
 @shapes.check("-> M N")
