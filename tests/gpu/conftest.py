@@ -1,7 +1,8 @@
 """tests/gpu: XLA:GPU compiles for abstract GPUs (olmo_jax.targets), no GPU needed. They
 run in .venv-gpu, which has the jax CUDA plugin (`make gpu-venv`; `make test` runs them
-beside the main suite with `.venv-gpu/bin/python -m pytest tests/gpu`). In an interpreter
-without the plugin they do not skip: collection stops with that message.
+beside the main suite with `.venv-gpu/bin/python -m pytest tests/gpu -k SELECTION`, one GPU
+architecture per process: `make test-beside`). In an interpreter without the plugin they do
+not skip: collection stops with that message.
 
 The step is compiled as the trainer compiles it, so the main conftest's test-wide
 `jax_default_matmul_precision=highest` is put back to the default here.
@@ -12,12 +13,14 @@ workers write, the controller prints)."""
 
 import importlib.util
 import os
+import re
 
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no CUDA driver here
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from olmo_jax import targets  # noqa: E402
 from tests.gpu import results  # noqa: E402
 
 
@@ -31,13 +34,42 @@ def _has_cuda_plugin() -> bool:
 if not _has_cuda_plugin():
     raise pytest.UsageError(
         "tests/gpu need the jax CUDA plugin: run them with .venv-gpu/bin/python -m pytest "
-        "tests/gpu (`make gpu-venv` builds it; `make test` runs them)")
+        "tests/gpu -k b300 (`make gpu-venv` builds it; `make test-beside` runs them all)")
 
 jax.config.update("jax_default_matmul_precision", None)
 
 
 def _is_worker(config) -> bool:
     return hasattr(config, "workerinput")
+
+
+def _architectures(items) -> dict[tuple[int, int], list[str]]:
+    """The GPU architectures (compute capabilities) that the collected tests name in their
+    ids, each with the kinds that name it."""
+    found: dict[tuple[int, int], list[str]] = {}
+    for item in items:
+        for kind in targets.KINDS:
+            if re.search(rf"(?<![a-z0-9]){kind}(?![0-9])", item.nodeid):
+                kinds = found.setdefault(targets.spec(kind).capability, [])
+                if kind not in kinds:
+                    kinds.append(kind)
+    return found
+
+
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected
+def pytest_collection_modifyitems(config, items):
+    """One GPU architecture per process. Once a process has assembled a Mosaic GPU kernel
+    for one `sm_XYa`, ptxas refuses the kernels of another ("cannot be compiled to future
+    architecture", "SM version specified by .target is higher than default SM version
+    assumed"), so which test fails would depend on how xdist spreads the tests. Refuse the
+    mixed selection instead, whatever the order."""
+    archs = _architectures(items)
+    if len(archs) > 1:
+        named = "; ".join(f"sm_{a}{b}: {', '.join(k)}" for (a, b), k in sorted(archs.items()))
+        raise pytest.UsageError(
+            f"tests/gpu: this selection compiles for {len(archs)} GPU architectures ({named}); "
+            "one process compiles for one architecture: select one with -k (`make test-beside` "
+            'runs -k "not b200 and not b300", then -k b200, then -k b300)')
 
 
 def pytest_sessionstart(session):
