@@ -8,6 +8,8 @@ import math
 import runpy
 from pathlib import Path
 
+import pytest
+
 from olmo_jax import config as config_lib
 from olmo_jax.trainer.loop import train
 
@@ -18,6 +20,11 @@ def _config(name):
     return runpy.run_path(str(ROOT / "configs" / f"{name}.py"))["get_config"]()
 
 
+# Writing this step to the suite's persistent compilation cache once crashed an xdist
+# worker with a segmentation fault inside XLA:CPU's `executable.serialize()` (jax's
+# put_executable_and_time), in a full `make test`; alone it passes with the cache on. The
+# product writes no compilation cache; the test compiles without one (not diagnosed).
+@pytest.mark.no_compile_cache
 def test_tiny_long_trains_with_context_windows_and_doc_masking(tmp_path):
     cfg = _config("tiny_long")
     t = cfg.trainer
