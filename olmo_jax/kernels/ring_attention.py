@@ -127,7 +127,49 @@ def _block_bwd(qs, k, v, qpos, kpos, qseg, kseg, lse, do, delta, window=0):
     return dqs, dk, dv
 
 
-_block_fwd_any, _block_bwd_any = _block_fwd, _block_bwd
+def block_in_window(qpos_Q, kpos_A, window: int):
+    """Whether some query of a block sees some key of it under the causal sliding window
+    (0 <= q - k < `window`), for blocks of contiguous positions (each zig-zag chunk is):
+    q - k then takes every integer between its extremes. A traced bool."""
+    d_hi = jnp.max(qpos_Q) - jnp.min(kpos_A)
+    d_lo = jnp.min(qpos_Q) - jnp.max(kpos_A)
+    return (d_hi >= 0) & (d_lo < window)
+
+
+def _in_window_only(block, empty):
+    """`block(qs, k, v, qpos, kpos, qseg, kseg, *rest, window)` run only where the block
+    has a key inside a query's window; elsewhere `empty(*rest)` (what a fully masked block
+    gives: the online-softmax state unchanged, zero gradients), so a sliding-window layer
+    under the ring computes the blocks its window reaches and skips the rest (a
+    `lax.cond` per block; the K/V still travel the whole ring). Both branches are typed
+    varying over every input's mesh axes (`like`)."""
+    def run(qs, k, v, qpos, kpos, qseg, kseg, *rest, window=0):
+        if window <= 0:
+            return block(qs, k, v, qpos, kpos, qseg, kseg, *rest, window=window)
+        inputs = jax.tree.leaves((qs, k, v, qpos, kpos, qseg, kseg, rest))  # None: no leaf
+
+        def typed(out):
+            return jax.tree.map(lambda x: like(x, *inputs), out)
+
+        return jax.lax.cond(
+            block_in_window(qpos, kpos, window),
+            lambda: typed(block(qs, k, v, qpos, kpos, qseg, kseg, *rest, window=window)),
+            lambda: typed(empty(qs, k, *rest)))
+    return run
+
+
+def _keep_state(qs, k, state):
+    return state
+
+
+def _zero_grads(qs, k, lse, do, delta):
+    zeros = jnp.zeros
+    return (zeros(qs.shape, jnp.float32), zeros(k.shape, jnp.float32),
+            zeros(k.shape, jnp.float32))
+
+
+_ring_block_fwd = _in_window_only(_block_fwd, _keep_state)
+_ring_block_bwd = _in_window_only(_block_bwd, _zero_grads)
 
 
 def _init_state(q):
@@ -161,7 +203,8 @@ def ring_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT=None, *, context: int,
     """Causal attention of this rank's zig-zag shard ([B, 2L, ...], module docstring) with
     K / V passed around `axis_name` (size `context`); out [B, 2L, N, H] in q's dtype.
     `segment_ids_BT`: int32 [B, 2L] sharded like q, or None (no document masking);
-    `window` > 0: a sliding window of that many keys (masked in each block)."""
+    `window` > 0: a sliding window of that many keys (masked in each block; the blocks it
+    does not reach are skipped)."""
     seg = segment_ids_BT if segment_ids_BT is not None else jnp.zeros(q_BTNH.shape[:2], jnp.int32)
     o = _ring(q_BTNH, k_BTKH, v_BTKH, seg, context, axis_name, segment_ids_BT is not None,
               window)
@@ -222,7 +265,7 @@ def _key_parts(kv_src, j, Lk, C):
 
 
 def _ring_fwd(q, k, v, seg, C, axis, masked, window=0):
-    _block_fwd = partial(_block_fwd_any, window=window)
+    _block_fwd = partial(_ring_block_fwd, window=window)
     r, pos = _ring_setup(q, seg, C, axis)
     qs = _scaled(_heads(q, k))  # [B, K, G, 2L, H]
     kh, vh = _kv_heads(k), _kv_heads(v)
@@ -266,7 +309,7 @@ def _ring_fwd(q, k, v, seg, C, axis, masked, window=0):
 
 
 def _ring_bwd(C, axis, masked, window, res, do):
-    _block_bwd = partial(_block_bwd_any, window=window)
+    _block_bwd = partial(_ring_block_bwd, window=window)
     q, k, v, seg, o_h, lse = res
     r, pos = _ring_setup(q, seg, C, axis)
     qs = _scaled(_heads(q, k))
@@ -360,7 +403,7 @@ def _masked_fwd(q, k, v, qpos, kpos, qseg, kseg, masked, window=0):
     qs = _scaled(_heads(q, k))
     kh, vh = _kv_heads(k), _kv_heads(v)
     sq, sk = (qseg, kseg) if masked else (None, None)
-    m, l, acc = _block_fwd_any(qs, kh, vh, qpos, kpos, sq, sk, _init_state(qs), window)
+    m, l, acc = _block_fwd(qs, kh, vh, qpos, kpos, sq, sk, _init_state(qs), window)
     o_h = (acc / l).astype(q.dtype)
     B, T, N, H = q.shape
     o = o_h.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
@@ -373,8 +416,8 @@ def _masked_bwd(masked, window, res, do):
     do_h = _heads(do, k)
     delta = jnp.sum(do_h.astype(jnp.float32) * o_h.astype(jnp.float32), axis=-1, keepdims=True)
     sq, sk = (qseg, kseg) if masked else (None, None)
-    dqs, dk, dv = _block_bwd_any(qs, _kv_heads(k), _kv_heads(v), qpos, kpos, sq, sk, lse, do_h,
-                                 delta, window)
+    dqs, dk, dv = _block_bwd(qs, _kv_heads(k), _kv_heads(v), qpos, kpos, sq, sk, lse, do_h,
+                             delta, window)
     B, T, N, H = q.shape
     dq = _scaled(dqs).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
     dk, dv = (x.transpose(0, 2, 1, 3) for x in (dk, dv))
