@@ -29,13 +29,20 @@ OUT_DIR="${1:-/tmp/olmo_jax_gpu_check}"
 mkdir -p "$OUT_DIR"
 LIMIT_S="${GPU_CHECK_TIMEOUT_S:-475}"
 
-# What travels with a `run` call: the working tree (tracked + untracked files, .git aside)
-# with the carried .whl/; the device tool's limit is 64 MiB.
-tree_bytes=$(du -sb --exclude=.git --exclude=.venv\* --exclude=runs . 2>/dev/null | cut -f1)
+# What travels with a `run` call: the tracked and the untracked, not ignored files (git
+# ls-files; where there is no git, as on the device, the copy that arrived: du) with the
+# carried, ignored .whl/; the device tool's limit is 64 MiB.
 whl_bytes=0
 WHEELS="${GPU_CHECK_WHEELS:-$REPO/.whl}"  # overridable for the CPU test
-if compgen -G "$WHEELS/*.whl" > /dev/null; then
-  whl_bytes=$(cat "$WHEELS"/*.whl | wc -c)
+compgen -G "$WHEELS/*.whl" > /dev/null && whl_bytes=$(cat "$WHEELS"/*.whl | wc -c)
+if files_bytes=$(cd "$REPO" && git ls-files -z -c -o --exclude-standard 2>/dev/null \
+                 | xargs -0 -r stat -L -c %s -- 2>/dev/null | awk '{s += $1} END {print s + 0}') \
+   && [ "${files_bytes:-0}" -gt 0 ]; then
+  tree_bytes=$(( files_bytes + whl_bytes ))
+else
+  tree_bytes=$(du -sb --exclude=.git --exclude=.venv\* --exclude=runs "$REPO" 2>/dev/null | cut -f1)
+fi
+if [ "$whl_bytes" -gt 0 ]; then
   SITE="${GPU_CHECK_SITE:-/tmp/olmo_jax_site}"
   echo "[gpu_check.sh] installing carried wheels into $SITE:" $(cd "$WHEELS" && ls *.whl)
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
