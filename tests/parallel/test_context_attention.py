@@ -53,10 +53,13 @@ def test_zigzag_matches_olmo_core(tmp_path):
         np.testing.assert_array_equal(zigzag_unshard(shards), x)
 
 
-def naive_segment_attention(q, k, v, seg):
-    """Causal attention with a segment mask, one head at a time (kv heads repeated)."""
-    G = q.shape[2] // k.shape[2]
-    vis = jnp.tril(jnp.ones((T, T), bool))[None] & (seg[:, :, None] == seg[:, None, :])
+def naive_segment_attention(q, k, v, seg, window=0):
+    """Causal attention with a segment mask, one head at a time (kv heads repeated);
+    `window` > 0: only the keys less than `window` positions back."""
+    G, T, H = q.shape[2] // k.shape[2], q.shape[1], q.shape[3]
+    d = np.arange(T)[:, None] - np.arange(T)[None, :]
+    causal = (d >= 0) & (d < window) if window > 0 else d >= 0
+    vis = jnp.asarray(causal)[None] & (seg[:, :, None] == seg[:, None, :])
     outs = []
     for n in range(q.shape[2]):
         s = jnp.einsum("bth,bsh->bts", q[:, :, n], k[:, :, n // G]) / np.sqrt(H)

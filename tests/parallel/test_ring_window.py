@@ -17,6 +17,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from olmo_jax.kernels.ring_attention import block_in_window, context_attention, zigzag_indices
 from tests.parallel.harness import FAST_COMPILE, rel_err
+from tests.parallel.test_context_attention import naive_segment_attention
 
 B, T, N, K, H = 2, 32, 4, 2, 8
 C, WINDOW = 4, 3
@@ -32,19 +33,6 @@ def test_block_in_window_is_whether_any_pair_is_visible():
                 want = bool(np.any((d >= 0) & (d < window)))
                 got = bool(block_in_window(jnp.asarray(q_pos), jnp.asarray(k_pos), window))
                 assert got == want, (c, L, window, q_pos, k_pos)
-
-
-def naive_window_attention(q, k, v, seg, window):
-    G = q.shape[2] // k.shape[2]
-    pos = np.arange(q.shape[1])
-    d = pos[:, None] - pos[None, :]
-    vis = ((d >= 0) & (d < window))[None] & (seg[:, :, None] == seg[:, None, :])
-    outs = []
-    for n in range(q.shape[2]):
-        s = jnp.einsum("bth,bsh->bts", q[:, :, n], k[:, :, n // G]) / np.sqrt(H)
-        p = jax.nn.softmax(jnp.where(vis, s, -jnp.inf), axis=-1)
-        outs.append(jnp.einsum("bts,bsh->bth", p, v[:, :, n // G]))
-    return jnp.stack(outs, axis=2)
 
 
 def _inputs():
@@ -108,12 +96,12 @@ def test_the_ring_skips_blocks_outside_the_window_and_matches_naive():
     run = _sharded(WINDOW)
     o, grads = run.lower(*args).compile(FAST_COMPILE)(*args)
     inverse = np.argsort(order)
-    want_o = naive_window_attention(q, k, v, seg, WINDOW)
+    want_o = naive_segment_attention(q, k, v, seg, WINDOW)
     want_grads = jax.grad(
-        lambda q, k, v: jnp.sum(naive_window_attention(q, k, v, seg, WINDOW) * w),
+        lambda q, k, v: jnp.sum(naive_segment_attention(q, k, v, seg, WINDOW) * w),
         argnums=(0, 1, 2))(q, k, v)
     errs = [rel_err(np.asarray(o)[:, inverse], want_o)]
     errs += [rel_err(np.asarray(g)[:, inverse], x) for g, x in zip(grads, want_grads, strict=True)]
     assert max(errs) <= 1e-5, errs
-    full = naive_window_attention(q, k, v, seg, T)
+    full = naive_segment_attention(q, k, v, seg, T)
     assert rel_err(np.asarray(want_o), full) > 1e-2, "the window must matter"
