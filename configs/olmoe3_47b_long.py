@@ -6,8 +6,8 @@ force_full_attention_on_last_layer=True)`; tests/olmo_core/test_window_pattern_o
 checks it against OLMo-core's), documents masked from each other (data.doc_mask), RoPE
 extended with YaRN x8 from the 8,192 tokens the base trained at (OLMo 3's long-context
 models: factor 8, original context 8,192, beta 32 / 1), and context parallelism 8: each
-sequence in zig-zag shards of 8,192 tokens (the ring kernel; the windows are masked in its
-blocks, docs/parallelism.md).
+sequence in zig-zag shards of 8,192 tokens (the ring kernel; it skips the blocks a window
+does not reach, docs/parallelism.md).
 
 With 8 layers the windows are [4096, 4096, 4096, full, 4096, 4096, 4096, full]. The mesh
 is context 8 x expert 8 (64 devices): the batch of 64 sequences (4Mi tokens, as the
