@@ -380,8 +380,9 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 def allgather_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT=None, *, context: int,
                         axis_name: str = CONTEXT_AXIS, window: int = 0):
     """The same result as ring_attention: K, V (and the keys' segment ids) all-gathered over
-    `axis_name`, one masked block against the whole sequence; autodiff turns the gather
-    into dK / dV reduce-scatters."""
+    `axis_name`, one masked block against the whole sequence (a sliding window: against
+    the keys it reaches, `_window_slices`); autodiff turns the gather into dK / dV
+    reduce-scatters."""
     r = jax.lax.axis_index(axis_name)
     T = q_BTNH.shape[1] * context
     qpos = zigzag_positions(T, context, r)
@@ -391,7 +392,31 @@ def allgather_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT=None, *, context:
     masked = segment_ids_BT is not None
     seg = segment_ids_BT if masked else jnp.zeros(q_BTNH.shape[:2], jnp.int32)
     kseg = jax.lax.all_gather(seg, axis_name, axis=1, tiled=True)
-    return _masked_attention(q_BTNH, k_all, v_all, qpos, kpos, seg, kseg, masked, window)
+    L = q_BTNH.shape[1] // 2
+    if window <= 0 or L + window - 1 >= T:
+        return _masked_attention(q_BTNH, k_all, v_all, qpos, kpos, seg, kseg, masked, window)
+    return _window_slices(q_BTNH, (k_all, v_all, kseg), qpos, seg, T, context, masked, window)
+
+
+def _window_slices(q_BTNH, gathered, qpos, seg, T: int, C: int, masked: bool, window: int):
+    """All-gather attention under a sliding window that reaches less than the sequence:
+    the gathered K, V and key segments put back in sequence order, and each local chunk
+    of L queries (positions a .. a + L - 1) attends to the L + window - 1 keys that can
+    reach it (a - window + 1 .. a + L - 1, clamped at the start), not to all T: two
+    [L, L + window - 1] blocks instead of one [2L, T]. Autodiff scatters each slice's dK /
+    dV back into the sequence and the gather's transpose reduce-scatters them."""
+    S = q_BTNH.shape[1] // 2 + window - 1  # the keys that reach a chunk of L queries
+    in_sequence = np.argsort(np.concatenate([zigzag_indices(T, C, j) for j in range(C)]))
+    k_seq, v_seq, kseg_seq = (x[:, in_sequence] for x in gathered)
+    outs = []
+    for q_half, qpos_half, seg_half in zip(_halves(q_BTNH, 1), _halves(qpos, 0), _halves(seg, 1),
+                                           strict=True):
+        start = jnp.maximum(qpos_half[0] - (window - 1), 0)
+        k, v, kseg = (jax.lax.dynamic_slice_in_dim(x, start, S, axis=1)
+                      for x in (k_seq, v_seq, kseg_seq))
+        kpos = start + jnp.arange(S, dtype=jnp.int32)
+        outs.append(_masked_attention(q_half, k, v, qpos_half, kpos, seg_half, kseg, masked, window))
+    return jnp.concatenate(outs, axis=1)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(7, 8))

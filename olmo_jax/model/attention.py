@@ -38,8 +38,8 @@ of a stack are one scanned program, so a layer holds a core per distinct window 
 model (`window_choices`, usually two: full and W) and runs the one its scanned
 `window_index` picks (`lax.switch`: the other is not executed). A model whose layers share
 one window (the default: all full) has a static core and no switch. Under context
-parallelism the ring and all-gather kernels mask keys outside the window; the ring
-skips the blocks a window does not reach (kernels/ring_attention.py).
+parallelism the ring and all-gather kernels mask keys outside the window and skip the
+blocks (ring) or keys (all-gather) it does not reach (kernels/ring_attention.py).
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""Sliding windows under ring attention skip the blocks their window does not reach
+"""Sliding windows under context parallelism skip the keys their window does not reach
 (olmo_jax/kernels/ring_attention.py): `block_in_window` says whether a block of zig-zag
 chunks holds any visible (query, key) pair, checked against every pair for every rank,
 ring step and chunk; the ring's block matmuls sit inside a `lax.cond` on it, forward and
-backward; and a window of 3 over context 4 (chunks of 4 tokens, so most ring steps reach
-nothing) gives the naive windowed attention's output and q, k, v gradients within 1e-5,
-with packed documents on."""
+backward; the all-gather kernel's matmuls meet only the L + W - 1 keys that reach each
+chunk of L queries, never all T; and with a window of 3 over context 4 (chunks of 4
+tokens, so most ring steps reach nothing) both give the naive windowed attention's output
+and q, k, v gradients within 1e-5, with packed documents on."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import itertools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import Mesh, PartitionSpec
 
 from olmo_jax.kernels.ring_attention import block_in_window, context_attention, zigzag_indices
@@ -44,13 +46,13 @@ def _inputs():
     return q, k, v, w, seg
 
 
-def _sharded(window):
+def _sharded(window, impl="ring"):
     mesh = Mesh(np.asarray(jax.devices()[:C]), ("context",))
     spec = PartitionSpec(None, "context")
 
     def local(q, k, v, w, seg):
         def loss(q, k, v):
-            o = context_attention("ring", q, k, v, seg, context=C, window=window)
+            o = context_attention(impl, q, k, v, seg, context=C, window=window)
             return jnp.sum(o * w), o
         (_, o), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
         return o, grads
@@ -83,19 +85,47 @@ def _count_dots(jaxpr, in_cond=False):
     return outside, inside
 
 
-def test_the_ring_skips_blocks_outside_the_window_and_matches_naive():
+def _args():
     q, k, v, w, seg = _inputs()
     order = np.concatenate([zigzag_indices(T, C, r) for r in range(C)])
-    args = [x[:, order] for x in (q, k, v, w, seg)]
+    return (q, k, v, w, seg), [x[:, order] for x in (q, k, v, w, seg)], np.argsort(order)
 
+
+def _dot_shapes(jaxpr):
+    """The operand and result shapes of every dot_general in a jaxpr and its sub-jaxprs."""
+    shapes = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            shapes += [tuple(x.aval.shape) for x in (*eqn.invars, *eqn.outvars)]
+        for sub in _sub_jaxprs(eqn.params):
+            shapes += _dot_shapes(sub)
+    return shapes
+
+
+def test_the_ring_computes_its_blocks_under_a_cond():
+    _, args, _ = _args()
     outside, inside = _count_dots(jax.make_jaxpr(_sharded(WINDOW))(*args).jaxpr)
     assert outside == 0 and inside > 0, (outside, inside)  # every block matmul is skippable
     outside_full, _ = _count_dots(jax.make_jaxpr(_sharded(0))(*args).jaxpr)
     assert outside_full > 0  # causal-only: zig-zag already computes only needed blocks
 
-    run = _sharded(WINDOW)
+
+def test_allgather_attends_to_the_keys_the_window_reaches():
+    """Each chunk of L = 4 queries meets the L + W - 1 = 6 keys that reach it, not all T."""
+    _, args, _ = _args()
+    L = T // (2 * C)
+    windowed = _dot_shapes(jax.make_jaxpr(_sharded(WINDOW, "allgather"))(*args).jaxpr)
+    assert windowed and all(T not in shape for shape in windowed), windowed
+    assert any(L + WINDOW - 1 in shape for shape in windowed), windowed
+    full = _dot_shapes(jax.make_jaxpr(_sharded(0, "allgather"))(*args).jaxpr)
+    assert any(T in shape for shape in full), full
+
+
+@pytest.mark.parametrize("impl", ["ring", "allgather"])
+def test_windowed_context_attention_matches_naive(impl):
+    (q, k, v, w, seg), args, inverse = _args()
+    run = _sharded(WINDOW, impl)
     o, grads = run.lower(*args).compile(FAST_COMPILE)(*args)
-    inverse = np.argsort(order)
     want_o = naive_segment_attention(q, k, v, seg, WINDOW)
     want_grads = jax.grad(
         lambda q, k, v: jnp.sum(naive_segment_attention(q, k, v, seg, WINDOW) * w),

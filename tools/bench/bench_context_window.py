@@ -1,12 +1,14 @@
-"""Sliding-window ring attention against causal ring attention, run side by side on fake
-CPU devices: one layer's forward + backward (olmo_jax/kernels/ring_attention.py) over a
-`context` axis, timed (median of --repeats after a warm-up), with the share of [L, L]
-blocks the window reaches (`block_in_window` over every rank and ring step). A windowed
-ring skips the blocks its window does not reach (a `lax.cond` per block); a causal ring
-computes every block the zig-zag layout assigns, as the windowed ring did before it
-skipped any, so the time ratio is what the skipping saves on this machine.
+"""Sliding-window context-parallel attention against causal, run side by side on fake CPU
+devices: one layer's forward + backward (olmo_jax/kernels/ring_attention.py) over a
+`context` axis, ring and all-gather, timed (median of --repeats after a warm-up), with the
+share of the ring's [L, L] blocks the window reaches (`block_in_window` over every rank and
+ring step). A windowed ring skips the blocks its window does not reach (a `lax.cond` per
+block); a windowed all-gather meets each chunk of L queries with the L + W - 1 keys that
+reach it. Causal attention computes every block the zig-zag layout assigns (the ring) or
+the whole [2L, T] block (the all-gather), as the windowed kernels did before they skipped
+anything, so each time ratio is what the skipping saves on this machine.
 
-    .venv/bin/python tools/bench/bench_ring_window.py [--seq 8192 --context 4 --window 512]
+    .venv/bin/python tools/bench/bench_context_window.py [--seq 8192 --context 4 --window 512]
 
 The fake devices share this machine's cores, so only the ratio means anything.
 """
@@ -28,6 +30,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 from olmo_jax.kernels.ring_attention import (  # noqa: E402
+    CONTEXT_ATTENTIONS,
     block_in_window,
     context_attention,
     zigzag_indices,
@@ -52,13 +55,13 @@ def blocks_reached(T: int, C: int, window: int) -> tuple[int, int]:
     return reached, total
 
 
-def layer(C: int, T: int, B: int, N: int, K: int, H: int, window: int):
+def layer(impl: str, C: int, T: int, B: int, N: int, K: int, H: int, window: int):
     mesh = Mesh(np.asarray(jax.devices()[:C]), ("context",))
     spec = PartitionSpec(None, "context")
 
     def local(q, k, v, seg, do):
         def f(q, k, v):
-            return context_attention("ring", q, k, v, seg, context=C, window=window)
+            return context_attention(impl, q, k, v, seg, context=C, window=window)
         o, vjp = jax.vjp(f, q, k, v)
         return o, vjp(do)
 
@@ -103,12 +106,11 @@ def main() -> None:
     print(f"blocks the window reaches: {reached} of the causal ring's {total} "
           f"({reached / total:.1%})")
     shapes = (C, T, a.batch, a.heads, a.kv_heads, a.head_dim)
-    causal = seconds(*layer(*shapes, window=0), a.repeats)
-    windowed = seconds(*layer(*shapes, window=a.window), a.repeats)
-    print(f"causal ring      {causal * 1e3:9.1f} ms")
-    print(f"windowed ring    {windowed * 1e3:9.1f} ms")
-    print(f"windowed / causal: {windowed / causal:.2f}x the time "
-          f"(blocks: {reached / total:.2f}x)")
+    for impl in CONTEXT_ATTENTIONS:
+        causal = seconds(*layer(impl, *shapes, window=0), a.repeats)
+        windowed = seconds(*layer(impl, *shapes, window=a.window), a.repeats)
+        print(f"{impl:10s} causal {causal * 1e3:9.1f} ms   windowed {windowed * 1e3:9.1f} ms   "
+              f"windowed / causal {windowed / causal:.2f}x")
 
 
 if __name__ == "__main__":
