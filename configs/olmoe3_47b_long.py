@@ -12,9 +12,9 @@ does not reach, docs/parallelism.md).
 With 8 layers the windows are [4096, 4096, 4096, full, 4096, 4096, 4096, full]. The mesh
 is context 8 x expert 8 (64 devices): the batch of 64 sequences (4Mi tokens, as the
 short run's 512 x 8,192) in 8 microbatches of one sequence per data x expert rank.
-YaRN here scales every layer's RoPE table, as OLMo-core's RoPEConfig does (one scaling
-for all layers); Hugging Face's Olmo3 scales only the full-attention layers, so a model
-with windows and a RoPE scaling does not export to it (docs/checkpoints.md)."""
+YaRN scales the full-attention layers' RoPE only (model.rope_scaling_layers=full), as
+OLMo-core's `with_rope_scaling(full_attn_layers_only=True)` builds OLMo 3's long-context
+models; the sliding-window layers keep plain RoPE."""
 
 from configs.olmoe3_47b import olmoe3_base
 
@@ -28,6 +28,7 @@ def get_config():
     m.rope_scaling = "yarn"
     m.rope_scaling_factor = 8.0
     m.rope_old_context_len = 8192
+    m.rope_scaling_layers = "full"
     m.context_attention = "ring"
     c.data.doc_mask = True
     c.parallel.context = 8

@@ -25,6 +25,7 @@ from olmo_jax.model.config import (
     DTYPES,
     GATINGS,
     REMATS,
+    ROPE_SCALING_LAYERS,
     ROPE_SCALINGS,
     ROUTING_MODES,
     RUN_DEFAULT,
@@ -43,7 +44,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "olmo_jax"
 # Every choice field of the run config and the list (from its module) that validates it.
 CHOICES = {
     "model.dtype": COMPUTE_DTYPES, "model.remat": REMATS, "model.attention_precision": PRECISIONS,
-    "model.rope_scaling": ROPE_SCALINGS,
+    "model.rope_scaling": ROPE_SCALINGS, "model.rope_scaling_layers": ROPE_SCALING_LAYERS,
     "model.attention_impl": ATTENTION_IMPLS, "model.norm_impl": NORM_IMPLS,
     "model.mxfp8_gemm_impl": MXFP8_GEMM_IMPLS, "model.moe.gating": GATINGS,
     "model.moe.routing_mode": ROUTING_MODES, "model.moe.gmm_impl": GMM_IMPLS,

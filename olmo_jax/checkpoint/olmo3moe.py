@@ -8,7 +8,8 @@ dense first layers, one optional shared expert. Config map (config.json -> model
   vocab_size, rms_norm_eps -> d_model, n_layers, n_heads, n_kv_heads, head_dim, vocab_size,
   norm_eps; initializer_range -> init_std; rope_parameters (or OLMo-core's rope_theta and
   rope_scaling) -> rope_theta, rope_scaling* (hf_config.rope_fields_of: linear -> pi,
-  llama3 -> stepwise, yarn -> yarn)
+  llama3 -> stepwise, yarn -> yarn); keyed by layer type (full_attention /
+  sliding_attention) -> rope_scaling_layers (`_rope_fields`)
   use_peri_ln -> block_norm peri (else post); use_head_qk_norm -> head_qk_norm
   embed_scale (1.0 = off) -> embed_scale (0 = off); embed_norm -> embedding_norm
   dense_layers_indices [0..n) + dense_mlp_intermediate_size -> n_dense_layers, dense_hidden
@@ -71,6 +72,7 @@ from olmo_jax.checkpoint.hf_config import check_yarn_exact, hf_rope_parameters, 
 from olmo_jax.checkpoint.tree import flatten_named, nest
 from olmo_jax.errors import CheckpointError
 from olmo_jax.model import TransformerConfig
+from olmo_jax.model import rope as rope_lib
 from olmo_jax.model.config import MoEConfig
 
 MODEL_TYPE = "olmo3moe"
@@ -100,7 +102,7 @@ def from_config(hf: dict, where: str = "config.json") -> TransformerConfig:
             raise _refuse(where, field, hf[field], "olmo_jax has no such option")
     L = int(hf["num_hidden_layers"])
     windows = window_fields(hf, L, where)
-    hf = _one_rope(hf, where)
+    rope = _rope_fields(hf, bool(windows), where)
     dense = sorted(hf.get("dense_layers_indices") or [])
     if dense != list(range(len(dense))):
         raise _refuse(where, "dense_layers_indices", dense,
@@ -137,7 +139,7 @@ def from_config(hf: dict, where: str = "config.json") -> TransformerConfig:
         head_dim=0 if head_dim * n_heads == int(hf["hidden_size"]) else head_dim,
         n_dense_layers=len(dense),
         dense_hidden=int(hf.get("dense_mlp_intermediate_size") or 0) if dense else 0,
-        **rope_fields_of(hf, where), norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+        **rope, norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
         qk_norm=True, head_qk_norm=True,
         block_norm="peri" if hf.get("use_peri_ln") else "post",
         embed_scale=0.0 if embed_scale == 1.0 else embed_scale,
@@ -149,21 +151,41 @@ def from_config(hf: dict, where: str = "config.json") -> TransformerConfig:
     return cfg.validate()
 
 
-def _one_rope(hf: dict, where: str) -> dict:
-    """`hf` with rope_parameters keyed by layer type (OLMo-core's long-context exports:
-    e.g. YaRN on the full-attention layers, plain RoPE on the sliding ones) made one
-    rope_parameters when every type has the same; refused otherwise: olmo_jax applies one
-    RoPE to every layer, as OLMo-core's RoPEConfig."""
+def _rope_fields(hf: dict, windowed: bool, where: str) -> dict:
+    """The model's rope_* fields, model.rope_scaling_layers among them. rope_parameters
+    keyed by layer type (Hugging Face Olmo3's form: e.g. YaRN on the full-attention layers,
+    plain RoPE on the sliding ones, as OLMo-core's `with_rope_scaling` builds OLMo 3's
+    long-context models): the full layers' scaling when the sliding layers' is plain RoPE
+    at the same base (`full`; plain RoPE at another base on the full layers alone: `abf`),
+    one RoPE when every type has the same; refused otherwise. One rope_parameters with
+    sliding layers scales every layer (`all`), as Hugging Face applies it."""
     rope = hf.get("rope_parameters")
-    types = {"full_attention", "sliding_attention"}
-    if not (isinstance(rope, dict) and rope and set(rope) <= types):
-        return hf
-    kinds = list(rope.values())
-    if any(k != kinds[0] for k in kinds):
-        raise _refuse(where, "rope_parameters", rope,
-                      "a RoPE per layer type; olmo_jax applies one RoPE (model.rope_scaling) to "
-                      "every layer, as OLMo-core's RoPEConfig")
-    return {**hf, "rope_parameters": kinds[0]}
+    if isinstance(rope, dict) and rope and set(rope) <= {"full_attention", "sliding_attention"}:
+        kinds = list(rope.values())
+        if any(k != kinds[0] for k in kinds):
+            full, sliding = rope.get("full_attention"), rope.get("sliding_attention")
+            base = float((sliding or {}).get("rope_theta", hf.get("rope_theta") or 10000.0))
+            new = float((full or {}).get("rope_theta", base))
+            if _plain(sliding) and _plain(full):  # another base on the full layers: ABF
+                return {"rope_theta": base, "rope_scaling": "abf", "rope_new_theta": new,
+                        "rope_scaling_layers": "full"}
+            if _plain(sliding) and full is not None and new == base:
+                return {**rope_fields_of({**hf, "rope_parameters": full}, where),
+                        "rope_scaling_layers": "full"}
+            raise _refuse(where, "rope_parameters", rope,
+                          "olmo_jax scales the RoPE of the full-attention layers only "
+                          "(model.rope_scaling_layers=full, the sliding layers keeping plain "
+                          "RoPE at the same base) or of every layer (all)")
+        hf = {**hf, "rope_parameters": kinds[0]}
+    fields = rope_fields_of(hf, where)
+    every = fields["rope_scaling"] != "none" and windowed
+    return {**fields, "rope_scaling_layers": "all" if every else "full"}
+
+
+def _plain(params) -> bool:
+    """Plain RoPE: rope_type default and nothing but a base."""
+    return (isinstance(params, dict) and params.get("rope_type", "default") == "default"
+            and set(params) <= {"rope_type", "rope_theta"})
 
 
 def window_fields(hf: dict, n_layers: int, where: str) -> dict:
@@ -235,13 +257,28 @@ def check_representable(cfg: TransformerConfig) -> None:
             raise CheckpointError(f"olmo3moe export: {field}={value!r} cannot be written: {why}")
 
 
+def _rope_parameters(cfg: TransformerConfig) -> dict:
+    """rope_parameters of the model: one, or keyed by layer type where the layers' RoPE
+    differs by window (rope.by_window: the scaling on the full-attention layers, plain
+    RoPE on the sliding ones; `_rope_fields` reads it back)."""
+    scalings = dict(zip(cfg.window_choices, rope_lib.window_scalings(cfg), strict=True))
+    plain = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+
+    def params(scaling):
+        return plain if scaling is None else hf_rope_parameters(cfg, "olmo3moe export")
+
+    if not rope_lib.by_window(cfg):
+        return params(next(iter(scalings.values())))
+    return {"full_attention": params(scalings[0]), "sliding_attention": plain}
+
+
 def to_config(cfg: TransformerConfig, base: dict | None = None, dtype: str = "float32") -> dict:
     """config.json (olmo3moe) of a model; `base` (the source config.json) keeps its other
     fields (tokens ids, architectures, ...)."""
     check_representable(cfg)
     m = cfg.moe
     renorm = m.norm_topk_prob if m.gating == "softmax" else m.sigmoid_renorm
-    rope = hf_rope_parameters(cfg, "olmo3moe export")
+    rope = _rope_parameters(cfg)
     layer_types, sliding_window = _layer_types(cfg)
     out = dict(base or {})
     out.pop("rope_scaling", None)  # OLMo-core's legacy key: rope_parameters holds it
@@ -262,7 +299,7 @@ def to_config(cfg: TransformerConfig, base: dict | None = None, dtype: str = "fl
             m.n_shared_experts * m.shared_hidden if m.n_shared_experts else None,
         "gating_function": m.gating, "normalize_expert_weights": 1.0 if renorm else None,
         "restore_weight_scale": m.router_weight_scale != 1.0,
-        "rope_theta": rope["rope_theta"], "rope_parameters": rope,
+        "rope_theta": rope.get("rope_theta", cfg.rope_theta), "rope_parameters": rope,
         "rms_norm_eps": cfg.norm_eps, "use_head_qk_norm": True,
         "layer_types": layer_types,
         "embed_scale": cfg.embedding_scale or 1.0, "embed_norm": cfg.embedding_norm,

@@ -53,7 +53,7 @@ from flax import nnx
 from olmo_jax import shapes
 from olmo_jax.kernels import ring_attention, select
 from olmo_jax.kernels.vma import cotangent_like
-from olmo_jax.model import mxfp8_gemm
+from olmo_jax.model import mxfp8_gemm, rope
 from olmo_jax.model.config import TransformerConfig
 from olmo_jax.model.norm import RMSNorm
 from olmo_jax.model.params import normal_param
@@ -261,6 +261,7 @@ class Attention(nnx.Module):
         # `context` axis (olmo_jax/kernels/ring_attention.py; set by the plan).
         self.context = (cfg.context_parallel, cfg.context_attention)
         self.windows = cfg.window_choices  # the cores compiled (module docstring)
+        self.rope_by_window = rope.by_window(cfg)  # a RoPE table per window choice
 
     def _proj(self, spec: str, x, w):
         if self.mxfp8_proj:
@@ -284,7 +285,10 @@ class Attention(nnx.Module):
         """`cos_TH` / `sin_TH`: the RoPE tables, [T, H] or per row [B, T, H];
         `segment_ids_BT`: document masking (module docstring), None = causal only;
         `window_index`: int32 scalar, this layer's entry of `model.window_choices`
-        (needed when the model has more than one window)."""
+        (needed when the model has more than one window; it also picks this layer's
+        tables where they are given per window, rope.by_window)."""
+        if self.rope_by_window:
+            cos_TH, sin_TH = (rope.for_window(t, window_index) for t in (cos_TH, sin_TH))
         dt = self.dtype
         B, T, D = x_BTD.shape
         N, K, H = self.q_proj.shape[1], self.k_proj.shape[1], self.q_proj.shape[2]

@@ -61,6 +61,12 @@ GATINGS = get_args(Gating)
 # abf (a new base) | pi (position interpolation) | stepwise (Llama 3.1's per-band) | yarn
 RopeScalingKind = Literal["none", "abf", "pi", "stepwise", "yarn"]
 ROPE_SCALINGS = get_args(RopeScalingKind)
+# model.rope_scaling_layers: the layers model.rope_scaling applies to: full (the
+# full-attention layers; the sliding-window ones keep plain RoPE: OLMo-core's
+# `with_rope_scaling(full_attn_layers_only=True)`, Hugging Face Olmo3's per-layer-type
+# rope_parameters) | all (every layer)
+RopeScalingLayers = Literal["full", "all"]
+ROPE_SCALING_LAYERS = get_args(RopeScalingLayers)
 # model.moe.routing_mode (router.route): learned | random (OLMo-core: U(0,1) scores replace
 # the gate) | random_choice (random experts, learned weights) | uniform (round-robin)
 RoutingMode = Literal["learned", "random", "random_choice", "uniform"]
@@ -232,6 +238,7 @@ class TransformerConfig:
     rope_theta: float = 500_000.0
     # RoPE scaling for long context (model/rope.py, OLMo-core's nn/rope.py; docs/training.md).
     rope_scaling: RopeScalingKind = "none"  # ROPE_SCALINGS: none | abf | pi | stepwise | yarn
+    rope_scaling_layers: RopeScalingLayers = "full"  # ROPE_SCALING_LAYERS: full | all
     # pi / stepwise / yarn: the context expansion multiplier; 0 = OLMo-core's default (2 / 32 / 8)
     rope_scaling_factor: float = 0.0
     rope_new_theta: float = 0.0  # abf: the new RoPE base; 0 = OLMo-core's 8,000,000
@@ -448,6 +455,8 @@ class TransformerConfig:
 
     def _validate_rope(self, prefix: str) -> None:
         check_choice(f"{prefix}.rope_scaling", self.rope_scaling, ROPE_SCALINGS, one_of=False)
+        check_choice(f"{prefix}.rope_scaling_layers", self.rope_scaling_layers, ROPE_SCALING_LAYERS,
+                     one_of=False)
         if self.rope_theta <= 0:
             raise ConfigError(f"{prefix}.rope_theta must be > 0, got {self.rope_theta}")
         for name in ("rope_scaling_factor", "rope_new_theta", "rope_attention_factor"):

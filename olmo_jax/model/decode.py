@@ -46,10 +46,11 @@ from flax import nnx
 
 from olmo_jax import shapes
 from olmo_jax.errors import ConfigError
+from olmo_jax.model import rope
 from olmo_jax.model.abstract import abstract_model
 from olmo_jax.model.config import TransformerConfig
-from olmo_jax.model.rope import apply_rope, rope_tables_batch, scaling_of
-from olmo_jax.model.transformer import Block, Transformer
+from olmo_jax.model.rope import apply_rope
+from olmo_jax.model.transformer import Block, Transformer, position_tables
 
 
 class Cache(NamedTuple):
@@ -149,22 +150,28 @@ def _block(block: Block, x_BTD, cos_BTH, sin_BTH, k_LBAKH, v_LBAKH, layer, index
 
 
 def _run_group(blocks, x_BTD, cos_BTH, sin_BTH, k_LBAKH, v_LBAKH, index, mask_BTA, back_BTA,
-               windows):
+               windows, window_index):
     """The group's blocks over the cache; `windows`: the layers' sliding windows (0 =
-    full; model.window_pattern), `back_BTA` how far back each slot is from the query."""
+    full; model.window_pattern), `window_index` their indices into model.window_choices
+    (which pick each layer's RoPE tables where they differ by window: rope.by_window),
+    `back_BTA` how far back each slot is from the query."""
     graphdef, state = nnx.split(blocks)
     n_layers = k_LBAKH.shape[0]
+    per_window = cos_BTH.ndim == 4  # [B, W, T, H]
 
     def body(carry, xs):
         x, k, v = carry
-        layer_state, layer, window = xs
+        layer_state, layer, window, choice = xs
         block = nnx.merge(graphdef, layer_state)
         mask = mask_BTA & ((window == 0) | (back_BTA < window))  # a query sees itself
-        return _block(block, x, cos_BTH, sin_BTH, k, v, layer, index, mask), None
+        cos, sin = ((rope.for_window(cos_BTH, choice), rope.for_window(sin_BTH, choice))
+                    if per_window else (cos_BTH, sin_BTH))
+        return _block(block, x, cos, sin, k, v, layer, index, mask), None
 
     (x_BTD, k_LBAKH, v_LBAKH), _ = jax.lax.scan(
         body, (x_BTD, k_LBAKH, v_LBAKH),
-        (state, jnp.arange(n_layers), jnp.asarray(windows, jnp.int32)))
+        (state, jnp.arange(n_layers), jnp.asarray(windows, jnp.int32),
+         jnp.asarray(window_index, jnp.int32)))
     return x_BTD, k_LBAKH, v_LBAKH
 
 
@@ -179,21 +186,20 @@ def forward(model: Transformer, tokens_BT: jax.Array, cache: Cache, index) -> tu
     start_B = cache.start_B
     slot_T = index + jnp.arange(T)
     positions_BT = jnp.maximum(slot_T[None, :] - start_B[:, None], 0)
-    cos_BTH, sin_BTH = rope_tables_batch(positions_BT, cfg.head_size, cfg.rope_theta,
-                                         scaling_of(cfg))
+    cos_BTH, sin_BTH = position_tables(cfg, T, positions_BT=positions_BT)  # [B, (W,) T, H]
     a_A = jnp.arange(A)
     q_BT1 = slot_T[None, :, None]
     mask_BTA = (a_A <= q_BT1) & ((a_A >= start_B[:, None, None]) | (a_A == q_BT1))
     back_BTA = jnp.broadcast_to(q_BT1 - a_A, mask_BTA.shape)
-    windows, n_dense = cfg.layer_windows, cfg.n_dense_layers
+    windows, choices, n_dense = cfg.layer_windows, cfg.layer_window_index, cfg.n_dense_layers
     x_BTD = model.embed(tokens_BT)
     dk, dv, mk, mv = cache.dense_k, cache.dense_v, cache.moe_k, cache.moe_v
     if model.dense_blocks is not None:
         x_BTD, dk, dv = _run_group(model.dense_blocks, x_BTD, cos_BTH, sin_BTH, dk, dv, index,
-                                   mask_BTA, back_BTA, windows[:n_dense])
+                                   mask_BTA, back_BTA, windows[:n_dense], choices[:n_dense])
     if model.moe_blocks is not None:
         x_BTD, mk, mv = _run_group(model.moe_blocks, x_BTD, cos_BTH, sin_BTH, mk, mv, index,
-                                   mask_BTA, back_BTA, windows[n_dense:])
+                                   mask_BTA, back_BTA, windows[n_dense:], choices[n_dense:])
     return model.head(x_BTD), Cache(dk, dv, mk, mv, start_B)
 
 

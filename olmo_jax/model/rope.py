@@ -70,6 +70,28 @@ def scaling_of(cfg) -> RopeScaling | None:
         beta_slow=cfg.rope_beta_slow, attention_factor=cfg.rope_attention_factor)
 
 
+def window_scalings(cfg) -> tuple[RopeScaling | None, ...]:
+    """The RoPE scaling of the layers of each of `cfg.window_choices` (0 = full first):
+    model.rope_scaling on the full-attention layers, and on the sliding-window ones only
+    with model.rope_scaling_layers=all (`full`: they keep plain RoPE, as OLMo-core's
+    `with_rope_scaling(full_attn_layers_only=True)` builds them)."""
+    s = scaling_of(cfg)
+    return tuple(s if w == 0 or cfg.rope_scaling_layers == "all" else None
+                 for w in cfg.window_choices)
+
+
+def by_window(cfg) -> bool:
+    """Whether the layers' RoPE tables differ by window (window_scalings): the tables then
+    hold one entry per window choice on axis -3 ([W, T, H] or [B, W, T, H]) and each layer
+    takes its own (`for_window`)."""
+    return len(set(window_scalings(cfg))) > 1
+
+
+def for_window(table, window_index):
+    """A layer's table from a per-window stack (axis -3; by_window), by its window index."""
+    return jnp.take(table, window_index, axis=-3)
+
+
 def _base_inv_freq(theta: float, head_dim: int) -> jax.Array:
     return 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
 

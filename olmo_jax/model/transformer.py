@@ -25,7 +25,13 @@ from olmo_jax.model.moe.layer import Dispatcher, MoELayer
 from olmo_jax.model.moe.losses import RouterStats
 from olmo_jax.model.norm import RMSNorm
 from olmo_jax.model.params import normal_param
-from olmo_jax.model.rope import document_positions, rope_tables, rope_tables_batch, scaling_of
+from olmo_jax.model.rope import (
+    by_window,
+    document_positions,
+    rope_tables,
+    rope_tables_batch,
+    window_scalings,
+)
 
 
 class Block(nnx.Module):
@@ -134,14 +140,24 @@ def position_tables(cfg: TransformerConfig, T: int, positions_T: jax.Array | Non
                     positions_BT: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The RoPE tables the blocks use (cos, sin): per row, [B, T, H], from `positions_BT`,
     else from the documents of `segment_ids_BT` (positions restarting at each start); else
-    shared by the rows, [T, H], from `positions_T` (default 0 .. T-1)."""
-    scaling = scaling_of(cfg)
+    shared by the rows, [T, H], from `positions_T` (default 0 .. T-1). Where the layers'
+    RoPE differs by window (rope.by_window: a scaling on the full-attention layers only),
+    one table per window choice on axis -3 ([B, W, T, H] / [W, T, H])."""
     if positions_BT is None and segment_ids_BT is not None:
         positions_BT = document_positions(segment_ids_BT)
-    if positions_BT is not None:
-        return rope_tables_batch(positions_BT, cfg.head_size, cfg.rope_theta, scaling)
-    positions_T = jnp.arange(T) if positions_T is None else positions_T
-    return rope_tables(positions_T, cfg.head_size, cfg.rope_theta, scaling)
+    if positions_BT is None:
+        positions_T = jnp.arange(T) if positions_T is None else positions_T
+
+    def tables(scaling):
+        if positions_BT is not None:
+            return rope_tables_batch(positions_BT, cfg.head_size, cfg.rope_theta, scaling)
+        return rope_tables(positions_T, cfg.head_size, cfg.rope_theta, scaling)
+
+    scalings = window_scalings(cfg)
+    if not by_window(cfg):  # one RoPE for every layer
+        return tables(scalings[0])
+    per_window = [tables(s) for s in scalings]
+    return tuple(jnp.stack(t, axis=-3) for t in zip(*per_window, strict=True))
 
 
 def window_index(cfg: TransformerConfig, moe: bool) -> jax.Array | None:

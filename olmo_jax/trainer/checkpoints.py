@@ -49,7 +49,7 @@ FREE_MODEL_FIELDS = {"dtype", "remat", "init_std", "scan_unroll", "attention_imp
                      "mxfp8_gemm_impl", "lm_loss_chunk", "rope_scaling", "rope_scaling_factor",
                      "rope_new_theta", "rope_old_context_len", "rope_low_freq_proportion",
                      "rope_high_freq_proportion", "rope_beta_fast", "rope_beta_slow",
-                     "rope_attention_factor",
+                     "rope_attention_factor", "rope_scaling_layers",
                      # context parallelism: how attention runs over the sequence's shards (a
                      # run resumes onto another parallel.context)
                      "context_attention", "context_parallel"}

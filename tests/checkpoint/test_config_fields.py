@@ -87,7 +87,8 @@ def test_a_checkpoint_is_continued_with_a_new_rope_scaling():
 
     saved = TransformerConfig(d_model=32, n_heads=4)
     longer = saved.replace(rope_scaling="yarn", rope_scaling_factor=8.0, rope_old_context_len=4096,
-                           rope_attention_factor=1.5, lm_loss_chunk=1024, remat="dots")
+                           rope_attention_factor=1.5, rope_scaling_layers="all",
+                           lm_loss_chunk=1024, remat="dots")
     assert architecture_difference(saved, longer) is None
     assert architecture_difference(saved, saved.replace(rope_theta=1e4)) == (
         "model.rope_theta", 500_000.0, 1e4)

@@ -97,20 +97,54 @@ def test_export_refuses_two_window_sizes():
         olmo3moe.to_config(cfg)
 
 
-def test_import_refuses_a_window_it_cannot_read_and_a_rope_per_layer_type():
+def test_import_refuses_a_window_it_cannot_read():
     hf = olmo3moe.to_config(CFG.replace(window_pattern=(5,), window_full_first=False,
                                         window_full_last=False))
     with pytest.raises(CheckpointError, match="sliding_window"):
         olmo3moe.from_config({**hf, "sliding_window": 0})
-    yarn = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192,
-            "rope_theta": 500_000.0}
+
+
+YARN = dict(rope_scaling="yarn", rope_scaling_factor=8.0, rope_old_context_len=8192,
+            rope_theta=500_000.0)
+WINDOWED = dict(window_pattern=(5,), window_full_first=False, window_full_last=True)  # [5, 5, full]
+
+
+def test_rope_per_layer_type_maps_to_rope_scaling_layers_and_back():
+    """YaRN on the full-attention layers only (model.rope_scaling_layers=full, OLMo 3's
+    long-context layers) is rope_parameters keyed by layer type, the sliding layers' plain
+    RoPE at the same base; on every layer it is one rope_parameters; both read back."""
+    full = CFG.replace(**YARN, **WINDOWED, rope_scaling_layers="full")
+    hf = olmo3moe.to_config(full)
+    rope = hf["rope_parameters"]
+    assert set(rope) == {"full_attention", "sliding_attention"}
+    assert rope["sliding_attention"] == {"rope_type": "default", "rope_theta": 500_000.0}
+    assert rope["full_attention"]["rope_type"] == "yarn" and rope["full_attention"]["factor"] == 8.0
+    assert olmo3moe.from_config(hf) == full
+
+    every = full.replace(rope_scaling_layers="all")
+    hf_every = olmo3moe.to_config(every)
+    assert hf_every["rope_parameters"]["rope_type"] == "yarn"  # one, for every layer
+    assert olmo3moe.from_config(hf_every) == every
+    keyed = {**hf, "rope_parameters": {"full_attention": rope["full_attention"],
+                                       "sliding_attention": rope["full_attention"]}}
+    assert olmo3moe.from_config(keyed) == every  # the same scaling keyed by both types
+
+    abf = CFG.replace(**WINDOWED, rope_theta=10_000.0, rope_scaling="abf",
+                      rope_new_theta=500_000.0)
+    hf_abf = olmo3moe.to_config(abf)
+    assert hf_abf["rope_parameters"] == {
+        "full_attention": {"rope_type": "default", "rope_theta": 500_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
+    assert olmo3moe.from_config(hf_abf) == abf
+
     plain = {"rope_type": "default", "rope_theta": 500_000.0}
-    with pytest.raises(CheckpointError, match="rope_parameters.*per layer type"):
-        olmo3moe.from_config({**hf, "rope_parameters": {"full_attention": yarn,
+    other = {**rope["full_attention"], "rope_theta": 10_000.0}  # another base under YaRN
+    with pytest.raises(CheckpointError, match="rope_parameters.*full-attention layers only"):
+        olmo3moe.from_config({**hf, "rope_parameters": {"full_attention": other,
                                                          "sliding_attention": plain}})
-    same = olmo3moe.from_config({**hf, "rope_parameters": {"full_attention": plain,
-                                                            "sliding_attention": plain}})
-    assert same == olmo3moe.from_config({**hf, "rope_parameters": plain})
+    with pytest.raises(CheckpointError, match="rope_parameters.*full-attention layers only"):
+        olmo3moe.from_config({**hf, "rope_parameters": {"full_attention": plain,
+                                                         "sliding_attention": rope["full_attention"]}})
 
 
 def test_olmoe_export_refuses_windows():

@@ -1,7 +1,8 @@
 """Generation with a KV cache (olmo_jax/model/decode.py) against the plain forward pass:
 per-position logits of prefill + one-token steps equal a full forward's (float32, 1e-5)
 for rows of different lengths in one batch, in every block layout with dense and MoE
-blocks; greedy generation equals the argmax of re-running the whole sequence; stop tokens,
+blocks, and with OLMo 3's long-context layers (windows, YaRN on the full layers only);
+greedy generation equals the argmax of re-running the whole sequence; stop tokens,
 nucleus sampling and the refusals."""
 
 import jax
@@ -17,12 +18,19 @@ V, T = 96, 12
 LENS = (5, 9, 2)  # prompt lengths of the three rows
 # layout, per-head QK-norm, clipping: OLMo-core's reordered post-norm, HF OLMoE's pre-norm
 # (QK-norm over all heads, with clipping active), peri-norm.
-LAYOUTS = {"post": ("post", True, 0.0), "pre": ("pre", False, 0.4), "peri": ("peri", True, 0.0)}
+# "long": OLMo 3's long-context layers, sliding windows [3, 3, full] with YaRN on the full
+# layer only (model.rope_scaling_layers=full: each layer its own RoPE tables).
+LAYOUTS = {"post": ("post", True, 0.0), "pre": ("pre", False, 0.4), "peri": ("peri", True, 0.0),
+           "long": ("post", True, 0.0)}
+LONG = dict(window_pattern=(3,), window_full_first=False, window_full_last=True,
+            rope_scaling="yarn", rope_scaling_factor=4.0, rope_old_context_len=4,
+            rope_theta=10_000.0, rope_scaling_layers="full")
 
 
 def tiny(layout: str) -> TransformerConfig:
     block_norm, head_qk, clip = LAYOUTS[layout]
     return TransformerConfig(
+        **(LONG if layout == "long" else {}),
         vocab_size=V, d_model=32, n_layers=3, n_dense_layers=1, n_heads=4, n_kv_heads=2,
         block_norm=block_norm, head_qk_norm=head_qk, clip_qkv=clip, init_std=0.2,
         moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=16, n_shared_experts=1,

@@ -146,13 +146,22 @@ def model_config(c: dict):
         shared_experts=SharedExpertsConfig(d_model=D, hidden_size=c["dense_hidden"],
                                            num_experts=1, bias=False, dtype=DType.float32),
         **layout)
-    return OLMoDDPModelConfig(
+    config = OLMoDDPModelConfig(
         name=TransformerType.moe_fused_v2, d_model=D, vocab_size=c["vocab_size"],
         n_layers=c["n_layers"], block=moe_block,
         block_overrides={i: dense_block for i in range(c["n_dense_layers"])} or None,
         lm_head=LMHeadConfig(layer_norm=norm, bias=False), init_std=c["init_std"],
         init_seed=c["seed"], embedding_norm=norm if c["embedding_norm"] else None,
         embed_scale=c["embed_scale"] or None)
+    if c.get("yarn"):  # OLMo 3's long-context RoPE: YaRN on the full-attention layers only
+        from olmo_core.nn.rope import YaRNRoPEScalingConfig
+
+        y = c["yarn"]
+        config = config.with_rope_scaling(
+            YaRNRoPEScalingConfig(factor=y["factor"], beta_fast=y["beta_fast"],
+                                  beta_slow=y["beta_slow"], old_context_len=y["old_context_len"]),
+            full_attn_layers_only=y["full_only"])
+    return config
 
 
 def hf_config(model, c: dict):

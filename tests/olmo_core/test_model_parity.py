@@ -3,7 +3,8 @@ subprocess: tests/olmo_core/model_oracle.py builds, initializes and trains its
 `OLMoDDPModel`): with the same weights, the same logits, LM + router losses, gradients and
 weights after one AdamW step, in float32, for each block layout (pre / post / peri), with
 dense and MoE blocks, per-head and whole-projection QK-norm, the scaled embedding norm,
-a shared expert, softmax and sigmoid gating. The weights travel as OLMo-core's own
+a shared expert, softmax and sigmoid gating, and OLMo 3's long-context layers (windows
+with YaRN on the full-attention layers only). The weights travel as OLMo-core's own
 `convert_olmo3moe_state_to_hf` writes them and come in through olmo_jax's olmo3moe reader
 (olmo_jax/checkpoint/olmo3moe.py); the gradients and updated weights go back through its
 writer, so every comparison is in OLMo-core's tensor names.
@@ -51,6 +52,13 @@ CASES = {
     # peri-norm (the 1.2T's), sigmoid gating without renormalization (OLMo-core's default).
     "peri": dict(block_norm="peri", gating="sigmoid", normalize_expert_weights=None,
                  restore_weight_scale=False, seed=3),
+    # OLMo 3's long-context shape: windows [W, W, W, full] (last layer full) and YaRN on the
+    # full-attention layers only (`with_rope_scaling(full_attn_layers_only=True)`; olmo_jax's
+    # model.rope_scaling_layers=full), over 16 tokens from an 8-token base context.
+    "window_yarn": dict(block_norm="post", n_dense_layers=0, n_layers=4, seed=7,
+                        window=[[5, 5, 5, -1], False, True],
+                        yarn=dict(factor=4.0, beta_fast=32, beta_slow=1, old_context_len=8,
+                                  full_only=True)),
 }
 EXPORTS = {  # OLMo-core's own HF export (no dense layers: its builder's olmo3moe)
     "export_post": dict(block_norm="post", n_dense_layers=0, embedding_norm=True,
@@ -66,10 +74,25 @@ WINDOWS = {"export_window": (5, 5, 5, 0)}  # the per-layer windows OLMo-core bui
 TOL = 1e-5  # the issue's bound for float32 logits, losses, gradients
 
 
+def _window_and_rope(c: dict) -> dict:
+    """The olmo_jax fields of a case's windows and RoPE scaling."""
+    out = {}
+    if c.get("window"):
+        pattern, first, last = c["window"]
+        out.update(window_pattern=tuple(pattern), window_full_first=first, window_full_last=last)
+    if c.get("yarn"):
+        y = c["yarn"]
+        out.update(rope_scaling="yarn", rope_scaling_factor=y["factor"],
+                   rope_beta_fast=float(y["beta_fast"]), rope_beta_slow=float(y["beta_slow"]),
+                   rope_old_context_len=y["old_context_len"],
+                   rope_scaling_layers="full" if y["full_only"] else "all")
+    return out
+
+
 def olmo_jax_config(c: dict) -> TransformerConfig:
     sigmoid = c["gating"] == "sigmoid"
     renorm = c["normalize_expert_weights"] is not None
-    return TransformerConfig(
+    return TransformerConfig(**_window_and_rope(c),
         vocab_size=c["vocab_size"], d_model=c["d_model"], n_layers=c["n_layers"],
         n_heads=c["n_heads"], n_kv_heads=c["n_kv_heads"], n_dense_layers=c["n_dense_layers"],
         dense_hidden=c["dense_hidden"], rope_theta=c["rope_theta"], norm_eps=c["eps"],
@@ -152,6 +175,10 @@ def test_logits_losses_gradients_and_adamw_step_match_olmo_core(oracle, name):
     tokens = jnp.asarray(c["tokens"], jnp.int32)
     logits = HFModel.from_params(cfg, params)(tokens)
     assert _report(f"{name} logits", logits, npz["logits"]) <= TOL
+    if c.get("yarn"):  # scaling every layer's RoPE instead does not match
+        every = cfg.replace(rope_scaling_layers="all")
+        assert _report(f"{name} logits, YaRN on every layer",
+                       HFModel.from_params(every, params)(tokens), npz["logits"]) > 100 * TOL
 
     loss, ce, grads, after = _train_step(cfg, params, tokens, c)
     assert _report(f"{name} cross-entropy", ce, npz["ce"]) <= TOL

@@ -29,7 +29,9 @@ pytestmark = pytest.mark.skipif(not ORACLE_PY.exists(), reason="no .venv-oracle 
 T = 2048  # positions: past every case's old_context_len (float32 angles stay within 1e-6)
 TOL = 1e-6
 # rope_theta, rope_scaling, then the numbers
-ROPE_FIELDS = [f for f in TransformerConfig.__dataclass_fields__ if f.startswith("rope_")]
+# The fields of the tables (not rope_scaling_layers: which layers they apply to).
+ROPE_FIELDS = [f for f in TransformerConfig.__dataclass_fields__
+               if f.startswith("rope_") and f != "rope_scaling_layers"]
 # name -> (head_dim, rope_theta, kind, OLMo-core's scaling fields, olmo_jax's model fields);
 # the *_default cases leave olmo_jax's 0 = OLMo-core's default.
 CASES = {

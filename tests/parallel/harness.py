@@ -175,11 +175,15 @@ def with_docs(model_cfg, docs: bool, doc_mask: bool):
 
 def with_windows(model_cfg, windows: tuple[int, ...]):
     """`model_cfg` with sliding windows: model.window_pattern `windows` cycled over the
-    layers from layer 0, no layer forced full (the weights do not change)."""
+    layers from layer 0, no layer forced full, and OLMo 3's long-context RoPE: YaRN (x2
+    from 8 tokens) on the full-attention layers only, so the layers' RoPE tables differ by
+    window (the weights do not change)."""
     if not windows:
         return model_cfg
     return dataclasses.replace(model_cfg, window_pattern=windows, window_full_first=False,
-                               window_full_last=False)
+                               window_full_last=False, rope_scaling="yarn",
+                               rope_scaling_factor=2.0, rope_old_context_len=8,
+                               rope_scaling_layers="full")
 
 
 @functools.cache

@@ -1,5 +1,6 @@
-"""Sliding-window layers (model.window_pattern) through the parallel plan give the
-single-device results, with document masking (harness.batches docs=True) on: data 2 x
+"""Sliding-window layers (model.window_pattern, with YaRN on the full-attention layers
+only: harness.with_windows, so each layer takes its own RoPE tables) through the parallel
+plan give the single-device results, with document masking (harness.batches docs=True) on: data 2 x
 context 2 x expert 2 (the ring masks keys outside each layer's window across the zig-zag
 shards), and pipe 2 x data 2 x expert 2 under interleaved 1F1B (2 microbatches, 2 virtual
 stages), whose chunks hold layers of different windows on different stages and virtual
