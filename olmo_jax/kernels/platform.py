@@ -12,8 +12,9 @@ platform checks).
 - `target_of(devices)`: the Target of a list (or mesh array) of devices.
 - `targeting(target)`: inside this context every query below answers for `target`. The
   parallel plan traces its steps inside it (`ParallelPlan._for_target`), so a step lowered
-  for abstract GPUs on a CPU host lowers its kernels for them; outside any context the
-  target is the default device's.
+  for abstract GPUs on a CPU host lowers its kernels for them (jax's cuDNN attention
+  checks the abstract GPU's compute capability then, not the host's: `_cudnn_capability`);
+  outside any context the target is the default device's.
 - `gpu_capability()`: (major, minor) of the target, or None when it is no CUDA GPU.
 - `block_scaled_mma_supported()`: Blackwell and newer, where `jax.nn.scaled_matmul`
   runs a cuDNN MXFP8 block-scaled GEMM.
@@ -109,9 +110,43 @@ def current_target() -> Target:
 def targeting(target: Target):
     token = _TARGET.set(target)
     try:
-        yield
+        with _cudnn_capability(target):
+            yield
     finally:
         _TARGET.reset(token)
+
+
+@contextlib.contextmanager
+def _cudnn_capability(target: Target):
+    """jax's cuDNN attention asks the first local GPU for its compute capability while it
+    lowers (`fused_attention_stablehlo.check_compute_capability`: the packed layout of
+    document masking needs sm_90 or later, the head-dim limit and B300's cuDNN version
+    check depend on it). A deviceless compile has no local GPU, so jax would answer "no
+    GPU" and refuse the packed layout; for a GPU target traced on a host whose default
+    backend is no GPU (jax's check reads that backend, not the mesh), the answer is the
+    target's capability while the step is traced. Nothing changes where jax has a GPU."""
+    if not (target.is_gpu and target.capability) or jax.default_backend() == "gpu":
+        yield
+        return
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as fused
+    except ImportError:  # another jax layout: its own answer stands
+        yield
+        return
+
+    def parse(capability: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in capability.split("."))
+
+    answers = {"check_compute_capability": lambda c: target.capability >= parse(c),
+               "is_cuda_compute_capability_equal": lambda c: target.capability == parse(c)}
+    saved = {name: getattr(fused, name) for name in answers if hasattr(fused, name)}
+    for name in saved:
+        setattr(fused, name, answers[name])
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(fused, name, fn)
 
 
 def gpu_capability() -> tuple[int, int] | None:
