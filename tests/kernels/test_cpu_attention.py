@@ -53,10 +53,11 @@ def test_core_matches_the_reference(B, T, N, K, H):
     ct = jax.random.normal(ks[3], (B, T, N, H))
     fast = jax.jit(jax.value_and_grad(_loss(lambda *a: [cpu_attention.causal_attention(*a)], [ct]),
                                       (0, 1, 2)))
-    ref = jax.value_and_grad(_loss(lambda *a: [_reference_core(*a)], [ct]), (0, 1, 2))
+    # The references jitted too: one compile each, not one per eager op and shape.
+    ref = jax.jit(jax.value_and_grad(_loss(lambda *a: [_reference_core(*a)], [ct]), (0, 1, 2)))
     (val, grads), (val_ref, grads_ref) = fast(q, k, v), ref(q, k, v)
-    np.testing.assert_allclose(cpu_attention.causal_attention(q, k, v), _reference_core(q, k, v),
-                               atol=1e-5, rtol=0)
+    np.testing.assert_allclose(cpu_attention.causal_attention(q, k, v),
+                               jax.jit(_reference_core)(q, k, v), atol=1e-5, rtol=0)
     np.testing.assert_allclose(val, val_ref, atol=1e-4, rtol=1e-6)
     for a, b in zip(grads, grads_ref, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
@@ -86,10 +87,10 @@ def test_qk_prep_matches_norm_clip_and_rope(norm, clip):
     def slow(qkv, q_w, k_w):
         return _reference_prep(qkv, N, K, cos, sin, norm, q_w, k_w, 1e-6, clip)
 
-    for a, b in zip(jax.jit(fast)(qkv, q_w, k_w), slow(qkv, q_w, k_w), strict=True):
+    for a, b in zip(jax.jit(fast)(qkv, q_w, k_w), jax.jit(slow)(qkv, q_w, k_w), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
-    (val, g), (val_ref, g_ref) = (jax.value_and_grad(_loss(f, cts), (0, 1, 2))(qkv, q_w, k_w)
-                                  for f in (jax.jit(fast), slow))
+    (val, g), (val_ref, g_ref) = (jax.jit(jax.value_and_grad(_loss(f, cts), (0, 1, 2)))(qkv, q_w, k_w)
+                                  for f in (fast, slow))
     np.testing.assert_allclose(val, val_ref, atol=1e-4, rtol=1e-6)
     np.testing.assert_allclose(g[0], g_ref[0], atol=1e-5, rtol=0)
     if norm:  # sums over 140 rows (x heads): relative too
@@ -121,7 +122,7 @@ def test_under_shard_map_the_replicated_norm_weights_gradient_is_the_sum_over_de
         q, k, v = _reference_prep(qkv, N, K, cos, sin, "head", q_w, k_w, 1e-6, None)
         return jnp.sum(jnp.sin(_reference_core(q, k, v)) * ct)
 
-    g_ref = jax.grad(ref, (0, 1, 2))(qkv, q_w, k_w, ct)
+    g_ref = jax.jit(jax.grad(ref, (0, 1, 2)))(qkv, q_w, k_w, ct)
     for a, b in zip(g, g_ref, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 

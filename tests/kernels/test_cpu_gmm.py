@@ -54,9 +54,11 @@ def test_ffn_runs_matches_per_expert_reference(sizes, gap):
         return lambda x, w: jnp.sum(jnp.sin(fn(x, w)) * ct)
 
     fast = jax.jit(jax.value_and_grad(loss(lambda x, w: cpu_gmm.ffn_runs(x, st, gs, *w)), (0, 1)))
-    ref = jax.value_and_grad(loss(lambda x, w: _reference(x, starts, sizes, *w)), (0, 1))
+    # The reference jitted too: one program, not one compile per eager op and shape.
+    reference = jax.jit(lambda x, w: _reference(x, starts, sizes, *w))
+    ref = jax.jit(jax.value_and_grad(loss(lambda x, w: _reference(x, starts, sizes, *w)), (0, 1)))
     (v, (gx, gw)), (v_ref, (gx_ref, gw_ref)) = fast(x, w), ref(x, w)
-    np.testing.assert_allclose(cpu_gmm.ffn_runs(x, st, gs, *w), _reference(x, starts, sizes, *w),
+    np.testing.assert_allclose(cpu_gmm.ffn_runs(x, st, gs, *w), reference(x, w),
                                atol=1e-5, rtol=0)
     np.testing.assert_allclose(v, v_ref, atol=1e-4, rtol=1e-6)
     np.testing.assert_allclose(gx, gx_ref, atol=1e-5, rtol=0)
@@ -94,7 +96,7 @@ def test_under_shard_map_gradients_of_replicated_and_sharded_weights():
         return sum(ref_device(x[d * R:(d + 1) * R], starts[d], sizes[d], wg, wu,
                               wd[3 * d:3 * d + 3]) for d in range(n))
 
-    g_ref = jax.grad(ref_loss, argnums=(0, 1, 2, 3))(x, wg, wu, wd)
+    g_ref = jax.jit(jax.grad(ref_loss, argnums=(0, 1, 2, 3)))(x, wg, wu, wd)
     for a, b in zip(g, g_ref, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 

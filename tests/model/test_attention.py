@@ -22,10 +22,11 @@ def test_attention_matches_reference_fwd_and_grads(n_heads, kv_heads, T):
     def loss(f):
         return lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)) * probe)
 
-    out, ref = causal_attention(q, k, v), naive_attention(q, k, v)
+    # Both jitted (as the model runs them): one compile each, not one per eager op.
+    out, ref = jax.jit(causal_attention)(q, k, v), jax.jit(naive_attention)(q, k, v)
     np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
-    grads = jax.grad(loss(causal_attention), argnums=(0, 1, 2))(q, k, v)
-    ref_grads = jax.grad(loss(naive_attention), argnums=(0, 1, 2))(q, k, v)
+    grads = jax.jit(jax.grad(loss(causal_attention), argnums=(0, 1, 2)))(q, k, v)
+    ref_grads = jax.jit(jax.grad(loss(naive_attention), argnums=(0, 1, 2)))(q, k, v)
     for g, r in zip(grads, ref_grads, strict=True):
         np.testing.assert_allclose(g, r, atol=1e-5, rtol=0)
         assert float(jnp.max(jnp.abs(r))) > 1e-2

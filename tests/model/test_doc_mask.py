@@ -49,10 +49,11 @@ def test_each_core_masks_documents_like_the_naive_softmax(impl):
     def loss(f):
         return lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v, seg)) * probe)
 
-    np.testing.assert_allclose(CORES[impl](q, k, v, seg), naive_doc_attention(q, k, v, seg),
-                               atol=1e-5, rtol=0)
-    grads = jax.grad(loss(CORES[impl]), argnums=(0, 1, 2))(q, k, v)
-    ref = jax.grad(loss(naive_doc_attention), argnums=(0, 1, 2))(q, k, v)
+    # Jitted (as the model runs them): one compile each, not one per eager op.
+    np.testing.assert_allclose(jax.jit(CORES[impl])(q, k, v, seg),
+                               jax.jit(naive_doc_attention)(q, k, v, seg), atol=1e-5, rtol=0)
+    grads = jax.jit(jax.grad(loss(CORES[impl]), argnums=(0, 1, 2)))(q, k, v)
+    ref = jax.jit(jax.grad(loss(naive_doc_attention), argnums=(0, 1, 2)))(q, k, v)
     for g, r in zip(grads, ref, strict=True):
         np.testing.assert_allclose(g, r, atol=1e-5, rtol=0)
     # the mask matters: plain causal attention differs

@@ -47,11 +47,12 @@ def test_tiled_ffn_matches_per_expert_reference(sizes_E):
 
     fast = loss(lambda x, w: tiled.ffn_tiled(x, gs, *w, sizes=tiles))
     ref = loss(lambda x, w: _reference(x, sizes_E, *w, m))
-    (v, (gx, gw)), (v_ref, (gx_ref, gw_ref)) = (
-        jax.value_and_grad(f, argnums=(0, 1))(x, w) for f in (fast, ref))
+    (v, (gx, gw)), (v_ref, (gx_ref, gw_ref)) = (  # jitted: one compile, not one per eager op
+        jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(x, w) for f in (fast, ref))
     np.testing.assert_allclose(v, v_ref, atol=1e-4, rtol=1e-6)
     np.testing.assert_allclose(tiled.ffn_tiled(x, gs, *w, sizes=tiles),
-                               _reference(x, sizes_E, *w, m), atol=1e-5, rtol=0)
+                               jax.jit(lambda x, w: _reference(x, sizes_E, *w, m))(x, w),
+                               atol=1e-5, rtol=0)
     np.testing.assert_allclose(gx, gx_ref, atol=1e-5, rtol=0)
     for a, b in zip(gw, gw_ref, strict=True):  # sums over up to 130 rows: relative too
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)

@@ -1,8 +1,10 @@
 """OLMo-core's data pipeline as the oracle (run in .venv-oracle, never imported by the
-product): `python data_oracle.py SPEC.json OUT.npz`.
+product): `python data_oracle.py SPECS.json OUT_DIR`, one process for every case (torch
+and OLMo-core are imported once).
 
-SPEC: {"paths": [...], "vocab_size": V, "seq_len": S, "filter": null | {max_period,
-min_period, max_count}, "work_dir": DIR}. OUT: OLMo-core's dtype for V (its
+SPECS: {name: spec}, each spec {"paths": [...], "vocab_size": V, "seq_len": S, "filter":
+null | {max_period, min_period, max_count}, "work_dir": DIR}. OUT_DIR/<name>.npz: for that
+case, OLMo-core's dtype for V (its
 `NumpyFSLDatasetConfig.get_dtype` rule), each instance's `input_ids` [N, S], its
 `instance_mask` [N], the labels `get_labels` makes of the whole set [N, S], and the loss
 denominator the DDP train module computes for it (labels != -100, plus seq_len - 1 for each
@@ -22,8 +24,12 @@ from olmo_core.data.tokenizer import TokenizerConfig
 from olmo_core.data.utils import get_labels
 
 
-def main(spec_path: str, out_path: str) -> None:
-    spec = json.loads(open(spec_path).read())
+def main(specs_path: str, out_dir: str) -> None:
+    for name, spec in json.loads(open(specs_path).read()).items():
+        one_case(spec, f"{out_dir}/{name}.npz")
+
+
+def one_case(spec: dict, out_path: str) -> None:
     tokenizer = TokenizerConfig(vocab_size=spec["vocab_size"], eos_token_id=0, pad_token_id=0)
     dtype = NumpyFSLDatasetConfig(tokenizer=tokenizer, sequence_length=spec["seq_len"]).get_dtype()
     rule = InstanceFilterConfig(**spec["filter"]) if spec["filter"] else None

@@ -34,32 +34,58 @@ def corpus(rng: np.random.Generator, vocab_size: int, n_tokens: int) -> np.ndarr
     return tokens
 
 
-def oracle(tmp_path: Path, paths: list[str], vocab_size: int, rule: RepetitionFilter | None):
-    spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({
-        "paths": paths, "vocab_size": vocab_size, "seq_len": SEQ_LEN, "work_dir": str(tmp_path),
-        "filter": None if rule is None else {"repetition_max_period": rule.max_period,
-                                             "repetition_min_period": rule.min_period,
-                                             "repetition_max_count": rule.max_count}}))
-    out = tmp_path / "oracle.npz"
-    subprocess.run([str(ORACLE_PY), str(Path(__file__).with_name("data_oracle.py")), str(spec),
-                    str(out)], check=True, cwd=tmp_path, timeout=300)
-    return np.load(out)
+VOCABS = (256, 50_280, 100_278)  # uint8, uint16, uint32
+CASES = [(vocab_size, filtered) for filtered in (False, True) for vocab_size in VOCABS]
 
 
-@pytest.mark.parametrize("vocab_size", [256, 50_280, 100_278])  # uint8, uint16, uint32
-@pytest.mark.parametrize("filtered", [False, True])
-def test_instances_labels_and_denominator_match_olmo_core(tmp_path, vocab_size, filtered):
+def case_name(vocab_size: int, filtered: bool) -> str:
+    return f"v{vocab_size}-{'filtered' if filtered else 'all'}"
+
+
+def case_files(folder: Path, vocab_size: int, filtered: bool) -> list[str]:
+    """The case's token files: one of exactly 3 * seq_len tokens (OLMo-core: 3 instances),
+    ragged ones, a short one."""
     rng = np.random.default_rng(vocab_size + filtered)
     dtype = dtype_for_vocab(vocab_size)
-    # A file of exactly 3 * seq_len tokens (OLMo-core: 3 instances), ragged ones, a short one.
     lengths = [3 * SEQ_LEN, 5 * SEQ_LEN + 7, SEQ_LEN - 1, 40 * SEQ_LEN + 31]
+    folder.mkdir(parents=True)
     paths = []
     for k, n in enumerate(lengths):
-        paths.append(str(tmp_path / f"part-{k}.npy"))
+        paths.append(str(folder / f"part-{k}.npy"))
         write_token_file(paths[-1], corpus(rng, vocab_size, n), dtype)
-    rule = RepetitionFilter(max_count=8) if filtered else None
-    want = oracle(tmp_path, paths, vocab_size, rule)
+    return paths
+
+
+def rule_of(filtered: bool) -> RepetitionFilter | None:
+    return RepetitionFilter(max_count=8) if filtered else None
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory) -> dict:
+    """{case: (its token files, OLMo-core's arrays)}: every case through one oracle process."""
+    root = tmp_path_factory.mktemp("data_oracle")
+    files, specs = {}, {}
+    for vocab_size, filtered in CASES:
+        name = case_name(vocab_size, filtered)
+        files[name] = case_files(root / name, vocab_size, filtered)
+        rule = rule_of(filtered)
+        specs[name] = {
+            "paths": files[name], "vocab_size": vocab_size, "seq_len": SEQ_LEN,
+            "work_dir": str(root / name),
+            "filter": None if rule is None else {"repetition_max_period": rule.max_period,
+                                                 "repetition_min_period": rule.min_period,
+                                                 "repetition_max_count": rule.max_count}}
+    (root / "specs.json").write_text(json.dumps(specs))
+    subprocess.run([str(ORACLE_PY), str(Path(__file__).with_name("data_oracle.py")),
+                    str(root / "specs.json"), str(root)], check=True, cwd=root, timeout=300)
+    return {name: (files[name], np.load(root / f"{name}.npz")) for name in specs}
+
+
+@pytest.mark.parametrize("vocab_size,filtered", CASES, ids=[case_name(*c) for c in CASES])
+def test_instances_labels_and_denominator_match_olmo_core(oracle, vocab_size, filtered):
+    dtype = dtype_for_vocab(vocab_size)
+    paths, want = oracle[case_name(vocab_size, filtered)]
+    rule = rule_of(filtered)
     assert str(want["dtype"]) == dtype.name
 
     windows = TokenWindows([TokenFile(p, dtype, vocab_size) for p in paths], SEQ_LEN,

@@ -132,18 +132,29 @@ def batches(steps=STEPS, batch=BATCH, seq=SEQ, seed=0, docs=False) -> np.ndarray
     return tokens
 
 
-class Run(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class Run:
     metrics: list  # per step: the train step's metrics (numpy)
     grads: object  # gradients of the first batch (numpy, the params' structure)
-    hlo: str  # the compiled train step
     step: object  # the compiled train step
     state: object  # the state after STEPS steps (on the device(s))
     batch: object  # the last batch, placed as the step expects it
-    lowered: str = ""  # the step as JAX lowered it (HLO text, before XLA's passes)
+    lowered_step: object  # the step as JAX lowered it (jax.stages.Lowered)
 
     @property
     def curve(self) -> np.ndarray:
         return np.array([m["loss"] for m in self.metrics])
+
+    @functools.cached_property
+    def hlo(self) -> str:
+        """The compiled train step (HLO text)."""
+        return self.step.as_text()
+
+    @functools.cached_property
+    def lowered(self) -> str:
+        """The step as JAX lowered it (HLO text, before XLA's passes): converted only for
+        the tests that read it (~0.5 s a program)."""
+        return self.lowered_step.as_text(dialect="hlo")
 
 
 def _abstract(tree):
@@ -161,8 +172,7 @@ def _execute(step, state, placed_batches, abstract=False) -> Run:
         state, m = compiled(state, b)
         metrics.append(to_numpy(m))
         grads = to_numpy(state.opt_state[0]) if grads is None else grads
-    return Run(metrics, grads, compiled.as_text(), compiled, state, placed_batches[-1],
-               lowered.as_text(dialect="hlo"))
+    return Run(metrics, grads, compiled, state, placed_batches[-1], lowered)
 
 
 def with_docs(model_cfg, docs: bool, doc_mask: bool):

@@ -6,9 +6,11 @@ relative, five AdamW steps within 1e-4):
 - model.moe.gmm_impl=pallas (the Hopper grouped-matmul kernels, in Pallas' GPU
   interpret mode) under rowwise and ragged dispatch on data 2 x expert 4, and
   pallas_tcgen05 (the Blackwell kernels) under ragged dispatch (dropless runs). The reference is
-  the single-device default (the blocked einsum), not the kernel itself. Two steps, not
-  five (an interpreted step takes ~20 s on 2 cores): the first step's loss and gradients,
-  and the loss after one AdamW update.
+  the single-device default (the blocked einsum), not the kernel itself. The interpreter
+  runs every kernel launch of every device in Python, so these runs are as small as the
+  kernels' paths allow: one MoE block (its scan, dispatch, forward and both backward
+  products run as with more; the input gradient reaches the embedding), two steps, not
+  five: the first step's loss and gradients, and the loss after one AdamW update.
 - parallel.dispatch=ragged with model.moe.precision=mxfp8: the MXFP8 payload through
   the ragged exchange and the MXFP8 expert unit, forward and backward, against one
   device's MXFP8 step (same quantization of the same rows; the layouts differ), gradients
@@ -23,6 +25,7 @@ from tests.parallel.test_parallel_invariance import assert_matches_reference
 
 PALLAS_WIDTH = 64  # the kernels tile d_model and the expert hidden size by 64
 PALLAS_STEPS = 2
+PALLAS_LAYERS = (1, 0)  # one MoE block: each block adds its interpreted launches on every device
 
 
 @pytest.mark.parametrize("gmm_impl,dispatch", [("pallas", "rowwise"), ("pallas", "ragged"),
@@ -30,10 +33,10 @@ PALLAS_STEPS = 2
 def test_pallas_kernels_through_the_plan_match_one_device(gmm_impl, dispatch):
     with platform.interpret():
         run = plan_run(2, 4, dispatch, width=PALLAS_WIDTH, moe=(("gmm_impl", gmm_impl),),
-                       steps=PALLAS_STEPS)
+                       steps=PALLAS_STEPS, layers=PALLAS_LAYERS)
     assert len(run.curve) == PALLAS_STEPS
     assert "callback" in run.hlo  # the interpreted kernels (the einsum path has none)
-    assert_matches_reference(run, reference_run(width=PALLAS_WIDTH))
+    assert_matches_reference(run, reference_run(width=PALLAS_WIDTH, layers=PALLAS_LAYERS))
 
 
 def test_ragged_mxfp8_trains_and_matches_one_device():
