@@ -9,7 +9,8 @@ OlmoeForCausalLM (SPEC["model"], seed SPEC["seed"]) is saved to OUT/hf, and the 
 the first SPEC["n_docs"] documents of each label are scored with olmo_eval's ICLMetric on
 transformers' logits (collate_fn batches, as OLMo-core's DownstreamEvaluator feeds them):
 OUT/metrics.json has per label the metric dict and each scored sample's log-likelihood;
-OUT/labels.json every label's task class and metric type.
+OUT/labels.json every label's task class and metric type, and OUT/mmlu.json each MMLU label's
+arguments (its map kwargs).
 """
 
 import json
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 from olmo_eval import HFTokenizer, ICLMetric, build_task
-from olmo_eval.tasks import LABEL_TO_TASK_MAP
+from olmo_eval.tasks import LABEL_TO_TASK_MAP, MMLU
 from transformers import OlmoeConfig, OlmoeForCausalLM
 
 FIELDS = ("doc_id", "cont_id", "ctx", "continuation", "ctx_len", "dc_len", "cont_len",
@@ -61,6 +62,8 @@ def main(spec: dict, out: Path) -> None:
     (out / "requests.json").write_text(json.dumps(requests))
     (out / "metrics.json").write_text(json.dumps(metrics))
     (out / "labels.json").write_text(json.dumps(labels()))
+    (out / "mmlu.json").write_text(json.dumps({label: entry[1] for label, entry in LABEL_TO_TASK_MAP.items()
+                                               if isinstance(entry, tuple) and entry[0] is MMLU}))
 
 
 def labels() -> dict:
