@@ -56,7 +56,7 @@ $(VENV)/.installed: pyproject.toml tools/requirements/eval_data.txt
 	  py=$$(tools/setup/find_python.sh); echo "creating $(VENV) with $$py"; \
 	  $$py -m venv $(VENV); fi
 	$(PY) -m pip install -q --no-compile --upgrade pip
-	$(EDITABLE) $(PY) -m pip install -q --no-compile -e '.[dev,hf,tensorboard,wandb,docs,cloud]'
+	$(EDITABLE) $(PY) -m pip install -q --no-compile -e '.[dev,hf,tensorboard,wandb,docs,cloud,eval]'
 	$(PY) -m pip install -q --no-compile --no-deps -r tools/requirements/eval_data.txt
 	@$(PY) -c "from olmo_jax.kernels import cpu_ffi; w = cpu_ffi.available(); \
 	  print('CPU FFI kernels (gmm_impl=blas, attention_impl=blas):', w or 'built')"

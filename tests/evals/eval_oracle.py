@@ -4,21 +4,25 @@ pytest; inputs and outputs are files).
     python eval_oracle.py SPEC.json OUT
 Builds each SPEC["tasks"] label with olmo_eval.build_task (its HFTokenizer on
 SPEC["tokenizer"], model_ctx_len SPEC["ctx_len"]) and writes OUT/requests.json: the first
-SPEC["n_requests"] samples' token ids and lengths per label. Then a tiny random
+SPEC["n_requests"] samples' token ids and lengths per label; the SPEC["row_limited"] labels
+see only the first SPEC["max_rows"] rows of their arrow files (olmo_eval's loader cut, so
+the whole task is built quickly). Then a tiny random
 OlmoeForCausalLM (SPEC["model"], seed SPEC["seed"]) is saved to OUT/hf, and the samples of
-the first SPEC["n_docs"] documents of each label are scored with olmo_eval's ICLMetric on
+the first SPEC["n_docs"] documents of each SPEC["scored"] label (default: all) are scored with olmo_eval's ICLMetric on
 transformers' logits (collate_fn batches, as OLMo-core's DownstreamEvaluator feeds them):
 OUT/metrics.json has per label the metric dict and each scored sample's log-likelihood;
-OUT/labels.json every label's task class and metric type.
+OUT/labels.json every label's task class and metric type, and OUT/mmlu.json each MMLU label's
+arguments (its map kwargs).
 """
 
 import json
 import sys
 from pathlib import Path
 
+import olmo_eval.tasks
 import torch
 from olmo_eval import HFTokenizer, ICLMetric, build_task
-from olmo_eval.tasks import LABEL_TO_TASK_MAP
+from olmo_eval.tasks import LABEL_TO_TASK_MAP, MMLU
 from transformers import OlmoeConfig, OlmoeForCausalLM
 
 FIELDS = ("doc_id", "cont_id", "ctx", "continuation", "ctx_len", "dc_len", "cont_len",
@@ -35,8 +39,17 @@ def main(spec: dict, out: Path) -> None:
     model = OlmoeForCausalLM.from_pretrained(out / "hf", dtype=torch.float32, attn_implementation="eager",
                                              experts_implementation="eager").eval()
     requests, metrics = {}, {}
+    load = olmo_eval.tasks.load_hf_dataset
     for label in spec["tasks"]:
-        task = build_task(label, tok, model_ctx_len=spec["ctx_len"])
+        if label in spec.get("row_limited", ()):
+            def first_rows(*args):
+                ds = load(*args)
+                return ds.select(range(min(spec["max_rows"], len(ds))))
+            olmo_eval.tasks.load_hf_dataset = first_rows
+        try:
+            task = build_task(label, tok, model_ctx_len=spec["ctx_len"])
+        finally:
+            olmo_eval.tasks.load_hf_dataset = load
         samples = task.samples
         requests[label] = {
             "metric_type": task.metric_type,
@@ -44,6 +57,8 @@ def main(spec: dict, out: Path) -> None:
             "samples": [{k: s[k] for k in FIELDS} | ({"choices": s["choices"]} if "choices" in s else {})
                         for s in samples[: spec["n_requests"]]],
         }
+        if label not in spec.get("scored", spec["tasks"]):
+            continue
         docs = sorted({s["doc_id"] for s in samples})[: spec["n_docs"]]
         chosen = [s for s in samples if s["doc_id"] in set(docs)]
         metric = ICLMetric(metric_type=task.metric_type)
@@ -61,6 +76,8 @@ def main(spec: dict, out: Path) -> None:
     (out / "requests.json").write_text(json.dumps(requests))
     (out / "metrics.json").write_text(json.dumps(metrics))
     (out / "labels.json").write_text(json.dumps(labels()))
+    (out / "mmlu.json").write_text(json.dumps({label: entry[1] for label, entry in LABEL_TO_TASK_MAP.items()
+                                               if isinstance(entry, tuple) and entry[0] is MMLU}))
 
 
 def labels() -> dict:

