@@ -10,18 +10,20 @@ GPU_PY := $(GPU_VENV)/bin/python
 # jax 0.11.2 (the lent GPU image's jax).
 J11 := .venv-jax011
 J11_PY := $(J11)/bin/python
-# On jax 0.11.2: the tests of what differs between the two jax versions, in the fast tier
-# (-m "not slow"), and every test of what runs on the image itself (marked `image`:
-# gpu_check end to end, the image's packages), slow or not. What differs is what
-# olmo_jax/compat.py lists: the Pallas Mosaic GPU kernels in interpret mode and the CPU FFI
-# kernels (tests/kernels), jax.nn.scaled_matmul (MXFP8), and the shard_map APIs: vma typing
-# and pcast (test_gpu_typing, test_parallel_zero), ragged_all_to_all
-# (test_parallel_dispatch), ppermute rings (test_context_attention). The rest of the suite
-# runs on the main stage's jax only.
-J11_TESTS ?= tests/kernels tests/tools tests/trainer/test_image_packages.py \
-  tests/model/test_mxfp8_model.py tests/parallel/test_gpu_typing.py \
-  tests/parallel/test_parallel_zero.py tests/parallel/test_parallel_dispatch.py \
-  tests/parallel/test_context_attention.py
+# On jax 0.11.2: the tests marked `jax011`, each a test of what differs between the two jax
+# versions (olmo_jax/compat.py: its shims, and the jax functions of its SAME_ON_BOTH: the
+# Pallas Mosaic GPU kernels in interpret mode and lowered for CUDA, the CPU FFI kernels,
+# jax.nn.scaled_matmul, shard_map's vma typing and pcast, ragged_all_to_all, the ring's
+# ppermute), forward and gradients, and every test of what runs on the image itself (marked
+# `image`: gpu_check end to end, the image's packages), slow or not. The run fails unless
+# its tests made olmo_jax call every one of those APIs (tests/jax011_apis.py);
+# tests/test_jax011_selection.py keeps this list and the marks in step.
+J11_TESTS ?= tests/kernels/test_cpu_attention.py tests/kernels/test_cpu_gmm.py \
+  tests/kernels/test_grouped_matmul.py tests/kernels/test_grouped_matmul_tcgen05.py \
+  tests/kernels/test_mxfp8_kernels.py tests/model/test_mxfp8_model.py \
+  tests/parallel/test_gpu_typing.py tests/parallel/test_parallel_zero.py \
+  tests/parallel/test_parallel_dispatch.py tests/parallel/test_context_attention.py \
+  tests/tools/test_gpu_check.py tests/trainer/test_image_packages.py
 CONFIG ?= configs/tiny.py
 ARGS ?=
 PYTEST_ARGS ?=
@@ -149,7 +151,7 @@ test:
 	  main=$$?; j11=0; \
 	  if [ -n "$(strip $(J11_TESTS))" ]; then echo "jax 0.11.2 ($(J11)): $(J11_TESTS)"; \
 	    XLA_FLAGS="$(CPU_TEST_XLA_FLAGS)" $(J11_PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile \
-	      -m "not slow or image" $(J11_TESTS); j11=$$?; fi; \
+	      -m "jax011 or image" -p tests.jax011_apis $(J11_TESTS); j11=$$?; fi; \
 	  wait $$beside; rc=$$?; cat .artifacts/test-beside.log; \
 	  if [ $$main != 0 ] || [ $$j11 != 0 ] || [ $$rc != 0 ]; then \
 	    echo "make test: main suite exit $$main, jax 0.11.2 exit $$j11, GPU-compile stages exit $$rc" >&2; exit 1; fi

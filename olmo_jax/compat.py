@@ -15,16 +15,29 @@ these APIs in .venv-jax011 too, Makefile J11_TESTS):
   0.11.2 a kernel declares no cost, which changes no numerics (the planner then counts
   its FLOPs as 0, as planner/gpu_hlo.py says).
 
-Everything else olmo_jax uses exists in 0.11.2 with the same meaning: `jax.shard_map`,
-`jax.typeof`, `jax.lax.pcast`, `jax.reshard`, `jax.lax.ragged_all_to_all`,
-`jax.nn.scaled_matmul`, `jax.experimental.topologies`, `plgpu.kernel` / `load` /
-`layout_cast` / `emit_pipeline` / `nd_loop` / `wgmma` / `InterpretGPUParams`.
+Everything else olmo_jax calls exists in 0.11.2 with the same meaning: the jax functions of
+`SAME_ON_BOTH` below (shard_map and its vma typing, pcast, ppermute, ragged_all_to_all,
+scaled_matmul, the FFI, the Pallas Mosaic GPU primitives), plus
+`jax.experimental.topologies` (deviceless GPU compiles, in the CUDA plugin's venv only) and
+the class `plgpu.InterpretGPUParams`. `make test`'s jax 0.11.2 stage runs the tests marked
+`jax011` and fails unless they call every shim here and every function of SAME_ON_BOTH
+from olmo_jax (tests/jax011_apis.py).
 (flax must be >= 0.12.10 with jax 0.11.2: flax 0.12.9 and older subclass
 `jax.experimental.hijax.HiPrimitive`, which jax 0.11.2 names `HiPrim`, so `from flax
 import nnx` fails.)
 """
 
 from __future__ import annotations
+
+# The jax functions olmo_jax calls whose meaning was checked on both versions (module
+# docstring), by dotted name.
+SAME_ON_BOTH = (
+    "jax.shard_map", "jax.typeof", "jax.lax.pcast", "jax.lax.ppermute",
+    "jax.lax.ragged_all_to_all", "jax.nn.scaled_matmul", "jax.ffi.ffi_call",
+    "jax.ffi.register_ffi_target",
+    *(f"jax.experimental.pallas.mosaic_gpu.{f}" for f in (
+        "kernel", "load", "layout_cast", "emit_pipeline", "nd_loop", "wgmma", "tcgen05_mma")),
+)
 
 
 def gpu_store(ref, value) -> None:

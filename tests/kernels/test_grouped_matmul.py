@@ -74,6 +74,7 @@ def operands():
     return x, w, dy, gs
 
 
+@pytest.mark.jax011
 def test_grouped_matmul_forward_and_vjp_match_ragged_dot(operands):
     """One pass through all three kernels: y = gmm (forward), dx = gmm against w^T (input
     gradient), dw = tgmm (weight gradient), each against ragged_dot and its autodiff in
@@ -96,6 +97,7 @@ def test_grouped_matmul_forward_and_vjp_match_ragged_dot(operands):
     assert not np.asarray(dw[np.flatnonzero(np.asarray(gs) == 0)], np.float32).any()
 
 
+@pytest.mark.jax011
 @pytest.mark.parametrize("which", ["gmm", "gmm_t", "tgmm"])
 def test_kernels_lower_for_cuda(which, operands):
     x, w, dy, gs = operands
@@ -109,6 +111,7 @@ def test_kernels_lower_for_cuda(which, operands):
     assert "mosaic_gpu" in text
 
 
+@pytest.mark.jax011
 def test_unsupported_inputs_are_refused():
     x = jnp.zeros((64, 32), jnp.float32)
     w = jnp.zeros((2, 32, 64), jnp.float32)

@@ -34,6 +34,7 @@ def _close(got, want):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.jax011
 def test_forward_and_vjp_match_ragged_dot_in_float32(operands):
     """y = gmm, dx = gmm against w^T, dw = tgmm, each against ragged_dot's value and
     autodiff and the jnp references; the zero tail and the empty group's gradient are 0."""
@@ -53,6 +54,7 @@ def test_forward_and_vjp_match_ragged_dot_in_float32(operands):
     assert not np.asarray(dw[1]).any()  # the empty group
 
 
+@pytest.mark.jax011
 def test_unsupported_inputs_are_refused():
     x = jnp.zeros((64, 64), jnp.float32)
     w = jnp.zeros((2, 64, 64), jnp.float32)

@@ -96,7 +96,8 @@ def reference():
 
 
 @pytest.mark.parametrize("C", [2, 4])
-@pytest.mark.parametrize("impl", CONTEXT_ATTENTIONS)
+@pytest.mark.parametrize("impl", [pytest.param(i, marks=pytest.mark.jax011) if i == "ring" else i
+                                  for i in CONTEXT_ATTENTIONS])  # ring: ppermute
 def test_context_attention_matches_naive(impl, C, reference):
     q, k, v, w, seg = _inputs()
     mesh = Mesh(np.asarray(jax.devices()[:C]), ("context",))

@@ -56,6 +56,7 @@ def _varies(t) -> bool:
     return "expert" in t.manual_axis_type.varying
 
 
+@pytest.mark.jax011
 @pytest.mark.parametrize("emulate", [False, True], ids=["native", "emulated"])
 def test_ragged_all_to_all_result_varies_like_its_rows(emulate):
     """The dispatcher's buffers vary over the operand's axes, so the result does; an
@@ -81,6 +82,7 @@ def test_ragged_all_to_all_result_varies_like_its_rows(emulate):
         _traced_types(invariant_buffer, jnp.zeros((rows, 8)), jnp.zeros((EP,), jnp.int32))
 
 
+@pytest.mark.jax011
 @pytest.mark.parametrize("kernels", [grouped_matmul, grouped_matmul_tcgen05],
                          ids=["hopper", "blackwell"])
 def test_pallas_grouped_matmul_outputs_vary_like_their_inputs(kernels):
@@ -96,6 +98,7 @@ def test_pallas_grouped_matmul_outputs_vary_like_their_inputs(kernels):
     assert len(types) == 3 and all(_varies(t) for t in types), types
 
 
+@pytest.mark.jax011
 def test_mxfp8_quantize_kernel_outputs_vary_like_their_input():
     with platform.cross_lowering():
         types = _traced_types(lambda x: mx.quantize_rowcol_pallas(x),
@@ -155,6 +158,7 @@ def collective_counts(hlo: str) -> dict[str, int]:
     return counts
 
 
+@pytest.mark.jax011
 def test_native_ragged_step_has_the_emulated_steps_collectives():
     """Same config, same plan: the CUDA-lowered step (native ragged_all_to_all) against the
     CPU step (its emulation). Every collective but the exchanges themselves is the same,

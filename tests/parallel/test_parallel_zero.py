@@ -75,6 +75,7 @@ def test_placed_arrays_hold_only_their_shard():
             assert shard.size * 2 <= x.size  # every moment is split at least 2 ways
 
 
+@pytest.mark.jax011
 def test_compiled_step_reduce_scatters_and_all_gathers_once_per_step():
     state = host_state()[4]
     colls = comms.collectives(plan_run(2, 4, "rowwise").hlo)

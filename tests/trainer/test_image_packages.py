@@ -16,6 +16,10 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.image  # the jax 0.11.2 stage runs it (Makefile J11_TESTS)
+
 REPO = Path(__file__).resolve().parents[2]
 IMAGE = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "chex", "absl-py", "numpy",
          "tokenizers", "safetensors", "PyYAML", "tensorboard")
