@@ -20,9 +20,10 @@ J11_PY := $(J11)/bin/python
 # tests/test_jax011_selection.py keeps this list and the marks in step.
 J11_TESTS ?= tests/kernels/test_cpu_attention.py tests/kernels/test_cpu_gmm.py \
   tests/kernels/test_grouped_matmul.py tests/kernels/test_grouped_matmul_tcgen05.py \
-  tests/kernels/test_mxfp8_kernels.py tests/model/test_mxfp8_model.py \
-  tests/parallel/test_gpu_typing.py tests/parallel/test_parallel_zero.py \
-  tests/parallel/test_parallel_dispatch.py tests/parallel/test_context_attention.py \
+  tests/kernels/test_mxfp8_kernels.py tests/kernels/test_platform.py \
+  tests/model/test_mxfp8_model.py tests/parallel/test_gpu_typing.py \
+  tests/parallel/test_parallel_zero.py tests/parallel/test_parallel_dispatch.py \
+  tests/parallel/test_context_attention.py tests/parallel/test_ring_window.py \
   tests/tools/test_gpu_check.py tests/trainer/test_image_packages.py
 CONFIG ?= configs/tiny.py
 ARGS ?=
@@ -140,19 +141,26 @@ chromium:
 # their child processes (tests/conftest.py; OLMO_JAX_TEST_CACHE=0 turns it off), so the
 # jax 0.11.2 and GPU runs never read the main run's programs.
 test:
+	@mkdir -p .artifacts; date +%s > .artifacts/test-start
 	@$(MAKE) --no-print-directory $(VENV_JOBS) --output-sync=target venv oracle jax011 gpu-venv chromium || { \
 	  echo "error: a venv could not be installed (see pip's message above): the tests cannot run" >&2; \
 	  exit 1; }
 	@$(MAKE) --no-print-directory docs
-	@mkdir -p .artifacts; rm -f .artifacts/test-beside.log; \
-	  (nice -n 19 $(MAKE) --no-print-directory test-beside > .artifacts/test-beside.log 2>&1) & beside=$$!; \
+	@rm -f .artifacts/test-beside.log; t0=$$(cat .artifacts/test-start); t1=$$(date +%s); \
+	  mmss() { printf '%d:%02d' $$(( $$1 / 60 )) $$(( $$1 % 60 )); }; \
+	  (nice -n 19 $(MAKE) --no-print-directory test-beside > .artifacts/test-beside.log 2>&1; \
+	   echo $$? > .artifacts/test-beside.rc; date +%s > .artifacts/test-beside.end) & beside=$$!; \
 	  echo "main suite, then jax 0.11.2; the GPU-compile stages run beside them (output below when done)"; \
 	  XLA_FLAGS="$(CPU_TEST_XLA_FLAGS)" $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --ignore=tests/gpu $(PYTEST_ARGS); \
-	  main=$$?; j11=0; \
+	  main=$$?; j11=0; t2=$$(date +%s); \
 	  if [ -n "$(strip $(J11_TESTS))" ]; then echo "jax 0.11.2 ($(J11)): $(J11_TESTS)"; \
 	    XLA_FLAGS="$(CPU_TEST_XLA_FLAGS)" $(J11_PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile \
 	      -m "jax011 or image" -p tests.jax011_apis $(J11_TESTS); j11=$$?; fi; \
-	  wait $$beside; rc=$$?; cat .artifacts/test-beside.log; \
+	  t3=$$(date +%s); wait $$beside; rc=$$(cat .artifacts/test-beside.rc); t4=$$(date +%s); \
+	  cat .artifacts/test-beside.log; \
+	  echo "make test: set-up $$(mmss $$((t1 - t0))), main suite $$(mmss $$((t2 - t1))), jax 0.11.2" \
+	    "$$(mmss $$((t3 - t2))), GPU-compile stages (beside) $$(mmss $$(( $$(cat .artifacts/test-beside.end) - t1 )))," \
+	    "waited for them $$(mmss $$((t4 - t3))); total $$(mmss $$((t4 - t0)))"; \
 	  if [ $$main != 0 ] || [ $$j11 != 0 ] || [ $$rc != 0 ]; then \
 	    echo "make test: main suite exit $$main, jax 0.11.2 exit $$j11, GPU-compile stages exit $$rc" >&2; exit 1; fi
 

@@ -12,6 +12,8 @@ from jax._src.cudnn import fused_attention_stablehlo as fused
 
 from olmo_jax.kernels import platform
 
+pytestmark = pytest.mark.jax011  # jax's private cuDNN module: the image's jax has its own
+
 B300 = platform.Target("gpu", (10, 3), 148, abstract=True)
 A100 = platform.Target("gpu", (8, 0), 108, abstract=True)
 
