@@ -192,6 +192,8 @@ def test_live_range_dump():
 # Modules of olmo_jax that use `re` for something other than HLO, and what they read.
 NOT_HLO = {
     "data/mixture.py": "glob patterns of a source's paths (OLMo-core's ** semantics)",
+    "evals/classic.py": "olmo_eval's text clean-ups of its classic tasks' documents",
+    "evals/mmlu.py": "the few-shot count in an MMLU prompt-variation name",
     "host_memory.py": "the device count in XLA_FLAGS",
     "model/mxfp8_gemm.py": "einsum specs of the MXFP8 matmul",
     "report/run_charts.py": "metric names of a run's log (<group>/block<i>)",
