@@ -27,6 +27,10 @@ documents that do not see each other), grouped-query heads:
              holds the whole sequence's K and V and a [2L, T] score block, half of it
              masked.
 
+Under a sliding window neither computes what the window does not reach: the ring runs
+each [L, L] block under a `lax.cond` on `block_in_window`, the all-gather meets each
+chunk of L queries with only the L + W - 1 keys that reach it.
+
 The kernels run inside a shard_map whose mesh has `axis_name`; outside one, with
 `context == 1`, the layout is the identity and the kernels are plain attention.
 """
@@ -138,7 +142,7 @@ def block_in_window(qpos_Q, kpos_A, window: int):
 
 def _in_window_only(block, empty):
     """`block(qs, k, v, qpos, kpos, qseg, kseg, *rest, window)` run only where the block
-    has a key inside a query's window; elsewhere `empty(*rest)` (what a fully masked block
+    has a key inside a query's window; elsewhere `empty(qs, k, *rest)` (what a fully masked block
     gives: the online-softmax state unchanged, zero gradients), so a sliding-window layer
     under the ring computes the blocks its window reaches and skips the rest (a
     `lax.cond` per block; the K/V still travel the whole ring). Both branches are typed

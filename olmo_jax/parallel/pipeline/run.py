@@ -181,8 +181,9 @@ def _join(*states):
 
 class Positions(NamedTuple):
     """What a microbatch's attention needs besides its q, k and v: the RoPE tables ([T, H]
-    shared by the rows, or per row [B, T, H] with document masking) and the segment ids
-    (document masking; None: off)."""
+    shared by the rows, or per row [B, T, H] with document masking; with a table per window
+    choice on axis -3 where the layers' RoPE differs by window, rope.by_window) and the
+    segment ids (document masking; None: off)."""
 
     cos_TH: jax.Array
     sin_TH: jax.Array
