@@ -142,6 +142,9 @@ class TileConfig:
     block_k: int = 64
     max_concurrent_steps: int = 4  # TMA stages in flight
     num_programs: int = 0  # persistent programs; 0 = the device's SM count
+    # Rows the kernels declare their cost over (`priced`): the rows routed into the buffer
+    # at balanced routing, where a dropless buffer is sized for the worst case; 0: all M.
+    priced_rows: int = 0
 
     @staticmethod
     def for_shapes(k: int, n: int, **kw) -> TileConfig:
@@ -232,12 +235,21 @@ def _store_rows(o_smem, o_gmem, src_row, dst_row, n_rows, col, block_m: int, blo
         size //= 2
 
 
-def _cost(M, K, N, elements, dtype) -> pl.CostEstimate:
+def priced(M: int, cfg: TileConfig) -> int:
+    """The rows a kernel over an M-row buffer declares its cost over: cfg.priced_rows (at
+    most M) when set, else M. The kernels skip the row tiles past the routed rows, so a
+    worst-case dropless buffer costs its routed rows, not M; a declared cost is static, so
+    it states the balanced-routing fill the dispatcher gives (olmo_jax/model/moe/buffer.py
+    Runs.balanced_rows)."""
+    return min(M, cfg.priced_rows) if cfg.priced_rows else M
+
+
+def _cost(R, K, N, elements, dtype) -> pl.CostEstimate:
     """What a kernel declares to XLA (and the planner, planner/gpu_hlo.py): the grouped
-    product's 2 M K N FLOPs over its M rows (each row meets one group; the tiles of a
-    block that straddles groups are not counted twice) and its operands and result read
-    and written once."""
-    return pl.CostEstimate(flops=int(flops(M, K, N)), transcendentals=0,
+    product's 2 R K N FLOPs over its R priced rows (`priced`; each row meets one group, the
+    tiles of a block that straddles groups are not counted twice) and its operands and
+    result read and written once."""
+    return pl.CostEstimate(flops=int(flops(R, K, N)), transcendentals=0,
                            bytes_accessed=int(sum(elements) * jnp.dtype(dtype).itemsize))
 
 
@@ -246,7 +258,7 @@ def _gmm_kernel(M, Mp, K, N, G, transpose_rhs, cfg, dtype, num_programs, interpr
     """The gmm kernel for these static shapes (cached: one trace per configuration)."""
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     T, grid_n = num_row_tiles(M, G, bm), N // bn
-    work = T * grid_n
+    work, R = T * grid_n, priced(M, cfg)
 
     def body(group_ref, block_ref, lo_ref, hi_ref, x_gmem, w_gmem, o_gmem):
         @plgpu.nd_loop((work,), collective_axes="sm")
@@ -290,7 +302,7 @@ def _gmm_kernel(M, Mp, K, N, G, transpose_rhs, cfg, dtype, num_programs, interpr
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((Mp, N), dtype),
-        **compat.gpu_kernel_cost(_cost(M, K, N, (M * K, G * K * N, Mp * N), dtype)),
+        **compat.gpu_kernel_cost(_cost(R, K, N, (R * K, G * K * N, Mp * N), dtype)),
         grid=(num_programs,),
         grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(
@@ -334,10 +346,10 @@ def gmm(x_MK, w, group_sizes_G, *, transpose_rhs: bool = False, config: TileConf
 def _tgmm_kernel(M, K, N, G, cfg, dtype, num_programs, interpret):
     """The tgmm kernel for these static shapes (cached: one trace per configuration).
     The pipeline length is read from the group ends; the row count M only sizes the cost
-    estimate."""
+    estimate (over `priced` rows)."""
     br, bko, bn = cfg.block_m, cfg.block_k, cfg.block_n
     grid_k, grid_n = K // bko, N // bn
-    work = G * grid_k * grid_n
+    work, R = G * grid_k * grid_n, priced(M, cfg)
 
     def body(starts_ref, ends_ref, x_gmem, dy_gmem, o_gmem):
         @plgpu.nd_loop((work,), collective_axes="sm")
@@ -391,7 +403,7 @@ def _tgmm_kernel(M, K, N, G, cfg, dtype, num_programs, interpret):
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((G, K, N), dtype),
-        **compat.gpu_kernel_cost(_cost(M, K, N, (M * K, M * N, G * K * N), dtype)),
+        **compat.gpu_kernel_cost(_cost(R, K, N, (R * K, R * N, G * K * N), dtype)),
         grid=(num_programs,),
         grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(
@@ -462,11 +474,22 @@ def differentiable(gmm_fn, tgmm_fn):
 _grouped_matmul = differentiable(gmm, tgmm)
 
 
+def with_priced_rows(config: TileConfig | None, priced_rows: int, K: int, N: int):
+    """`config` (default: the one gmm picks for K, N) declaring its cost over priced_rows
+    rows; `config` itself when priced_rows is 0."""
+    if not priced_rows:
+        return config
+    return dataclasses.replace(config or TileConfig.for_shapes(K, N), priced_rows=priced_rows)
+
+
 @shapes.check("-> M N")
-def grouped_matmul(x_MK, w_GKN, group_sizes_G, config: TileConfig | None = None):
+def grouped_matmul(x_MK, w_GKN, group_sizes_G, config: TileConfig | None = None, *,
+                   priced_rows: int = 0):
     """Differentiable grouped matmul on the Pallas kernels: forward gmm, input gradient
     gmm against w transposed, weight gradient tgmm. Same contract as
-    jax.lax.ragged_dot(x_MK, w_GKN, group_sizes_G) for bf16/f16 inputs."""
+    jax.lax.ragged_dot(x_MK, w_GKN, group_sizes_G) for bf16/f16 inputs. `priced_rows`
+    (static): the rows the three kernels declare their cost over (TileConfig.priced_rows)."""
+    config = with_priced_rows(config, priced_rows, *w_GKN.shape[1:])
     return _grouped_matmul(x_MK, w_GKN, group_sizes_G.astype(jnp.int32), config)
 
 
@@ -484,7 +507,9 @@ __all__ = [
     "group_masks",
     "grouped_matmul",
     "num_row_tiles",
+    "priced",
     "tgmm",
     "tgmm_reference",
     "tile_schedule",
+    "with_priced_rows",
 ]

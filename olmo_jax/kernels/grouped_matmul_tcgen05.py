@@ -127,7 +127,7 @@ def _gmm_kernel(M, Mp, K, N, G, transpose_rhs, cfg, dtype, num_programs, interpr
     """The gmm kernel for these static shapes (cached: one trace per configuration)."""
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     T, grid_n = gm.num_row_tiles(M, G, bm), N // bn
-    work = T * grid_n
+    work, R = T * grid_n, gm.priced(M, cfg)
     x_tf = _transforms(dtype, bk)
     stages = _stages(cfg.max_concurrent_steps, bm * bk + bk * bn, bm * bn, dtype)
     w_block = (bn, bk) if transpose_rhs else (bk, bn)
@@ -164,7 +164,7 @@ def _gmm_kernel(M, Mp, K, N, G, transpose_rhs, cfg, dtype, num_programs, interpr
 
     return _kernel(
         body, jax.ShapeDtypeStruct((Mp, N), dtype),
-        gm._cost(M, K, N, (M * K, G * K * N, Mp * N), dtype), num_programs, interpret,
+        gm._cost(R, K, N, (R * K, G * K * N, Mp * N), dtype), num_programs, interpret,
         dict(acc_tmem=plgpu.TMEM((bm, bn), jnp.float32),
              o_smem=plgpu.SMEM((bm, bn), dtype), mma_bar=_mma_barriers()),
     )
@@ -214,7 +214,7 @@ def _tgmm_kernel(M, K, N, G, cfg, dtype, num_programs, interpret):
     [block_k, block_n] (tcgen05 M = block_k); block_m is the contracting row block."""
     br, bko, bn = cfg.block_m, cfg.block_k, cfg.block_n
     grid_k, grid_n = K // bko, N // bn
-    work = G * grid_k * grid_n
+    work, R = G * grid_k * grid_n, gm.priced(M, cfg)
     x_tf, dy_tf = _transforms(dtype, bko), _transforms(dtype, bn)
     stages = _stages(cfg.max_concurrent_steps, br * bko + br * bn, bko * bn, dtype)
 
@@ -256,7 +256,7 @@ def _tgmm_kernel(M, K, N, G, cfg, dtype, num_programs, interpret):
 
     return _kernel(
         body, jax.ShapeDtypeStruct((G, K, N), dtype),
-        gm._cost(M, K, N, (M * K, M * N, G * K * N), dtype), num_programs, interpret,
+        gm._cost(R, K, N, (R * K, R * N, G * K * N), dtype), num_programs, interpret,
         dict(acc_tmem=plgpu.TMEM((bko, bn), jnp.float32),
              o_smem=plgpu.SMEM((bko, bn), dtype), mma_bar=_mma_barriers()),
     )
@@ -292,9 +292,12 @@ _grouped_matmul = gm.differentiable(gmm, tgmm)
 
 
 @shapes.check("-> M N")
-def grouped_matmul(x_MK, w_GKN, group_sizes_G, config: TileConfig | None = None):
+def grouped_matmul(x_MK, w_GKN, group_sizes_G, config: TileConfig | None = None, *,
+                   priced_rows: int = 0):
     """Differentiable grouped matmul on the tcgen05 kernels: forward gmm, input gradient gmm
-    against w transposed, weight gradient tgmm; jax.lax.ragged_dot's contract (bf16/f16)."""
+    against w transposed, weight gradient tgmm; jax.lax.ragged_dot's contract (bf16/f16).
+    `priced_rows`: as grouped_matmul.grouped_matmul's."""
+    config = gm.with_priced_rows(config, priced_rows, *w_GKN.shape[1:])
     return _grouped_matmul(x_MK, w_GKN, group_sizes_G.astype(jnp.int32), config)
 
 

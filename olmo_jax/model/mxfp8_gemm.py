@@ -98,20 +98,23 @@ class Ragged:
 @_layout
 class Pallas:
     """Ragged on the Pallas grouped-matmul kernels (olmo_jax/kernels/grouped_matmul.py);
-    its weight gradient is the kernel's own (tgmm), not the product's transpose."""
+    its weight gradient is the kernel's own (tgmm), not the product's transpose;
+    `priced_rows`: the rows the kernels declare their cost over (buffer.Runs.balanced_rows)."""
 
     group_sizes_G: jax.Array
+    priced_rows: int = dataclasses.field(default=0, metadata={"static": True})
     scaled_matmul = False
 
     def product(self, a, w):
         from olmo_jax.kernels.grouped_matmul import grouped_matmul
 
-        return grouped_matmul(a, w, self.group_sizes_G)
+        return grouped_matmul(a, w, self.group_sizes_G, priced_rows=self.priced_rows)
 
     def weight_grad(self, a, dy):
-        from olmo_jax.kernels.grouped_matmul import tgmm
+        from olmo_jax.kernels import grouped_matmul as gm
 
-        return tgmm(a, dy, self.group_sizes_G)
+        config = gm.with_priced_rows(None, self.priced_rows, a.shape[1], dy.shape[1])
+        return gm.tgmm(a, dy, self.group_sizes_G, config=config)
 
 
 Layout = Dense | Batched | Blocked | Ragged | Pallas

@@ -47,6 +47,7 @@ TERMS = {  # formula term -> label
 }
 # The terms that are matmuls against parameters (everything but the attention scores).
 PARAM_TERMS = tuple(t for t in TERMS if t != "attention_scores")
+PALLAS_GMMS = ("pallas", "pallas_tcgen05")  # the grouped-matmul kernels (declared costs)
 
 
 @dataclasses.dataclass
@@ -161,6 +162,12 @@ def expert_buffer_factor(step: CompiledStep) -> tuple[float | None, str]:
     if plan.dispatch == "rowwise":
         cf = rowwise_capacity_factor(m.capacity_factor)
         return rows / N, f"rowwise receive slots (capacity factor {cf})"
+    if impl in PALLAS_GMMS and (plan.dispatch in ("ragged", "allgather") or m.capacity_factor <= 0):
+        # Runs buffers: the kernels skip the row tiles past the routed rows and declare
+        # their cost over the rows routed at balanced routing (buffer.Runs.balanced_rows).
+        return 1.0, (f"gmm_impl={impl}: the kernels declare their cost over the rows routed "
+                     f"at balanced routing, not the {rows / N:.3f}x rows of the {plan.dispatch} "
+                     "buffer, sized for any routing (the kernels skip its unrouted row tiles)")
     if plan.dispatch in ("ragged", "allgather"):
         if impl != "einsum":
             return None, f"{plan.dispatch} buffers sized for the worst case ({impl})"

@@ -59,3 +59,10 @@ def test_auto_is_the_fastest_accepted_gmm(kind):
     assert f"  ERROR       {error}" in TEXTS[kind, "ragged_dot"]
     assert "ERROR" not in TEXTS[kind, cmp.candidates.auto]
     assert cmp.tokens_per_s("ragged_dot") < cmp.tokens_per_s("auto")
+    # The kernels declare their cost over the routed rows, not the dropless buffer's
+    # (sized for any routing): the routed experts' compiled FLOPs are the formula's.
+    chosen = cmp.plans[cmp.candidates.auto]
+    hlo, formula = chosen["flops_per_token_hlo"], chosen["flops_per_token_formula"]
+    print("routed experts, HLO / formula:", hlo["routed_experts"] / formula["routed_experts"])
+    assert chosen["buffer_factor"] == 1.0
+    assert hlo["routed_experts"] == pytest.approx(formula["routed_experts"], rel=1e-6)

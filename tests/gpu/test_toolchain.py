@@ -66,27 +66,36 @@ def test_pallas_mosaic_gpu_kernels(mesh8):
         jax.jit(add_one).lower(_spec(mesh8, (128,), jnp.float32)).compile())
     assert [(k.wgmma, k.tcgen05) for k in plain] == [(False, False)]
 
-    def loss(x, w, gs):
-        return grouped_matmul(x, w, gs).astype(jnp.float32).sum()
+    M, K, N, G, R = 256, 128, 128, 8, 96  # R: the rows routed at balanced routing
 
-    args = (_spec(mesh8, (256, 128), jnp.bfloat16), _spec(mesh8, (8, 128, 128), jnp.bfloat16),
-            _spec(mesh8, (8,), jnp.int32))
+    def loss(x, w, gs):
+        return grouped_matmul(x, w, gs, priced_rows=R).astype(jnp.float32).sum()
+
+    args = (_spec(mesh8, (M, K), jnp.bfloat16), _spec(mesh8, (G, K, N), jnp.bfloat16),
+            _spec(mesh8, (G,), jnp.int32))
     with platform.cross_lowering():  # the kernel's own platform check reads jax.devices()
         compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile()
     kernels = gpu_hlo.mosaic_gpu_kernels(compiled)
     assert len(kernels) == 3 and all(k.wgmma and not k.tcgen05 for k in kernels)  # fwd, dx, dw
+    # Each declares its FLOPs over the R priced rows of the M-row buffer.
+    module = gpu_hlo._module(compiled)
+    flops = [gpu_hlo.custom_call_dot_flops(module, module.instruction(k.name)) for k in kernels]
+    assert flops == [2.0 * R * K * N] * 3, flops
 
 
 @pytest.mark.parametrize("kind", ["b200", "b300"])
 def test_blackwell_grouped_matmul_compiles_to_tcgen05_kernels(kind):
     """The tcgen05 kernels (forward, dx, dw) lowered through Mosaic GPU and assembled by
     ptxas for sm_100a / sm_103a at bf16 shapes with full 128-row tiles and a 4-stage K
-    pipeline (the tgmm's pipeline cut to fit SMEM), each declaring its FLOPs."""
+    pipeline (the tgmm's pipeline cut to fit SMEM), each declaring its FLOPs: over the
+    whole buffer on a B200, over the priced rows (balanced routing's) on a B300."""
     mesh = targets.make_mesh(kind, (1,), ("x",))
     M, K, N, G = 512, 256, 256, 4
+    R = {"b200": 0, "b300": 320}[kind]
 
     def loss(x, w, gs):
-        return grouped_matmul_tcgen05.grouped_matmul(x, w, gs).astype(jnp.float32).sum()
+        y = grouped_matmul_tcgen05.grouped_matmul(x, w, gs, priced_rows=R)
+        return y.astype(jnp.float32).sum()
 
     args = (_spec(mesh, (M, K), jnp.bfloat16), _spec(mesh, (G, K, N), jnp.bfloat16),
             _spec(mesh, (G,), jnp.int32))
@@ -96,7 +105,7 @@ def test_blackwell_grouped_matmul_compiles_to_tcgen05_kernels(kind):
     assert len(kernels) == 3 and all(k.tcgen05 and not k.wgmma for k in kernels), kernels
     module = gpu_hlo._module(compiled)
     flops = [gpu_hlo.custom_call_dot_flops(module, module.instruction(k.name)) for k in kernels]
-    assert flops == [2.0 * M * K * N] * 3, flops
+    assert flops == [2.0 * (R or M) * K * N] * 3, flops
 
 
 @pytest.mark.parametrize("kind, cudnn", [("b300", 1), ("b200", 1), ("h200", 0)])

@@ -20,6 +20,7 @@ from jax.sharding import Mesh, PartitionSpec
 from olmo_jax.kernels.select import run_padding
 from olmo_jax.model.config import MoEConfig
 from olmo_jax.model.moe import sizing
+from olmo_jax.model.moe.buffer import Runs
 from olmo_jax.model.moe.layer import local_dispatch, routed_experts
 from olmo_jax.model.moe.router import Routing
 from olmo_jax.parallel.expert import buffer_rows, make_dispatcher
@@ -242,6 +243,31 @@ def test_buffer_rows_is_the_size_of_the_buffer_the_backend_builds(kind, gmm_impl
     fn = jax.shard_map(local, mesh=expert_mesh(ep), in_specs=(X, X, X), out_specs=X)
     out = jax.eval_shape(fn, *_abstract_tokens(ep * S, k))
     assert out.shape == (ep, buffer_rows(kind, S, cfg, padding, ep), D)
+
+
+@pytest.mark.parametrize("kind", ["ragged", "allgather", "local"])
+def test_dropless_buffers_state_their_rows_at_balanced_routing(kind):
+    """Each dropless buffer states the rows its groups hold under balanced routing, the
+    S x top_k rows of the rank's own tokens (Runs.balanced_rows: what the grouped-matmul
+    kernels declare their cost over), not its worst-case size (traced, not run)."""
+    ep, E, S, k = 4, 8, 12, 2
+    cfg = MoEConfig(num_experts=E, top_k=k, expert_hidden=F, gmm_impl="ragged_dot")
+    padding, layouts = run_padding("ragged_dot"), []
+
+    def local(x, idx, w):
+        d = (local_dispatch(x, Routing(None, None, w, idx), cfg, padding) if kind == "local"
+             else make_dispatcher(kind, 0.0)(x, Routing(None, None, w, idx), cfg, padding))
+        layouts.append(d.layout)
+        return d.x_RD[None]
+
+    X = PartitionSpec("expert")
+    fn = local if kind == "local" else jax.shard_map(local, mesh=expert_mesh(ep), in_specs=(X,) * 3,
+                                                     out_specs=X)
+    out = jax.eval_shape(fn, *_abstract_tokens(S if kind == "local" else ep * S, k))
+    (layout,) = layouts
+    assert isinstance(layout, Runs) and layout.balanced_rows == S * k
+    # The expert-parallel buffers themselves are sized for the worst case (local: exact).
+    assert out.shape[-2] == S * k if kind == "local" else out.shape[-2] > S * k
 
 
 def _abstract_tokens(n, k):

@@ -9,7 +9,10 @@ rows back to the tokens.
 Group layouts (sizes: olmo_jax/model/moe/sizing.py):
   Runs   dropless: group g's sizes_E[g] rows form one run, runs in group order, each
          padded with zero rows to a multiple of `multiple` rows (1: back to back);
-         rows after the last run are zeros.
+         rows after the last run are zeros. `balanced_rows`: the rows the groups hold
+         under balanced routing (the grouped-matmul kernels declare their cost over them:
+         an expert-parallel buffer is sized for the worst case, olmo_jax/kernels/
+         grouped_matmul.py `priced`); 0: the whole buffer.
   Slots  capacity: group g owns rows [g * capacity, (g + 1) * capacity).
 """
 
@@ -27,6 +30,7 @@ import jax
 class Runs:
     sizes_E: jax.Array  # int32 rows per group, before padding
     multiple: int = dataclasses.field(metadata={"static": True})
+    balanced_rows: int = dataclasses.field(default=0, metadata={"static": True})
 
 
 @jax.tree_util.register_dataclass

@@ -37,24 +37,31 @@ class ExpertFFNs(NamedTuple):
     tiled: object  # (x_RD, group_sizes_E, w_gate, w_up, w_down) -> y_RD, padded layout
 
 
-def expert_ffns(cfg: MoEConfig, impl: str, mxfp8_impl: str = "auto") -> ExpertFFNs:
+def expert_ffns(cfg: MoEConfig, impl: str, mxfp8_impl: str = "auto",
+                priced_rows: int = 0) -> ExpertFFNs:
     """The expert FFNs for cfg.precision; `impl` (resolved gmm_impl) picks the ragged
     product: jax.lax.ragged_dot, or the Pallas grouped matmul for "pallas" (Hopper) and
-    "pallas_tcgen05" (Blackwell); `mxfp8_impl` (model.mxfp8_gemm_impl) the MXFP8 GEMM."""
+    "pallas_tcgen05" (Blackwell), declaring its cost over `priced_rows` rows (0: the
+    buffer's); `mxfp8_impl` (model.mxfp8_gemm_impl) the MXFP8 GEMM."""
     if cfg.precision == "bf16":
         if impl == "pallas":
             from olmo_jax.kernels.grouped_matmul import grouped_matmul
 
-            ragged = functools.partial(experts.ffn_ragged, gmm=grouped_matmul)
+            gmm = functools.partial(grouped_matmul, priced_rows=priced_rows)
+            ragged = functools.partial(experts.ffn_ragged, gmm=gmm)
         elif impl == "pallas_tcgen05":
             from olmo_jax.kernels.grouped_matmul_tcgen05 import grouped_matmul
 
-            ragged = functools.partial(experts.ffn_ragged, gmm=grouped_matmul)
+            gmm = functools.partial(grouped_matmul, priced_rows=priced_rows)
+            ragged = functools.partial(experts.ffn_ragged, gmm=gmm)
         else:
             ragged = experts.ffn_ragged
         return ExpertFFNs(ragged, experts.ffn_batched, experts.ffn_blocked, tiled.ffn_tiled)
     rounding, qw, mi = "rceil", cfg.mxfp8_wgrad, mxfp8_impl
-    grouped = mxfp8_gemm.Pallas if impl == "pallas" else mxfp8_gemm.Ragged
+    def grouped(sizes_E):
+        if impl == "pallas":
+            return mxfp8_gemm.Pallas(sizes_E, priced_rows)
+        return mxfp8_gemm.Ragged(sizes_E)
 
     def ragged_mx(x_RD, group_sizes_E, w_gate, w_up, w_down):
         layout = grouped(group_sizes_E.astype(jnp.int32))
@@ -85,7 +92,8 @@ def expert_ffn(x_RD: jax.Array, layout: GroupLayout, weights, cfg: MoEConfig,
     one expert per group, in the compute dtype; `mxfp8_impl`: model.mxfp8_gemm_impl."""
     if impl == "blas":
         return _ffn_blas(x_RD, layout, weights)
-    ffn = expert_ffns(cfg, impl, mxfp8_impl)
+    ffn = expert_ffns(cfg, impl, mxfp8_impl,
+                      priced_rows=layout.balanced_rows if isinstance(layout, Runs) else 0)
     if isinstance(layout, Slots):
         G, C = layout.groups, layout.capacity
         if impl in GROUPED_GEMMS:

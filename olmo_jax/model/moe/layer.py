@@ -52,7 +52,7 @@ def local_dispatch(x_SD, routing: Routing, cfg: MoEConfig, padding: str) -> Disp
     else:
         multiple = sizing.run_multiple(padding, routing.idx_Sk.size, E)
         plan = dispatch.runs_plan(routing.idx_Sk, E, multiple)
-        layout = Runs(plan.group_sizes_E, multiple)
+        layout = Runs(plan.group_sizes_E, multiple, balanced_rows=routing.idx_Sk.size)  # all of them
         dropped = jnp.zeros((), jnp.float32)
     return Dispatched(dispatch.gather_rows(x_SD, plan), layout,
                       lambda y_RD: dispatch.combine_rows(y_RD, plan, routing.weights_Sk), dropped)

@@ -46,5 +46,6 @@ def allgather_dispatch(x_SD, routing, cfg, padding: str, *, axis: str) -> Dispat
         y_YD = dispatch.combine_rows(y_RD, plan._replace(keep_Sk=local_Yk), weights_Yk)
         return jax.lax.psum_scatter(y_YD, axis, scatter_dimension=0, tiled=True)
 
-    return Dispatched(dispatch.gather_rows(x_YD, plan), Runs(plan.group_sizes_E[:El], multiple),
-                      combine, jnp.zeros((), jnp.float32))
+    # Balanced routing: 1/ep of the gathered ep x S x k rows are this rank's experts'.
+    runs = Runs(plan.group_sizes_E[:El], multiple, balanced_rows=routing.idx_Sk.size)
+    return Dispatched(dispatch.gather_rows(x_YD, plan), runs, combine, jnp.zeros((), jnp.float32))

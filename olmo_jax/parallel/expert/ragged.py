@@ -110,5 +110,5 @@ def ragged_dispatch(x_SD, routing, cfg, padding: str, *, axis: str,
                       lay.bwd_send_sizes, lay.bwd_output_offsets, lay.bwd_recv_sizes)
         return dispatch.combine_rows(back_YD, plan, routing.weights_Sk)
 
-    return Dispatched(recv_RD, Runs(lay.group_sizes_E, multiple), combine,
+    return Dispatched(recv_RD, Runs(lay.group_sizes_E, multiple, balanced_rows=N), combine,
                       jnp.zeros((), jnp.float32))
