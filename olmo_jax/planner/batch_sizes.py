@@ -76,7 +76,7 @@ class SizePlan:
             "tokens_per_s_per_device": p.tokens_per_s(),
             "tokens_per_s_per_device_scheduled": p.tokens_per_s(overlap="scheduled"),
             "tokens_per_s_per_device_overlapped": p.tokens_per_s(True),
-            "mfu_scheduled": p.mfu(overlap="scheduled"),
+            "mfu": p.mfu(), "mfu_scheduled": p.mfu(overlap="scheduled"),
             "peak_bytes": self.plan.peak_bytes, "peak_bytes_counted": peak,
             "allocated_bytes": self.plan.allocated_bytes,
             "fits": self.plan.fits,
@@ -142,6 +142,6 @@ class RunPlan:
 
 def build(trainer: TrainerConfig, plans: dict[int, Plan]) -> RunPlan:
     """The run plan from `plans` {batch size: its Plan}, one per size of run_sizes."""
-    limit, source = next(iter(plans.values())).memory_limit
+    limit, source = plans[max(plans)].memory_limit  # the run's: every size's is the same
     return RunPlan(trainer, [SizePlan(r, plans[r.size]) for r in run_sizes(trainer)], limit,
                    source)
