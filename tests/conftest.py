@@ -73,6 +73,7 @@ SLOW = (
     "tests/olmo_core/test_window_pattern_oracle.py",
     "tests/test_long_context_config.py::test_tiny_long_trains_with_context_windows_and_doc_masking",
     "tests/planner/test_plan_compiled.py",
+    "tests/planner/test_plan_batch_sizes.py",
     "tests/planner/test_plan_xla_gpu.py",
     "tests/reliability/test_run_faults.py",
     "tests/report/test_report_browser.py",

@@ -5,7 +5,10 @@ kind the step is XLA:GPU's, compiled for n abstract GPUs here or in the GPU comp
 (planner/xla_gpu.py's `run_in_gpu_venv`, whose worker, planner/command.py, calls
 `plan_config` there); else (and as the labelled fallback) it is XLA:CPU's on n fake CPU
 devices (planner/xla_gpu.py says which). A pipelined config (parallel.pipe > 1) is
-compiled as the trainer runs it: its schedule, stages and stage-to-stage sends.
+compiled as the trainer runs it: its schedule, stages and stage-to-stage sends. With
+trainer.batch_size_schedule the step is compiled at every batch size the run's steps take
+(planner/batch_sizes.py): the detailed plan (and the strategies compared) is the largest
+size's, the run's table lists each size's step time and memory.
 
 `python -m olmo_jax.plan` calls it once its flags are read, and so does the report's
 plan view (report/plan_view.py).
@@ -21,7 +24,7 @@ from olmo_jax import targets
 from olmo_jax.config import RunConfig
 from olmo_jax.errors import ConfigError
 from olmo_jax.parallel.expert import rowwise_capacity_factor
-from olmo_jax.planner import hardware, plan_build, plan_text, xla_gpu
+from olmo_jax.planner import batch_sizes, hardware, plan_build, plan_text, xla_gpu
 from olmo_jax.planner.compile import compile_train_step
 
 
@@ -61,18 +64,43 @@ def _same(cfg: RunConfig, changes: dict) -> bool:
     return all(cfg.get(k) == v for k, v in changes.items())
 
 
-def _variant(cfg: RunConfig, devices, changes: dict, kind: str):
-    return compile_train_step(cfg.with_values(changes), devices, kind=kind)
+def _variant(cfg: RunConfig, devices, changes: dict, kind: str, batch_size: int):
+    return compile_train_step(cfg.with_values(changes), devices, kind=kind, batch_size=batch_size)
+
+
+def plan_sizes(run: RunConfig, devices, kind: str, spec: hardware.DeviceSpec,
+               notes: list[str] | None = None) -> dict[int, plan_build.Plan]:
+    """{batch size: the Plan of the step compiled at it} for each size the run's steps
+    take (batch_sizes.run_sizes: trainer.global_batch_size alone without a schedule),
+    compiled for `devices` (`kind`: compile_train_step's) and priced on `spec`."""
+    sizes = [r.size for r in batch_sizes.run_sizes(run.trainer)]
+    return {size: plan_build.build(compile_train_step(run, devices, kind=kind, batch_size=size),
+                                   spec, notes=notes)
+            for size in reversed(sizes)}  # the largest first: the one that must fit
+
+
+def plan_run(run: RunConfig, by_size: dict[int, plan_build.Plan], config_path: str = ""
+             ) -> tuple[plan_build.Plan, list[str], dict]:
+    """(the detailed plan: the largest size's, carrying the run's errors; its text and the
+    run's by size; their JSON {"plan", "run"}) of `by_size` (plan_sizes)."""
+    run_plan = batch_sizes.build(run.trainer, by_size)
+    plan = run_plan.largest.plan
+    plan.errors += [e for e in run_plan.errors if e not in plan.errors]
+    text = [plan_text.format_plan(plan, config_path), plan_text.format_run(run_plan)]
+    return plan, text, {"plan": plan.to_json(), "run": run_plan.to_json()}
 
 
 def plan_config(run: RunConfig, n_devices: int, kind: str, *, compare: bool = False,
                 compiler: str = "auto", config_path: str = "", devices=None) -> dict:
-    """{"text": the rendered plan(s), "json": {"plan": ..., "compare": [...]}} of the
+    """{"text": the rendered plan(s), "json": {"plan": ..., "run": ..., "compare": [...]}} of the
     validated config `run` (config.validate) on `n_devices` of device kind `kind`
     (hardware.KINDS). `compare`: add the strategies side by side (comparison_variants);
     `compiler`: auto | xla_gpu | xla_cpu (planner/xla_gpu.py); `config_path`: the
     config file named in the text; `devices`: the fake CPU devices an XLA:CPU plan
-    compiles for when JAX already runs (default: start n of them)."""
+    compiles for when JAX already runs (default: start n of them). "plan" is the step
+    at the largest batch size the run takes (trainer.global_batch_size without a
+    trainer.batch_size_schedule), "run" the step planned at each size
+    (planner/batch_sizes.py)."""
     try:
         where = xla_gpu.where(kind, compiler)
     except ValueError as e:
@@ -85,13 +113,11 @@ def plan_config(run: RunConfig, n_devices: int, kind: str, *, compare: bool = Fa
         devices = start_devices(n_devices)
     notes = [where.note] if where.note else []
     spec = hardware.device_spec(kind, n_devices)
-    plan = plan_build.build(compile_train_step(run, devices, kind=kind), spec, notes=notes)
-    text = [plan_text.format_plan(plan, config_path)]
-    out = {"plan": plan.to_json()}
+    plan, text, out = plan_run(run, plan_sizes(run, devices, kind, spec, notes), config_path)
     if compare:
         plans = [dataclasses.replace(plan, label=label) if _same(run, changes)
-                 else plan_build.build(_variant(run, devices, changes, kind), spec, label=label,
-                                       notes=notes)
+                 else plan_build.build(_variant(run, devices, changes, kind, plan.step.batch_size), spec,
+                                       label=label, notes=notes)
                  for label, changes in comparison_variants(run)]
         text.append(plan_text.format_comparison(plans))
         out["compare"] = [p.to_json() for p in plans]

@@ -31,6 +31,11 @@ cuDNN's, plan_build.py takes the core's [T, S] buffers off), not the CPU's FFI k
 
 A pipelined step's module is counted with each pipeline branch run as often as the
 schedule runs it, averaged over the stages (pipeline_cost.branch_weights).
+
+`batch_size` compiles the step of another batch size of `trainer.batch_size_schedule`, as
+the trainer runs it: the microbatch of global_batch_size / grad_accum sequences kept, so
+that size's microbatches (`TrainerConfig.grad_accum_at`) are accumulated; the learning rate
+is the trainer's (`trainer.loop.schedule_args`: with a schedule, its per-step table).
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from olmo_jax.optim import build_optimizer
 from olmo_jax.parallel.strategy import ParallelPlan, build_plan
 from olmo_jax.planner import hlo, memory, pipeline_cost
 from olmo_jax.trainer import guard as guard_lib
+from olmo_jax.trainer.loop import schedule_args
 from olmo_jax.trainer.state import TrainState, abstract_train_state
 from olmo_jax.trainer.step import make_train_step
 
@@ -71,6 +77,17 @@ class CompiledStep:
     live_range: str  # XLA's live-range report ("" when it wrote none)
     lowered: jax.stages.Lowered | None = None
     buffer_assignment: str = ""  # XLA's buffer assignment report ("" when it wrote none)
+    batch_size: int = 0  # sequences per step (0: trainer.global_batch_size)
+    grad_accum: int = 0  # microbatches accumulated per step (0: trainer.grad_accum)
+
+    def __post_init__(self):
+        t = self.cfg.trainer
+        self.batch_size = self.batch_size or t.global_batch_size
+        self.grad_accum = self.grad_accum or t.grad_accum
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.cfg.trainer.seq_len
 
     @property
     def n_devices(self) -> int:
@@ -104,12 +121,15 @@ def model_config(cfg: RunConfig) -> TransformerConfig:
 
 
 def compile_train_step(cfg: RunConfig, devices, *, trainer_step: bool = False,
-                       options: dict | None = None, kind: str | None = None) -> CompiledStep:
+                       options: dict | None = None, kind: str | None = None,
+                       batch_size: int | None = None) -> CompiledStep:
     """Lowers and compiles the train step of the validated config `cfg` (config.validate)
     for a mesh over `devices`: the planner's
     (unguarded, `planner_options` with the buffer dump), or with
     `trainer_step` the trainer's exact program (module docstring), compiled with XLA
-    `options` (None: the backend's defaults, as the trainer compiles)."""
+    `options` (None: the backend's defaults, as the trainer compiles); `batch_size`: the
+    step of that many sequences (a size of trainer.batch_size_schedule; None:
+    trainer.global_batch_size)."""
     t0 = time.perf_counter()
     model_cfg = compiled_model_cfg = model_config(cfg)
     if (not trainer_step and kind != "cpu" and model_cfg.attention_impl == "auto"
@@ -118,17 +138,18 @@ def compile_train_step(cfg: RunConfig, devices, *, trainer_step: bool = False,
     plan = build_plan(cfg.parallel, cfg.trainer, compiled_model_cfg, optim=cfg.optim,
                       devices=devices)
     t = cfg.trainer
-    tx, schedule = build_optimizer(cfg.optim, t.total_steps, tokens_per_step=t.tokens_per_step,
-                                   max_tokens=t.budget_tokens)
+    size = batch_size or t.global_batch_size
+    grad_accum = t.grad_accum_at(size)  # = trainer.grad_accum at global_batch_size
+    tx, schedule = build_optimizer(cfg.optim, t.total_steps, **schedule_args(t))
     guard_cfg = guard_lib.GuardConfig.from_trainer(t) if trainer_step else None
     graphdef, abstract = abstract_train_state(plan.model_cfg, tx, dispatcher=plan.dispatcher,
                                               guard_cfg=guard_cfg)
     shardings = plan.state_shardings(abstract, tx)
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                          abstract, shardings)
-    batch = jax.ShapeDtypeStruct(plan.batch_shape(t.global_batch_size, t.seq_len), jnp.int32,
-                                 sharding=plan.batch_sharding())
-    train_step = make_train_step(graphdef, plan.model_cfg, tx, schedule, t.grad_accum, parallel=plan,
+    shape = plan.batch_shape(size, t.seq_len, None if size == t.global_batch_size else grad_accum)
+    batch = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=plan.batch_sharding())
+    train_step = make_train_step(graphdef, plan.model_cfg, tx, schedule, grad_accum, parallel=plan,
                                  expert_ranks=plan.mesh.shape["expert"])
     if trainer_step:
         train_step = guard_lib.guarded(train_step, guard_cfg)
@@ -153,4 +174,4 @@ def compile_train_step(cfg: RunConfig, devices, *, trainer_step: bool = False,
     if plan.pipeline is not None:
         module = module.counted(pipeline_cost.branch_weights(module, plan.pipeline.schedule))
     return CompiledStep(cfg, model_cfg, plan, compiled, module, state, shardings, batch,
-                        t1 - t0, t2 - t1, live_range, lowered, assignment)
+                        t1 - t0, t2 - t1, live_range, lowered, assignment, size, grad_accum)

@@ -93,6 +93,23 @@ class Plan:
         return self.peak_bytes - (self.scores_bytes if self.fused_scores else 0)
 
     @property
+    def memory_limit(self) -> tuple[float, str]:
+        """(bytes per device the step must fit in, where that number comes from):
+        trainer.memory_limit_gb (GiB, as the trainer's preflight reads it) when > 0, else
+        the device kind's HBM (0: unknown, no verdict)."""
+        t = self.step.cfg.trainer
+        if t.memory_limit_gb > 0:
+            return t.memory_limit_gb * 2**30, f"trainer.memory_limit_gb={t.memory_limit_gb:g}"
+        return self.spec.hbm_bytes, (f"{self.spec.kind.upper()} HBM" if self.spec.hbm_bytes else "")
+
+    @property
+    def fits(self) -> bool | None:
+        """The peak the HBM is compared with fits the memory limit (None: no limit, or no
+        live-range report, known)."""
+        limit = self.memory_limit[0]
+        return self.counted_peak_bytes <= limit if limit and self.peak_bytes else None
+
+    @property
     def allocated_bytes(self) -> int:
         """What XLA allocates per device for the step (trainer/preflight.py's estimate)."""
         return preflight.MemoryEstimate.of(self.step.compiled).total
@@ -111,6 +128,8 @@ class Plan:
         mem = s.compiled.memory_analysis()
         return {
             "label": self.label, "devices": s.n_devices, "mesh": dict(s.plan.mesh.shape),
+            "batch_size": s.batch_size, "grad_accum": s.grad_accum,
+            "tokens_per_step": s.tokens_per_step,
             "device_kind": self.spec.kind, "params": metrics.param_counts(s.model_cfg),
             "flops_per_token_formula": self.formula, "flops_per_token_hlo": self.hlo,
             "flops_per_token_recomputed": self.recomputed,
@@ -120,6 +139,7 @@ class Plan:
             "argument_bytes": mem.argument_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes,
             "argument_parts": self.args, "peak_bytes": self.peak_bytes,
             "peak_bytes_counted": self.counted_peak_bytes, "scores_bytes": self.scores_bytes,
+            "memory_limit_bytes": self.memory_limit[0], "fits": self.fits,
             "allocated_bytes": self.allocated_bytes,
             "compiler": self.compiler, "attention_impl": self.attention_impl,
             "matmul_efficiency": self.spec.matmul_efficiency,
@@ -144,15 +164,15 @@ class Plan:
 
 
 def tokens_per_step(step: CompiledStep) -> int:
-    t = step.cfg.trainer
-    return t.global_batch_size * t.seq_len
+    """Tokens in the compiled step's batch (of its batch size, compile.py)."""
+    return step.tokens_per_step
 
 
 def expert_buffer_factor(step: CompiledStep) -> tuple[float | None, str]:
     """Rows the compiled expert matmuls run over, per routed (token, choice) row, from the
     dispatcher's own sizing functions, and what sets it."""
     m, plan, t = step.model_cfg.moe, step.plan, step.cfg.trainer
-    S = t.global_batch_size // (t.grad_accum * plan.microbatches) // batch_shards(plan.mesh) * t.seq_len
+    S = step.batch_size // (step.grad_accum * plan.microbatches) // batch_shards(plan.mesh) * t.seq_len
     E, N = m.num_experts, S * m.top_k
     ep = plan.mesh.shape["expert"]
     impl = plan.kernels.gmm  # model.moe.gmm_impl as the plan resolved it

@@ -2,7 +2,9 @@
 planner/plan_build.py `Plan` section by section (FLOPs per token, formula vs compiled and
 why they differ; memory per device; collectives per step; the overlap as the compiler
 scheduled the step; the optimizer's share; the projected step, next to what OLMo-core
-measured for the same model shape), and `format_comparison` several plans side by side.
+measured for the same model shape), `format_run` the run's steps by batch size (each size
+of trainer.batch_size_schedule planned on its own program) and its projected duration, and
+`format_comparison` several plans side by side.
 The numbers are the plan's (and REFERENCE's, what OLMo-core measured); this module adds
 only their ratios and units, and the notes on why compiled and formula FLOPs differ.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 from olmo_jax import metrics, targets
 from olmo_jax.model.attention import query_chunks
 from olmo_jax.planner import comms, hardware, hlo_cost, pipeline_cost
+from olmo_jax.planner.batch_sizes import RunPlan
 from olmo_jax.planner.optimizer_cost import OptimizerCost
 from olmo_jax.planner.plan_build import TERMS, Plan, cpu_attention_kernel, tokens_per_step
 
@@ -146,6 +149,7 @@ def _memory_section(plan: Plan) -> list[str]:
     mem = plan.step.compiled.memory_analysis()
     args = ", ".join(f"{k} {_bytes(v)}" for k, v in plan.args.items() if v)
     hbm = plan.spec.hbm_bytes
+    limit, source = plan.memory_limit
     lines = [f"Memory per device ({plan.compiler}'s buffer assignment: compiled memory analysis "
              "and live ranges)",
              f"  arguments    {_bytes(mem.argument_size_in_bytes)}: {args}",
@@ -161,11 +165,13 @@ def _memory_section(plan: Plan) -> list[str]:
                     if hbm and plan.step.gpu_kind is not None else ""))
     if plan.peak_bytes:
         counted = plan.counted_peak_bytes
-        fit = (f" of {_bytes(hbm)} HBM on a {plan.spec.kind.upper()}: "
-               f"{'fits' if counted <= hbm else 'does NOT fit'}"
-               + (f", {1 - counted / hbm:.0%} headroom" if counted <= hbm else "")
+        where = (f"HBM on a {plan.spec.kind.upper()}" if source.endswith(" HBM")
+                 else f"memory per device ({source})")
+        fit = (f" of {_bytes(limit)} {where}: "
+               f"{'fits' if plan.fits else 'does NOT fit'}"
+               + (f", {1 - counted / limit:.0%} headroom" if plan.fits else "")
                + (" without the score matrices (below)" if plan.fused_scores else "")
-               ) if hbm else ""
+               ) if limit else ""
         lines.append(f"  live at the peak (arguments included)  {_bytes(plan.peak_bytes)}{fit}; "
                      "the largest parts:")
         for g in plan.peak[:7]:
@@ -340,9 +346,11 @@ def format_plan(plan: Plan, config_path: str = "") -> str:
         caveat,
         f"  model       {c.n_layers} blocks ({c.n_dense_layers} dense), d_model {c.d_model}, "
         f"{c.n_heads}/{c.kv_heads} heads of {c.head_size}, {c.moe.num_experts} experts top-"
-        f"{c.moe.top_k} + {c.moe.n_shared_experts} shared; {t.global_batch_size} x {t.seq_len} "
-        f"tokens per step in {t.grad_accum} microbatch(es)"
-        + (f" x {s.plan.microbatches} pipeline microbatches" if s.plan.pipeline else ""),
+        f"{c.moe.top_k} + {c.moe.n_shared_experts} shared; {s.batch_size} x {t.seq_len} "
+        f"tokens per step in {s.grad_accum} microbatch(es)"
+        + (f" x {s.plan.microbatches} pipeline microbatches" if s.plan.pipeline else "")
+        + ("; the largest batch of trainer.batch_size_schedule (each size: the Batch sizes "
+           "section)" if t.batch_schedule is not None else ""),
         f"  parameters  {total / 1e9:,.3f} B total, {active / 1e9:,.3f} B active per token",
     ]
     if plan.pipeline is not None:
@@ -386,4 +394,47 @@ def format_comparison(plans: list[Plan]) -> str:
              f"  {'':<34}" + "".join(f"{p.label:>{width}}" for p in plans)]
     for name, fn in rows:
         lines.append(f"  {name:<34}" + "".join(f"{fn(p):>{width}}" for p in plans))
+    return "\n".join(lines)
+
+
+def _duration(x: float) -> str:
+    if x < 1:
+        return _secs(x)
+    if x >= 86400:
+        return f"{x / 86400:,.2f} days"
+    return f"{x / 3600:,.2f} h" if x >= 3600 else f"{x:,.1f} s"
+
+
+def format_run(run: RunPlan) -> str:
+    """The run's steps by batch size (a table with trainer.batch_size_schedule) and the
+    run's projected time, each size's step time x its steps."""
+    t, lines = run.trainer, []
+    if run.scheduled:
+        limit = (f"; live at the peak against {_bytes(run.limit_bytes)} ({run.limit_source})"
+                 if run.limit_bytes else "")
+        lines += [f"Batch sizes (trainer.batch_size_schedule={t.batch_schedule.spec}): the step "
+                  "compiled at each size the run's steps take (the microbatch kept, more "
+                  f"accumulated); the sections above plan the largest{limit}",
+                  f"  {'batch':>12} {'tokens/step':>13} {'microbatches':>12} {'steps':>9} "
+                  f"{'from step':>10} {'step, no overlap':>17} {'as scheduled':>13} "
+                  f"{'tok/s/device':>13} {'MFU':>6} {'live at peak':>13}  fits"]
+        for s in run.sizes:
+            p = s.plan.projection
+            fits = {True: "yes", False: "NO", None: "-"}[s.plan.fits]
+            lines.append(
+                f"  {s.run.size:>12,} {s.tokens_per_step:>13,} {s.grad_accum:>12} "
+                f"{s.run.steps:>9,} {s.run.first_step + 1:>10,} {_secs(p.step_s):>17} "
+                f"{_secs(p.scheduled_s):>13} {p.tokens_per_s(overlap='scheduled'):>13,.0f} "
+                f"{p.mfu(overlap='scheduled'):>6.1%} {_bytes(s.plan.counted_peak_bytes):>13}  {fits}")
+        lines.append("  (tokens/s/device and MFU as scheduled; each size's program compiled in "
+                     + ", ".join(f"{s.plan.step.compile_s:.1f}" for s in run.sizes) + " s)")
+    else:
+        lines.append("Run")
+    tokens_text = (f"{run.steps:,} steps, {run.tokens:,} tokens" if run.scheduled else
+                   f"{run.steps:,} steps x {run.sizes[0].tokens_per_step:,} tokens = "
+                   f"{run.tokens:,} tokens")
+    lines.append(f"  run          {tokens_text} ({t.binds} binds): projected "
+                 f"{_duration(run.time_s())} nothing overlapped, "
+                 f"{_duration(run.time_s('scheduled'))} as scheduled, "
+                 f"{_duration(run.time_s('full'))} fully overlapped")
     return "\n".join(lines)
