@@ -9,8 +9,9 @@ after the blank); its `ctx_len` is the context's length, which is the usual
 `len(query) - len(cont) + 1` whenever the query fits the eval context (its longest is
 under 128 tokens). ArcEasyCELoss scores ARC-Easy's *first* choice, whatever the answer key
 (its `doc_to_continuations` picks the choice `self.doc_to_label` names, and its own
-`doc_to_label` returns 0): kept, to report olmo_eval's number. MRPC (metric f1, which
-olmo_jax's ICLMetric does not compute) is not built. Encoding, BOS and truncation: tasks.py."""
+`doc_to_label` returns 0): kept, to report olmo_eval's number. MRPC asks whether two
+sentences mean the same thing, " yes" (continuation 0, for a paraphrase: f1's positive
+class, metric.py) or " no". Encoding, BOS and truncation: tasks.py."""
 
 from __future__ import annotations
 
@@ -110,6 +111,12 @@ def _sst2(doc):
     return [(ctx, c, "Answer:") for c in (" negative", " positive")], doc["label"]
 
 
+def _mrpc(doc):
+    ctx = ("Sentence 1: " + _glue_clean(doc["sentence1"]) + "\nSentence 2: " + _glue_clean(doc["sentence2"])
+           + "\nQuestion: Do both sentences mean the same thing?\nAnswer:")
+    return [(ctx, c, "Answer:") for c in (" yes", " no")], 0 if doc["label"] else 1
+
+
 def _social_iqa(doc):
     ctx = "Question: " + doc["context"] + " " + doc["question"] + "\nAnswer:"
     return [(ctx, " " + doc[k], "Answer:") for k in ("answerA", "answerB", "answerC")], int(doc["label"]) - 1
@@ -149,6 +156,7 @@ LABELS: dict[str, Classic] = {
     "rte": Classic("RTE", "len_norm", "glue", "rte", _rte),
     "commitment_bank": Classic("CommitmentBank", "acc", "super_glue", "cb", _commitment_bank),
     "sst2": Classic("SST2", "acc", "glue", "sst2", _sst2),
+    "mrpc": Classic("MRPC", "f1", "glue", "mrpc", _mrpc),
     "commonsense_qa": Classic("CommonsenseQA", "len_norm", "tau/commonsense_qa", None, _arc),
     "social_iqa": Classic("SocialIQa", "len_norm", "social_i_qa", None, _social_iqa),
     "trivia_qa_wiki_ppl": Classic("TriviaQACELoss", "ce_loss", "trivia_qa", "rc.wikipedia.nocontext", _trivia_qa),

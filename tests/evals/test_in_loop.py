@@ -65,7 +65,7 @@ def test_in_loop_downstream_equals_one_device(tmp_path):
 
 
 def test_unknown_label_is_refused_by_the_config(tmp_path):
-    cfg = run_config(tmp_path / "run", downstream_evals="arc_easy_rc_5shot, mrpc")
-    with pytest.raises(ConfigError, match=r"unsupported task\(s\) \['mrpc'\]"):
+    cfg = run_config(tmp_path / "run", downstream_evals="arc_easy_rc_5shot, mrpc_f1")
+    with pytest.raises(ConfigError, match=r"unsupported task\(s\) \['mrpc_f1'\] \(mrpc_f1: not an olmo_eval"):
         config_lib.validate(cfg)
-    config_lib.validate(run_config(tmp_path / "ok", downstream_evals="mmlu_stem_val_rc_5shot,piqa"))
+    config_lib.validate(run_config(tmp_path / "ok", downstream_evals="mmlu_stem_val_rc_5shot,piqa,mrpc"))

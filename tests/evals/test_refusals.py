@@ -22,10 +22,9 @@ def tok():
 
 
 def test_bad_input_is_refused_before_compute(tok):
-    with pytest.raises(ConfigError, match=r"unsupported task\(s\) \['mrpc'\].*arc_easy_rc_5shot.*mmlu_stem_val_rc"):
-        Suite(["arc_easy_rc_5shot", "mrpc"], tok, 1024, 50304)
-    with pytest.raises(ConfigError, match=r"--tasks: unsupported task\(s\) \['mrpc', 'mmlu_x_bpb', 'nope'\] \("
-                       r"mrpc: olmo_eval's MRPC task \(f1\): olmo_jax's ICLMetric does not compute f1; "
+    with pytest.raises(ConfigError, match=r"unsupported task\(s\) \['mrpc_f1'\].*arc_easy_rc_5shot.*mmlu_stem_val_rc"):
+        Suite(["arc_easy_rc_5shot", "mrpc_f1"], tok, 1024, 50304)
+    with pytest.raises(ConfigError, match=r"--tasks: unsupported task\(s\) \['mmlu_x_bpb', 'nope'\] \("
                        r"mmlu_x_bpb: not an olmo_eval 0.9.0 label; nope: not an olmo_eval 0.9.0 label\)"):
         Suite(["mrpc", "mmlu_x_bpb", "nope"], tok, 1024, 50304, field="--tasks")
     with pytest.raises(ConfigError, match="50280 ids and the model's vocabulary 384"):
@@ -84,6 +83,11 @@ def test_icl_metric_rules():
     assert set(bpb) == {"bpb_v1", "bpb_v2"}
     assert bpb["bpb_v2"] == pytest.approx(3.0 / 3 * metric.LOG_2_OF_E)
     assert bpb["bpb_v1"] == pytest.approx(3.0 / 2 * metric.LOG_2_OF_E)
+    # f1 (MRPC), class 0 positive: tp = fp = fn = 1; no positive label or no positive prediction: 0.0
+    assert metric.f1_score([0, 0, 1, 1], [0, 1, 0, 1]) == 0.5
+    assert metric.f1_score([1, 1], [0, 1]) == metric.f1_score([0, 1], [1, 1]) == metric.f1_score([], []) == 0.0
+    f1 = metric.compute("f1", metric.records("f1", samples, [-3.0, -1.0, -2.0, -9.0]))
+    assert f1 == {"f1_v1": 0.0, "f1_v2": 0.0}  # doc 0: gold 1 (not positive), chosen 1
 
 
 def test_report_curves_carry_the_downstream_series():
