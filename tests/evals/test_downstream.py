@@ -171,7 +171,7 @@ def test_f1_equals_icl_metric(oracle):
 def test_label_coverage_equals_olmo_eval(oracle):
     """The supported labels are exactly olmo_eval's labels: its request-file (OEEvalTask),
     MMLU and other arrow-file labels (MRPC's f1 included), with the metric types it gives
-    them and, for MMLU, its arguments; `unsupported_task` names none; no label uses pmi_dc."""
+    them and, for MMLU, its arguments; no label uses pmi_dc."""
     ref = json.loads((oracle / "labels.json").read_text())
     request_file = {label: m for label, (cls, m) in ref.items() if cls == "OEEvalTask"}
     assert {label: spec.split(":")[1] for label, spec in tasks.TASKS.items()} == request_file
@@ -183,7 +183,6 @@ def test_label_coverage_equals_olmo_eval(oracle):
     rest = {label: tuple(v) for label, v in ref.items() if label not in request_file and label not in mmlu_ref}
     assert {label: (c.cls, c.metric_type) for label, c in classic.LABELS.items()} == rest
     assert tasks.supported() == sorted(ref) == sorted(request_file | mmlu_ref | classic.LABELS)
-    assert [tasks.unsupported_task(label) for label in ref] == [None] * len(ref)
     assert (len(request_file), len(mmlu_ref), len(classic.LABELS)) == (158, 75, 19)
     kinds = sorted({m for _, m in ref.values()})
     assert kinds == sorted(tasks.METRIC_TYPES) == ["acc", "bpb", "ce_loss", "f1", "len_norm"]
