@@ -163,11 +163,6 @@ class Plan:
         }
 
 
-def tokens_per_step(step: CompiledStep) -> int:
-    """Tokens in the compiled step's batch (of its batch size, compile.py)."""
-    return step.tokens_per_step
-
-
 def expert_buffer_factor(step: CompiledStep) -> tuple[float | None, str]:
     """Rows the compiled expert matmuls run over, per routed (token, choice) row, from the
     dispatcher's own sizing functions, and what sets it."""
@@ -270,7 +265,7 @@ def dense_group_errors(step: CompiledStep, hlo: dict[str, float], formula: dict[
 
 def build(step: CompiledStep, spec: hardware.DeviceSpec, label: str = "",
           notes: list[str] | None = None) -> Plan:
-    n, tokens = step.n_devices, tokens_per_step(step)
+    n, tokens = step.n_devices, step.tokens_per_step
     per_token = n / tokens
     cost = hlo_cost.program_cost(step.module)
     formula = metrics.flops_per_token_parts(step.model_cfg, step.cfg.trainer.seq_len)

@@ -16,7 +16,7 @@ from olmo_jax.model.attention import query_chunks
 from olmo_jax.planner import comms, hardware, hlo_cost, pipeline_cost
 from olmo_jax.planner.batch_sizes import RunPlan
 from olmo_jax.planner.optimizer_cost import OptimizerCost
-from olmo_jax.planner.plan_build import TERMS, Plan, cpu_attention_kernel, tokens_per_step
+from olmo_jax.planner.plan_build import TERMS, Plan, cpu_attention_kernel
 
 # What the reference measured (OLMo-core 3, docs/reference.md), keyed by the model's shape
 # (d_model, n_layers, num_experts, top_k, seq_len).
@@ -126,7 +126,7 @@ def _flops_section(plan: Plan) -> list[str]:
         lines.append(f"  {'+ recomputed':<20} {'':>9} {_g(rt, unit):>9} {'':>7}  "
                      f"model.remat={plan.step.cfg.model.remat}: the backward pass reruns parts "
                      "of the forward (not model FLOPs; not in the rows above)")
-    per_token = plan.step.n_devices / tokens_per_step(plan.step)
+    per_token = plan.step.n_devices / plan.step.tokens_per_step
     ew = sum(plan.cost.other_flops.values()) * per_token
     xla_once = (f"XLA's cost analysis counts each loop body once: "
                 f"{plan.xla_flops_once / 1e12:,.2f} TFLOP" if plan.xla_flops_once else
