@@ -35,6 +35,13 @@ TEST_WORKERS ?= 2
 # Blackwell run took 5:44 with 2 processes, 3:20 with 4), so tests/gpu runs 4.
 GPU_TEST_WORKERS ?= 4
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
+# Python writes the bytecode of each module it imports (__pycache__/, git-ignored) and
+# later processes read it; an environment with PYTHONDONTWRITEBYTECODE set (this project's
+# machines and CI set it) would make every process compile the sources it imports again:
+# 4-6 CPU seconds a process for jax and olmo_jax, 6 more for torch in the oracle venv.
+# Measured side by side, the main suite took 16:08 with it unset, 18:56 set (31 and 36
+# CPU minutes on 2 AMD EPYC cores).
+unexport PYTHONDONTWRITEBYTECODE
 # The CPU test stages (main, jax 0.11.2, make check) compile with XLA's backend (LLVM)
 # optimization level 0: the same HLO passes, fusions and buffers, less LLVM time (a third
 # less wall time on tests/model's MoE and router files, measured side by side); the GPU
@@ -50,7 +57,7 @@ CPU_TEST_XLA_FLAGS := $(XLA_FLAGS) --xla_backend_optimization_level=0
 EDITABLE := $(if $(shell command -v flock),flock .editable-install.lock)
 VENV_JOBS := $(if $(EDITABLE),-j4,-j1)
 
-.PHONY: train test test-beside check docs venv oracle jax011 gpu-venv gpu-wheels chromium lint clean
+.PHONY: train test test-gpu check docs venv oracle jax011 gpu-venv gpu-wheels chromium lint clean
 
 venv: $(VENV)/.installed
 
@@ -131,46 +138,42 @@ chromium:
 	  fi; \
 	fi
 
-# The suite in .venv (CPU), then the jax 0.11.2 subset in .venv-jax011; beside them, niced,
-# tests/gpu in .venv-gpu (README: "Compiling for GPUs without one"), which takes the CPU
-# time they leave idle and prints its output when they are done (test-beside;
-# .artifacts/test-beside.log). The jax 0.11.2 stage stays in the foreground: its GPU-check
-# dry run has time budgets. The venvs install in parallel, each one's output printed when
-# it is done. Each pytest run compiles
-# through its own persistent compilation cache, a fresh folder shared by its workers and
-# their child processes (tests/conftest.py; OLMO_JAX_TEST_CACHE=0 turns it off), so the
-# jax 0.11.2 and GPU runs never read the main run's programs.
+# The suite in .venv (CPU), then the jax 0.11.2 subset in .venv-jax011, then tests/gpu in
+# .venv-gpu (README: "Compiling for GPUs without one"), one stage after the other. Beside
+# each other they cost more than in turn: on 2 AMD EPYC cores the main suite took 18:56
+# alone and 30:56 with the GPU stages beside it, niced (which took 39:41, 6:53 alone); the
+# CPU time of the whole run grew from about 52 to 78 minutes. The venvs install in
+# parallel, each one's output printed when it is done. Each pytest run compiles through
+# its own persistent compilation cache, a fresh folder shared by its workers and their
+# child processes (tests/conftest.py; OLMO_JAX_TEST_CACHE=0 turns it off), so the jax
+# 0.11.2 and GPU runs never read the main run's programs.
 test:
 	@mkdir -p .artifacts; date +%s > .artifacts/test-start
 	@$(MAKE) --no-print-directory $(VENV_JOBS) --output-sync=target venv oracle jax011 gpu-venv chromium || { \
 	  echo "error: a venv could not be installed (see pip's message above): the tests cannot run" >&2; \
 	  exit 1; }
 	@$(MAKE) --no-print-directory docs
-	@rm -f .artifacts/test-beside.log; t0=$$(cat .artifacts/test-start); t1=$$(date +%s); \
+	@t0=$$(cat .artifacts/test-start); t1=$$(date +%s); \
 	  mmss() { printf '%d:%02d' $$(( $$1 / 60 )) $$(( $$1 % 60 )); }; \
-	  (nice -n 19 $(MAKE) --no-print-directory test-beside > .artifacts/test-beside.log 2>&1; \
-	   echo $$? > .artifacts/test-beside.rc; date +%s > .artifacts/test-beside.end) & beside=$$!; \
-	  echo "main suite, then jax 0.11.2; the GPU-compile stages run beside them (output below when done)"; \
+	  echo "main suite, then jax 0.11.2, then the GPU-compile stages"; \
 	  XLA_FLAGS="$(CPU_TEST_XLA_FLAGS)" $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --ignore=tests/gpu $(PYTEST_ARGS); \
 	  main=$$?; j11=0; t2=$$(date +%s); \
 	  if [ -n "$(strip $(J11_TESTS))" ]; then echo "jax 0.11.2 ($(J11)): $(J11_TESTS)"; \
 	    XLA_FLAGS="$(CPU_TEST_XLA_FLAGS)" $(J11_PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile \
 	      -m "jax011 or image" -p tests.jax011_apis $(J11_TESTS); j11=$$?; fi; \
-	  t3=$$(date +%s); wait $$beside; rc=$$(cat .artifacts/test-beside.rc); t4=$$(date +%s); \
-	  cat .artifacts/test-beside.log; \
+	  t3=$$(date +%s); $(MAKE) --no-print-directory test-gpu; rc=$$?; t4=$$(date +%s); \
 	  echo "make test: set-up $$(mmss $$((t1 - t0))), main suite $$(mmss $$((t2 - t1))), jax 0.11.2" \
-	    "$$(mmss $$((t3 - t2))), GPU-compile stages (beside) $$(mmss $$(( $$(cat .artifacts/test-beside.end) - t1 )))," \
-	    "waited for them $$(mmss $$((t4 - t3))); total $$(mmss $$((t4 - t0)))"; \
+	    "$$(mmss $$((t3 - t2))), GPU-compile stages $$(mmss $$((t4 - t3))); total $$(mmss $$((t4 - t0)))"; \
 	  if [ $$main != 0 ] || [ $$j11 != 0 ] || [ $$rc != 0 ]; then \
 	    echo "make test: main suite exit $$main, jax 0.11.2 exit $$j11, GPU-compile stages exit $$rc" >&2; exit 1; fi
 
-# The GPU-compile stages `make test` runs beside the CPU stages, one after the other.
+# The GPU-compile stages of `make test`, one after the other.
 # One GPU architecture per process: once a process has assembled a Mosaic GPU kernel for
 # one sm_XYa, ptxas refuses another's (sm_90a then sm_103a: "SM version specified by
 # .target is higher than default SM version assumed"; sm_103a then sm_100a: "cannot be
 # compiled to future architecture"), so Hopper, B200 (sm_100) and B300 (sm_103) compile
 # in separate runs; tests/gpu/conftest.py refuses a selection that mixes them.
-test-beside:
+test-gpu:
 	$(GPU_PY) -m pytest -q -n $(GPU_TEST_WORKERS) $(GPU_PYTEST_ARGS) -k "not b200 and not b300"
 	$(GPU_PY) -m pytest -q -n $(GPU_TEST_WORKERS) $(GPU_PYTEST_ARGS) -k b200
 	$(GPU_PY) -m pytest -q -n $(GPU_TEST_WORKERS) $(GPU_PYTEST_ARGS) -k b300

@@ -1,7 +1,7 @@
 """tests/gpu: XLA:GPU compiles for abstract GPUs (olmo_jax.targets), no GPU needed. They
 run in .venv-gpu, which has the jax CUDA plugin (`make gpu-venv`; `make test` runs them
-beside the main suite with `.venv-gpu/bin/python -m pytest tests/gpu -k SELECTION`, one GPU
-architecture per process: `make test-beside`). In an interpreter without the plugin they do
+after the CPU stages with `.venv-gpu/bin/python -m pytest tests/gpu -k SELECTION`, one GPU
+architecture per process: `make test-gpu`). In an interpreter without the plugin they do
 not skip: collection stops with that message.
 
 The step is compiled as the trainer compiles it, so the main conftest's test-wide
@@ -34,7 +34,7 @@ def _has_cuda_plugin() -> bool:
 if not _has_cuda_plugin():
     raise pytest.UsageError(
         "tests/gpu need the jax CUDA plugin: run them with .venv-gpu/bin/python -m pytest "
-        "tests/gpu -k b300 (`make gpu-venv` builds it; `make test-beside` runs them all)")
+        "tests/gpu -k b300 (`make gpu-venv` builds it; `make test-gpu` runs them all)")
 
 jax.config.update("jax_default_matmul_precision", None)
 
@@ -68,7 +68,7 @@ def pytest_collection_modifyitems(config, items):
         named = "; ".join(f"sm_{a}{b}: {', '.join(k)}" for (a, b), k in sorted(archs.items()))
         raise pytest.UsageError(
             f"tests/gpu: this selection compiles for {len(archs)} GPU architectures ({named}); "
-            "one process compiles for one architecture: select one with -k (`make test-beside` "
+            "one process compiles for one architecture: select one with -k (`make test-gpu` "
             'runs -k "not b200 and not b300", then -k b200, then -k b300)')
 
 
