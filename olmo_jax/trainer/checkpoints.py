@@ -213,9 +213,9 @@ class RunCheckpoints:
         init: Callable[[], TrainState],
     ) -> TrainState:
         """The state to train from, on `shardings`: resumed from this run's latest
-        checkpoint, or a fresh state with trainer.init_from's weights, or `init()`.
-        `abstract` is the state's structure (ShapeDtypeStructs); nothing is initialized
-        (or allocated twice) when a checkpoint provides the values."""
+        checkpoint, or a fresh state with trainer.init_from's weights, or `init()` (which
+        makes it on `shardings`). `abstract` is the state's structure (ShapeDtypeStructs);
+        nothing is initialized (or allocated twice) when a checkpoint provides the values."""
         t = self.trainer
         self.checkpoint_bytes = tree_bytes(model_tree(abstract)) + tree_bytes(train_tree(abstract))
         if jax.process_index() == 0:
@@ -224,7 +224,7 @@ class RunCheckpoints:
             if self.latest is not None:
                 return self._resume(self.latest, abstract, shardings, train_loader, metrics_path)
             if not t.init_from:
-                return jax.device_put(init(), shardings)
+                return init()
             return self._init_from(t.init_from, abstract, shardings, tx)
         except BaseException:
             self.close()

@@ -272,12 +272,12 @@ def _change_steps(loader, start: int, stop: int) -> list[int]:
 
 
 def _start_state(run: _Run):
-    """Resumed, or weights from trainer.init_from, or init(); placed on the shardings."""
+    """Resumed, or weights from trainer.init_from, or initialized on the shardings."""
     model_cfg, t_cfg = run.model_cfg, run.t
     return run.checkpoints.start(
         run.abstract, run.shardings, run.tx, run.data.train, run.run_dir / "metrics.jsonl",
         init=lambda: init_state(model_cfg, run.tx, t_cfg.seed, dispatcher=run.plan.dispatcher,
-                                guard_cfg=run.guard_cfg)[1],
+                                guard_cfg=run.guard_cfg, shardings=run.shardings)[1],
     )
 
 

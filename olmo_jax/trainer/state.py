@@ -53,18 +53,33 @@ def abstract_train_state(model_cfg: TransformerConfig, tx: optax.GradientTransfo
     return graphdef, state
 
 
+def initializer(model_cfg: TransformerConfig, tx: optax.GradientTransformation, seed: int,
+                dispatcher=None, guard_cfg: GuardConfig | None = None, shardings=None):
+    """The jitted function of no arguments that makes the TrainState of `init_state`."""
+
+    def build() -> TrainState:
+        model = Transformer(model_cfg, rngs=nnx.Rngs(params=seed), dispatcher=dispatcher)
+        _, params, model_state = nnx.split(model, nnx.Param, ...)
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=tx.init(params),
+            model_state=model_state,
+            rng=initial_rng(seed),
+            guard=init_guard(guard_cfg or GuardConfig()),
+        )
+
+    return jax.jit(build, out_shardings=shardings)
+
+
 def init_state(model_cfg: TransformerConfig, tx: optax.GradientTransformation, seed: int,
-               dispatcher=None, guard_cfg: GuardConfig | None = None):
-    """Builds the model from `seed` and returns (graphdef, TrainState). Parameter values
-    depend only on the seed, never on the sharding they are later placed with."""
-    model = Transformer(model_cfg, rngs=nnx.Rngs(params=seed), dispatcher=dispatcher)
-    graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
-    state = TrainState(
-        step=jnp.zeros((), jnp.int32),
-        params=params,
-        opt_state=tx.init(params),
-        model_state=model_state,
-        rng=initial_rng(seed),
-        guard=init_guard(guard_cfg or GuardConfig()),
-    )
-    return graphdef, state
+               dispatcher=None, guard_cfg: GuardConfig | None = None, shardings=None):
+    """Builds the model from `seed` and returns (graphdef, TrainState), the whole state made
+    by one compiled program. With `shardings` (a TrainState of shardings, e.g.
+    `plan.state_shardings`) each device computes only the shards it holds, so no device
+    ever holds the whole state; without, it lands on the default device. Parameter values
+    depend only on the seed: not on the sharding (JAX's partitionable threefry) and not on
+    being compiled as one program (they equal the module built op by op, bitwise:
+    tests/trainer/test_init_state.py)."""
+    graphdef, _, _ = abstract_model(model_cfg, dispatcher)
+    return graphdef, initializer(model_cfg, tx, seed, dispatcher, guard_cfg, shardings)()

@@ -65,8 +65,8 @@ def _train(gmm_impl: str, steps: int, dry: bool) -> dict:
                                                           sharding=plan.batch_sharding())).compile()
     compile_s = time.perf_counter() - t0
     memory = preflight.check(compiled, run)
-    state = jax.jit(lambda: init_state(model_cfg, tx, t.seed, dispatcher=plan.dispatcher,
-                                       guard_cfg=guard_cfg)[1], out_shardings=shardings)()
+    state = init_state(model_cfg, tx, t.seed, dispatcher=plan.dispatcher, guard_cfg=guard_cfg,
+                       shardings=shardings)[1]
     batches = [jax.device_put(np.random.default_rng(i).integers(0, model_cfg.vocab_size, batch_shape,
                                                                 dtype=np.int32), plan.batch_sharding())
                for i in range(4)]
