@@ -1,4 +1,5 @@
-"""Report sections of a plan: "memory" (per-device memory of the compiled step by
+"""Report sections of a plan: "sizes" (the step planned at each batch size the run takes,
+and the run's projected time), "memory" (per-device memory of the compiled step by
 category) and "collectives" (bytes per collective per step, per device).
 
 Both are the planner's numbers (`python -m olmo_jax.plan`), not a second estimate: the
@@ -36,12 +37,13 @@ PURPOSE = {
 }
 
 
-def compile_plan(cfg, plan, device_kind: str) -> tuple[dict, hardware.DeviceSpec]:
-    """The planner's plan of `cfg` on the devices of `plan`'s mesh (its JSON) and the
-    device kind's spec."""
+def compile_plan(cfg, plan, device_kind: str) -> tuple[dict, dict, hardware.DeviceSpec]:
+    """The planner's plan of `cfg` on the devices of `plan`'s mesh: the JSON of the step
+    at the run's largest batch size, the run's (every size it takes) and the device
+    kind's spec."""
     devices = list(plan.mesh.devices.flat)
     out = plan_config(cfg, len(devices), device_kind, devices=devices)
-    return out["json"]["plan"], hardware.device_spec(device_kind, len(devices))
+    return out["json"]["plan"], out["json"]["run"], hardware.device_spec(device_kind, len(devices))
 
 
 def memory_data(pj: dict, hbm_bytes: float, kind: str) -> dict:
@@ -107,9 +109,41 @@ def collectives_data(pj: dict) -> dict:
                       "numeric": [0, 0, 0, 0, 1, 1]}}
 
 
+def _duration(seconds: float) -> str:
+    return f"{seconds / 3600:,.2f} h" if seconds >= 3600 else f"{seconds:,.1f} s"
+
+
+def sizes_data(rj: dict, kind: str) -> dict:
+    """The run's batch sizes (the planner's "run" JSON, planner/batch_sizes.py): one row per
+    size its steps take, each from that size's own compiled step, and the run's total."""
+    rows = [[s["batch_size"], f"{s['tokens_per_step']:,}", s["grad_accum"],
+             f"{s['first_step']:,}", f"{s['steps']:,}", f"{s['step_s']:.3g}", f"{s['scheduled_s']:.3g}",
+             f"{s['tokens_per_s_per_device_scheduled']:,.0f}", f"{s['mfu_scheduled']:.1%}",
+             f"{s['peak_bytes_counted'] / 1e6:,.2f} MB", "yes" if s["fits"] else "NO"]
+            for s in rj["sizes"]]
+    schedule = rj["batch_size_schedule"]
+    limit = (f"{rj['memory_limit_bytes'] / 1e9:,.1f} GB ({rj['memory_limit_source']})"
+             if rj["memory_limit_bytes"] else "unknown")
+    return {
+        "note": ((f"trainer.batch_size_schedule={schedule}: each batch size the run's steps take is "
+                  "its own program, compiled and priced here; the memory and collectives sections "
+                  "are the largest size's step. " if schedule else
+                  "One batch size (no trainer.batch_size_schedule). ")
+                 + f"The run: {rj['steps']:,} steps, {rj['tokens']:,} tokens ({rj['binds']} binds), "
+                 f"projected {_duration(rj['time_s'])} with nothing overlapped, "
+                 f"{_duration(rj['time_s_scheduled'])} as scheduled on the {kind.upper()}. Memory "
+                 f"limit per device {limit}."
+                 + "".join(f" ERROR: {e}" for e in rj["errors"])),
+        "table": {"head": ["batch size", "tokens / step", "microbatches", "first step", "steps",
+                           "step s", "step s (scheduled)", "tokens/s/device (scheduled)",
+                           "MFU (scheduled)", "peak", "fits"],
+                  "rows": rows, "numeric": [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0]}}
+
+
 def plan_sections(cfg, plan, device_kind: str) -> list[dict]:
-    pj, spec = compile_plan(cfg, plan, device_kind)
+    pj, rj, spec = compile_plan(cfg, plan, device_kind)
     return [
+        {"id": "sizes", "title": "Batch sizes", "kind": "sizes", "data": sizes_data(rj, device_kind)},
         {"id": "memory", "title": "Memory per device", "kind": "memory",
          "data": memory_data(pj, spec.hbm_bytes, device_kind)},
         {"id": "collectives", "title": "Bytes per collective", "kind": "collectives",

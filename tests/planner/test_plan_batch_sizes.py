@@ -133,3 +133,18 @@ def test_a_largest_size_that_does_not_fit_is_an_error(planned):
     assert [row.split()[-1] for row in rows[2:5]] == ["yes", "NO", "NO"]
     assert out["run"]["errors"] == plan.errors == out["plan"]["errors"]
     assert [r["fits"] for r in out["run"]["sizes"]] == [True, False, False]
+
+
+def test_the_report_lists_every_size(planned):
+    """The plan report's "Batch sizes" section (report/plan_view.py) is the run's JSON: a row
+    per size, with its microbatches, steps and its own step's projection and peak."""
+    from olmo_jax.report import plan_view
+
+    run, by_size, out = planned
+    data = plan_view.sizes_data(out["json"]["run"], "h100")
+    rows = data["table"]["rows"]
+    assert [(r[0], r[2], r[4]) for r in rows] == [(8, 1, "4"), (16, 2, "6"), (32, 4, f"{run.trainer.total_steps - 10:,}")]
+    assert [r[9] for r in rows] == [f"{by_size[s].counted_peak_bytes / 1e6:,.2f} MB" for s in (8, 16, 32)]
+    assert len({r[5] for r in rows}) == 3  # each size's own step time
+    assert f"trainer.batch_size_schedule={SCHEDULE}" in data["note"]
+    assert f"{run.trainer.total_steps:,} steps" in data["note"]

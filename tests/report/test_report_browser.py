@@ -57,7 +57,7 @@ def load(browser, html: Path, shot: str, tmp_path: Path) -> dict:
     sections = {s["id"]: s for s in browser.run(SECTIONS_JS)}
     for sid, sec in sections.items():
         assert sec["state"] == "rendered" and sec["text"], sec
-        assert sid == "summary" or sec["shapes"] > 0, sec
+        assert sid in ("summary", "sizes") or sec["shapes"] > 0, sec  # those two are tables
     return sections
 
 
@@ -134,7 +134,9 @@ def test_pipelined_run_report_in_chromium(browser, tmp_path):
 def test_plan_report_in_chromium(browser, tmp_path):
     html = report_cli(*PLAN_ARGS, f"--out={tmp_path / 'plan.html'}")
     sections = load(browser, html, "report-plan.png", tmp_path)
-    assert list(sections) == ["summary", "mesh", "route", "pipeline", "memory", "collectives"]
+    assert list(sections) == ["summary", "mesh", "route", "pipeline", "sizes", "memory", "collectives"]
+    assert browser.run("return document.querySelectorAll('#sizes tbody tr').length") == 1  # one batch size
+    assert "One batch size" in sections["sizes"]["text"]
     assert browser.run("return document.querySelectorAll('#mesh g.device').length") == 4
     assert browser.run("return document.querySelectorAll('#route g.token').length") == 16
     # pipeline: 1F1B, P=2, M=4: every stage runs F and B of every microbatch; 20% bubble
