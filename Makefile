@@ -138,6 +138,9 @@ chromium:
 	  fi; \
 	fi
 
+# A crashed test process ends its pytest run (--max-worker-restart=0) with the crash's
+# traceback: xdist's replacement of a crashed worker once left a --dist loadfile run
+# waiting forever for the crashed file.
 # The suite in .venv (CPU), then the jax 0.11.2 subset in .venv-jax011, then tests/gpu in
 # .venv-gpu (README: "Compiling for GPUs without one"), one stage after the other. Beside
 # each other they cost more than in turn: on 2 AMD EPYC cores the main suite took 18:56
@@ -156,10 +159,10 @@ test:
 	@t0=$$(cat .artifacts/test-start); t1=$$(date +%s); \
 	  mmss() { printf '%d:%02d' $$(( $$1 / 60 )) $$(( $$1 % 60 )); }; \
 	  echo "main suite, then jax 0.11.2, then the GPU-compile stages"; \
-	  XLA_FLAGS="$(CPU_TEST_XLA_FLAGS)" $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --ignore=tests/gpu $(PYTEST_ARGS); \
+	  XLA_FLAGS="$(CPU_TEST_XLA_FLAGS)" $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0 --ignore=tests/gpu $(PYTEST_ARGS); \
 	  main=$$?; j11=0; t2=$$(date +%s); \
 	  if [ -n "$(strip $(J11_TESTS))" ]; then echo "jax 0.11.2 ($(J11)): $(J11_TESTS)"; \
-	    XLA_FLAGS="$(CPU_TEST_XLA_FLAGS)" $(J11_PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile \
+	    XLA_FLAGS="$(CPU_TEST_XLA_FLAGS)" $(J11_PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0 \
 	      -m "jax011 or image" -p tests.jax011_apis $(J11_TESTS); j11=$$?; fi; \
 	  t3=$$(date +%s); $(MAKE) --no-print-directory test-gpu; rc=$$?; t4=$$(date +%s); \
 	  echo "make test: set-up $$(mmss $$((t1 - t0))), main suite $$(mmss $$((t2 - t1))), jax 0.11.2" \
@@ -185,7 +188,7 @@ docs: venv
 # The inner loop (meant to take < 8 min on 2 cores once the venvs are installed): lint, then
 # the main suite's fast tier, every test not marked `slow` (tests/conftest.py SLOW).
 check: lint
-	XLA_FLAGS="$(CPU_TEST_XLA_FLAGS)" $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --ignore=tests/gpu -m "not slow" $(PYTEST_ARGS)
+	XLA_FLAGS="$(CPU_TEST_XLA_FLAGS)" $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0 --ignore=tests/gpu -m "not slow" $(PYTEST_ARGS)
 
 lint: venv
 	$(PY) -m ruff check olmo_jax tests tools configs

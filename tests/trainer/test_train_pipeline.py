@@ -38,6 +38,12 @@ def _records(summary):
     return [json.loads(line) for line in open(summary.metrics_path)]
 
 
+# Like tests/test_long_context_config.py's run: writing this step to the suite's persistent
+# compilation cache crashed an xdist worker with a segmentation fault inside XLA:CPU's
+# `executable.serialize()` (jax's put_executable_and_time), once in a full `make test`;
+# alone, 4 runs under glibc's malloc checks (MALLOC_CHECK_=3) passed with the cache on.
+# The product writes no compilation cache; the test compiles without one (not diagnosed).
+@pytest.mark.no_compile_cache
 def test_pipelined_run_matches_the_unpipelined_run(tmp_path):
     piped = _records(train(config_lib.validate(_config(tmp_path / "pipe", pipe=True))))
     plain = _records(train(config_lib.validate(_config(tmp_path / "plain", pipe=False))))
