@@ -143,7 +143,8 @@ def test_the_report_lists_every_size(planned):
     run, by_size, out = planned
     data = plan_view.sizes_data(out["json"]["run"], "h100")
     rows = data["table"]["rows"]
-    assert [(r[0], r[2], r[4]) for r in rows] == [(8, 1, "4"), (16, 2, "6"), (32, 4, f"{run.trainer.total_steps - 10:,}")]
+    last = f"{run.trainer.total_steps - 10:,}"
+    assert [(r[0], r[2], r[4]) for r in rows] == [(8, 1, "4"), (16, 2, "6"), (32, 4, last)]
     assert [r[9] for r in rows] == [f"{by_size[s].counted_peak_bytes / 1e6:,.2f} MB" for s in (8, 16, 32)]
     assert len({r[5] for r in rows}) == 3  # each size's own step time
     assert f"trainer.batch_size_schedule={SCHEDULE}" in data["note"]
