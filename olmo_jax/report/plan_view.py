@@ -2,7 +2,7 @@
 and the run's projected time), "memory" (per-device memory of the compiled step by
 category) and "collectives" (bytes per collective per step, per device).
 
-Both are the planner's numbers (`python -m olmo_jax.plan`), not a second estimate: the
+All three are the planner's numbers (`python -m olmo_jax.plan`), not a second estimate: the
 config's real train step is AOT-compiled for the plan's mesh on abstract inputs, by
 XLA:GPU for a GPU device kind where the planner can (else XLA:CPU on the plan's fake CPU
 devices, labelled; the planner's API `planner.api.plan_config`, planner/xla_gpu.py),
