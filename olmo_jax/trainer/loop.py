@@ -54,7 +54,7 @@ from olmo_jax.trainer.preemption import Preemption
 from olmo_jax.trainer.profiler import StepProfiler
 from olmo_jax.trainer.sample import generate
 from olmo_jax.trainer.sinks import build_sinks
-from olmo_jax.trainer.state import abstract_train_state, init_state
+from olmo_jax.trainer.state import abstract_train_state, initializer
 from olmo_jax.trainer.step import make_eval_step, make_train_step
 
 
@@ -276,8 +276,8 @@ def _start_state(run: _Run):
     model_cfg, t_cfg = run.model_cfg, run.t
     return run.checkpoints.start(
         run.abstract, run.shardings, run.tx, run.data.train, run.run_dir / "metrics.jsonl",
-        init=lambda: init_state(model_cfg, run.tx, t_cfg.seed, dispatcher=run.plan.dispatcher,
-                                guard_cfg=run.guard_cfg, shardings=run.shardings)[1],
+        init=initializer(model_cfg, run.tx, t_cfg.seed, dispatcher=run.plan.dispatcher,
+                         guard_cfg=run.guard_cfg, shardings=run.shardings),
     )
 
 

@@ -55,7 +55,8 @@ def abstract_train_state(model_cfg: TransformerConfig, tx: optax.GradientTransfo
 
 def initializer(model_cfg: TransformerConfig, tx: optax.GradientTransformation, seed: int,
                 dispatcher=None, guard_cfg: GuardConfig | None = None, shardings=None):
-    """The jitted function of no arguments that makes the TrainState of `init_state`."""
+    """The jitted function of no arguments that makes the TrainState of `init_state`; for
+    a caller that has the graphdef already (e.g. from `abstract_train_state`)."""
 
     def build() -> TrainState:
         model = Transformer(model_cfg, rngs=nnx.Rngs(params=seed), dispatcher=dispatcher)

@@ -1,4 +1,4 @@
-"""olmo_jax/trainer/state.py `init_state`: the train state made by one compiled program, on
+"""olmo_jax/trainer/state.py `init_state` / `initializer`: the train state made by one compiled program, on
 the shardings asked for (what `python -m olmo_jax.train` starts from when nothing is
 resumed). Reference: the model built op by op (eager) from the same seed. Every leaf
 equals it bitwise, on one device and sharded over data 2 x expert 4 (ragged dispatch's
@@ -46,7 +46,8 @@ def test_sharded_state_is_made_on_its_shardings():
     plan = plan_for(cfg, model_cfg)
     _, abstract = abstract_train_state(model_cfg, tx, dispatcher=plan.dispatcher)
     shardings = plan.state_shardings(abstract, tx)
-    _, state = init_state(model_cfg, tx, 0, dispatcher=plan.dispatcher, shardings=shardings)
+    compiled = initializer(model_cfg, tx, 0, plan.dispatcher, shardings=shardings).lower().compile()
+    state = compiled()
     for a, sh in zip(jax.tree.leaves(state), jax.tree.leaves(shardings), strict=True):
         assert a.sharding.is_equivalent_to(sh, a.ndim), (a.shape, a.sharding, sh)
     split = [a for a in jax.tree.leaves(state.params) if not a.sharding.is_fully_replicated]
@@ -56,7 +57,7 @@ def test_sharded_state_is_made_on_its_shardings():
     _assert_bitwise(state.model_state, model_state)
     # Per device: what the program writes and uses beside is less than the whole state.
     whole = sum(a.nbytes for a in jax.tree.leaves(state))
-    mem = initializer(model_cfg, tx, 0, plan.dispatcher, shardings=shardings).lower().compile().memory_analysis()
+    mem = compiled.memory_analysis()
     per_device = mem.output_size_in_bytes + mem.temp_size_in_bytes
     print(f"state {whole:,} B; per device: outputs {mem.output_size_in_bytes:,} B, temporaries "
           f"{mem.temp_size_in_bytes:,} B")

@@ -40,7 +40,7 @@ def _train(gmm_impl: str, steps: int, dry: bool) -> dict:
     from olmo_jax.parallel.strategy import build_plan
     from olmo_jax.trainer import guard as guard_lib
     from olmo_jax.trainer import preflight
-    from olmo_jax.trainer.state import abstract_train_state, init_state
+    from olmo_jax.trainer.state import abstract_train_state, initializer
     from olmo_jax.trainer.step import make_train_step
 
     cfg = common.config(dry)
@@ -65,8 +65,8 @@ def _train(gmm_impl: str, steps: int, dry: bool) -> dict:
                                                           sharding=plan.batch_sharding())).compile()
     compile_s = time.perf_counter() - t0
     memory = preflight.check(compiled, run)
-    state = init_state(model_cfg, tx, t.seed, dispatcher=plan.dispatcher, guard_cfg=guard_cfg,
-                       shardings=shardings)[1]
+    state = initializer(model_cfg, tx, t.seed, dispatcher=plan.dispatcher, guard_cfg=guard_cfg,
+                        shardings=shardings)()
     batches = [jax.device_put(np.random.default_rng(i).integers(0, model_cfg.vocab_size, batch_shape,
                                                                 dtype=np.int32), plan.batch_sharding())
                for i in range(4)]
