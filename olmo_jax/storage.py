@@ -4,7 +4,9 @@ fsspec (`s3fs`, `gcsfs`: the `cloud` extra).
 Credentials and the endpoint come from the environment, the standard way: for S3,
 `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY` (or a profile) and `AWS_ENDPOINT_URL` (or
 `AWS_ENDPOINT_URL_S3`) for an S3-compatible server; for GCS, Application Default
-Credentials. Nothing here logs or stores them.
+Credentials (`GOOGLE_APPLICATION_CREDENTIALS`, `gcloud auth application-default login`, or
+the metadata server of a Google Cloud machine) and `STORAGE_EMULATOR_HOST` for a
+GCS-compatible server (`gcs_setup`). Nothing here logs or stores them.
 
 - `is_remote`, `join`, `exists`, `is_file`, `size`, `glob`, `read_bytes` / `read_text`,
   `write_bytes` / `write_text`, `append_text`, `makedirs`: one call for either kind of path.
@@ -13,6 +15,8 @@ Credentials. Nothing here logs or stores them.
   `RemoteTokenFile` reads through it: a token file is never downloaded whole).
 - `storage_error`: one message naming the path for a missing bucket or object, denied
   access, or an unreachable endpoint.
+- `gcs_setup`: fsspec's `gs://` filesystem for this process (listings never cached; plain
+  gcsfs against a GCS-compatible server), for `filesystem` and for orbax's `epath` alike.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pathlib import Path
 REMOTE_PROTOCOLS = {"s3": "s3", "gs": "gcs", "gcs": "gcs"}  # URL scheme -> fsspec protocol
 _FILESYSTEMS: dict[str, object] = {}
 _FS_LOCK = threading.Lock()
+EMULATOR_ENV = "STORAGE_EMULATOR_HOST"  # a GCS-compatible server (host:port or a URL)
 
 
 def scheme(path: str | Path) -> str:
@@ -61,15 +66,15 @@ def filesystem(path: str | Path):
                     import s3fs  # noqa: F401 (registers the protocol; a clear error if absent)
                 else:
                     import gcsfs  # noqa: F401
+                    gcs_setup()
             except ImportError as e:
                 raise OSError(
                     f"{path}: reading {scheme(path)}:// paths needs "
                     f"{'s3fs' if protocol == 's3' else 'gcsfs'}; install olmo_jax's cloud extra "
                     "(pip install -e '.[cloud]')") from e
-            kwargs = {}
+            # run folders change under a reader (other processes write them): list afresh
+            kwargs: dict = {"use_listings_cache": False}
             if protocol == "s3":
-                # run folders change under a reader (other processes write them): list afresh
-                kwargs["use_listings_cache"] = False
                 endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
                 if endpoint:
                     kwargs["endpoint_url"] = endpoint
@@ -77,6 +82,32 @@ def filesystem(path: str | Path):
             _FILESYSTEMS[protocol] = fsspec.filesystem(protocol, skip_instance_cache=True,
                                                        **kwargs)
         return _FILESYSTEMS[protocol]
+
+
+def emulator_url() -> str:
+    """The URL of the GCS-compatible server `STORAGE_EMULATOR_HOST` names ('' for GCS)."""
+    host = os.environ.get(EMULATOR_ENV, "")
+    if host in ("", "default"):
+        return ""
+    return host if host.startswith(("http://", "https://")) else f"http://{host}"
+
+
+def gcs_setup() -> None:
+    """fsspec's `gs://` / `gcs://` filesystem for this process, whoever builds it (here or
+    orbax's epath): its listings are never cached (other processes write the same run
+    folders). Against a GCS-compatible server (`STORAGE_EMULATOR_HOST`) it is gcsfs's plain
+    `GCSFileSystem`: the default one first asks Google's storage-control API (gRPC, no
+    emulator has it) whether a bucket is zonal, and waits 60 s for the answer, on every
+    call."""
+    import fsspec
+
+    for protocol in ("gs", "gcs"):
+        fsspec.config.conf.setdefault(protocol, {})["use_listings_cache"] = False
+    if emulator_url():
+        from gcsfs.core import GCSFileSystem
+
+        for protocol in ("gs", "gcs"):
+            fsspec.register_implementation(protocol, GCSFileSystem, clobber=True)
 
 
 def storage_error(path: str | Path, exc: BaseException, doing: str = "reading") -> str:
@@ -98,7 +129,8 @@ def storage_error(path: str | Path, exc: BaseException, doing: str = "reading") 
                "the bucket")
     elif isinstance(exc, (ConnectionError, TimeoutError)) or "Could not connect" in text \
             or "EndpointConnectionError" in text:
-        why = ("the object store cannot be reached; check AWS_ENDPOINT_URL / the network")
+        why = ("the object store cannot be reached; check AWS_ENDPOINT_URL / "
+               "STORAGE_EMULATOR_HOST / the network")
     else:
         why = text
     return f"{doing} {path}: {why}"

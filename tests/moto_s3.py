@@ -46,11 +46,9 @@ def server(auth: bool = False):
 
 
 @contextlib.contextmanager
-def environment(endpoint: str):
-    """The credentials and `endpoint` in os.environ (the child processes inherit them);
+def patched_environ(env: dict):
+    """`env` in os.environ (the child processes inherit it), the old values back after;
     storage's cached filesystems are dropped on the way in and out."""
-    env = {"AWS_ACCESS_KEY_ID": KEY_ID, "AWS_SECRET_ACCESS_KEY": SECRET,
-           "AWS_ENDPOINT_URL": endpoint, "AWS_DEFAULT_REGION": "us-east-1"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     storage._FILESYSTEMS.clear()
@@ -63,3 +61,12 @@ def environment(endpoint: str):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@contextlib.contextmanager
+def environment(endpoint: str):
+    """The credentials and `endpoint` in os.environ (patched_environ)."""
+    env = {"AWS_ACCESS_KEY_ID": KEY_ID, "AWS_SECRET_ACCESS_KEY": SECRET,
+           "AWS_ENDPOINT_URL": endpoint, "AWS_DEFAULT_REGION": "us-east-1"}
+    with patched_environ(env):
+        yield env

@@ -12,9 +12,10 @@ Saves are asynchronous (the arrays are copied to host memory before `save` retur
 the caller may donate them at once) and atomic: orbax writes into a temporary folder and
 renames it only when every file is written, so a crash or `kill -9` mid-save leaves the
 previous checkpoints untouched and an incomplete temporary folder that every reader
-ignores (and a writer deletes). In an `s3://` bucket (checkpoint/object_store.py), which
-has no atomic rename, a step is written in place and is complete only once its commit
-marker (`commit_success.txt`) exists; a step folder without it is ignored the same way.
+ignores (and a writer deletes). In an `s3://` or `gs://` bucket
+(checkpoint/object_store.py), which has no atomic rename, a step is written in place and
+is complete only once its commit marker (`commit_success.txt`) exists; a step folder
+without it is ignored the same way.
 Restores read every array straight onto the target shardings given, whatever mesh
 wrote them, after checking that names, shapes and dtypes fit (a mismatch names the first
 parameter and both shapes).
@@ -69,8 +70,7 @@ class Checkpoints:
     ):
         self.remote = storage.is_remote(directory)
         if self.remote:  # s3:// / gs://: epath (fsspec) for folders, tensorstore for arrays
-            if storage.scheme(directory) == "s3":
-                object_store.install()
+            object_store.install()
             self.directory = epath.Path(str(directory).rstrip("/"))
         else:
             self.directory = Path(directory).absolute()

@@ -1,4 +1,5 @@
-"""orbax checkpoints in `s3://` buckets, written and read by tensorstore's own `s3` kvstore.
+"""orbax checkpoints in `s3://` and `gs://` buckets, written and read by tensorstore's own
+`s3` and `gcs` kvstores.
 
 orbax 0.12 gives tensorstore a `gcs` kvstore for `gs://` folders and a `file` one for
 everything else, so an `s3://` folder would become a local path named "s3:". `install()`
@@ -16,6 +17,12 @@ Folders, listings and small files (orbax's `epath`) go through fsspec's `s3fs`, 
 same environment (olmo_jax/storage.py), its listings never cached (`install()` sets
 fsspec's s3 default `use_listings_cache=False`: other processes write the same folders).
 
+A `gs://` folder keeps orbax's own `gcs` spec, whose credentials are Application Default
+Credentials (read by tensorstore, never put into a spec). A GCS-compatible server named by
+`STORAGE_EMULATOR_HOST` (what gcsfs and Google's client libraries read) is handed to
+tensorstore as `TENSORSTORE_GCS_HTTP_URL` (its `gcs` spec has no endpoint field), unless
+that is set already; folders and small files go through gcsfs (`storage.gcs_setup`).
+
 Completeness: an object store has no atomic rename, so a step is written in place and is
 complete only once its commit marker (`commit_success.txt`, orbax's COMMIT_FILE
 atomicity, `atomicity_options()`) exists; a step folder without it is an interrupted save
@@ -24,6 +31,7 @@ that readers ignore and the next save of that step deletes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -33,6 +41,8 @@ COMMIT_MARKER = "commit_success.txt"
 _SENTINEL = "/olmo_jax-object-store"  # a local-looking root orbax builds its spec for
 _LOCK = threading.Lock()
 _INSTALLED: list = []  # the wrapped builder's original, once installed
+TS_GCS_URL_ENV = "TENSORSTORE_GCS_HTTP_URL"
+_TS_GCS_URL: list = [None]  # the value install() last gave it
 
 
 def s3_kvstore(bucket: str, key: str) -> dict:
@@ -47,6 +57,19 @@ def s3_kvstore(bucket: str, key: str) -> dict:
     if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
         spec["aws_credentials"] = {"type": "environment"}  # read there by tensorstore
     return spec
+
+
+def _gcs_endpoint() -> None:
+    """TENSORSTORE_GCS_HTTP_URL (read by tensorstore whenever it opens a gcs kvstore) is the
+    server STORAGE_EMULATOR_HOST names now; one the user set is left alone."""
+    current, endpoint = os.environ.get(TS_GCS_URL_ENV), storage.emulator_url()
+    if current is not None and current != _TS_GCS_URL[0]:
+        return  # the user's own
+    if endpoint:
+        os.environ[TS_GCS_URL_ENV] = _TS_GCS_URL[0] = endpoint
+    elif current is not None:
+        del os.environ[TS_GCS_URL_ENV]
+        _TS_GCS_URL[0] = None
 
 
 def _to_sentinel(url: str) -> str:
@@ -68,14 +91,18 @@ def _swap(spec):
 
 
 def install() -> None:
-    """Makes orbax's tensorstore specs of `s3://` folders use the `s3` driver (idempotent;
-    other folders are untouched)."""
+    """Makes orbax's tensorstore specs of `s3://` folders use the `s3` driver, and points
+    tensorstore's `gcs` driver and epath's gcsfs at a GCS-compatible server when
+    `STORAGE_EMULATOR_HOST` names one (idempotent; other folders are untouched)."""
     import fsspec
     from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
     with _LOCK:
+        _gcs_endpoint()
         if _INSTALLED:
             return
+        with contextlib.suppress(ImportError):  # gcsfs: the cloud extra
+            storage.gcs_setup()
         # epath's s3fs instance lists afresh: other processes write the same folders
         fsspec.config.conf.setdefault("s3", {})["use_listings_cache"] = False
         original = ts_utils.build_kvstore_tspec

@@ -131,7 +131,7 @@ class TrainerConfig:
     spike_window: int = 128  # ... of the last N steps
     memory_limit_gb: float = 0.0  # per device; 0 = the device's memory (CPU: RAM / local devices); < 0 = no check
     peer_timeout_s: float = 60.0  # multi-process: a process silent this long is lost; the others exit
-    # A run_dir in an s3:// bucket: its owner's lease (trainer/lease.py) is stale after this
+    # A run_dir in a bucket (s3://, gs://): its owner's lease (trainer/lease.py) is stale after this
     # many seconds without a heartbeat (on the store's clock); keep it above any pause of the run
     lease_ttl_s: float = 60.0
     # olmo_jax/host_memory.py: auto (retain where JAX computes on one CPU device) | retain
@@ -149,12 +149,9 @@ class TrainerConfig:
             raise ConfigError(f"{prefix}.max_tokens must be >= 0 (0 = off), got {self.max_tokens}")
         for name in ("run_dir", "init_from"):
             value = getattr(self, name)
-            if storage.is_remote(value) and storage.scheme(value) != "s3":
+            if storage.scheme(value) == "gcs":  # orbax's paths know gs:// only
                 raise ConfigError(
-                    f"{prefix}.{name}={value}: run folders and checkpoints in "
-                    f"{storage.scheme(value)}:// buckets are not supported yet (s3:// ones are, "
-                    "and token files and mixes in gs:// are: docs/data.md#object-stores); use "
-                    "an s3:// bucket or a local or shared folder")
+                    f"{prefix}.{name}={value}: write a GCS bucket as gs://{value.partition('://')[2]}")
         if self.lease_ttl_s <= 0:
             raise ConfigError(f"{prefix}.lease_ttl_s must be > 0, got {self.lease_ttl_s}")
         if self.max_steps < (0 if self.max_tokens else 1):

@@ -1,17 +1,19 @@
-"""The owner lease of a run folder in an S3 bucket: what `flock` is for a local folder.
+"""The owner lease of a run folder in a bucket: what `flock` is for a local folder.
 
 The lease is one object, `{run_dir}/owner.lease` (JSON: the owner line "pid P on host H
-since T", pid, host, a random token), created with a conditional PUT (`If-None-Match: *`):
-of two trainers that start together, the store lets exactly one create it. The owner
-renews it every `ttl_s / 4` seconds (a heartbeat: a PUT conditional on the ETag it last
-wrote, `If-Match`) and deletes it at the end (a DELETE conditional on that ETag).
+since T", pid, host, a random token), created with a conditional write: of two trainers
+that start together, the store lets exactly one create it. The owner renews it every
+`ttl_s / 4` seconds (a heartbeat: a write conditional on the version it last wrote) and
+deletes it at the end (a delete conditional on that version). The version is the ETag in
+S3 (`If-None-Match: *` to create, `If-Match` after) and the generation in GCS
+(`ifGenerationMatch=0` to create, `ifGenerationMatch=G` after).
 
 A trainer that finds a lease is refused at once, naming the owner, unless the lease is
-stale; it then takes it over with a PUT conditional on the ETag it read, so two
+stale; it then takes it over with a write conditional on the version it read, so two
 contenders cannot both take one stale lease. A lease is stale when
 - it was not renewed for `ttl_s` seconds, measured on the store's clock (the object's
-  Last-Modified against the Date of the store's reply): no clock of a trainer is
-  compared with another's, so clock skew between hosts does not matter; or
+  last modification time against the Date of the store's reply): no clock of a trainer
+  is compared with another's, so clock skew between hosts does not matter; or
 - its owner ran on this machine (same host, boot and pid namespace) and its pid no longer
   exists: a run killed with kill -9 is resumed at once, as with `flock`.
 
@@ -26,6 +28,7 @@ above any pause the run may take.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import email.utils
 import json
 import os
@@ -78,23 +81,86 @@ class LeaseLost(Exception):
     """The lease was taken over by another trainer (this one did not renew it in time)."""
 
 
-class Lease:
-    """The owner lease `{run_url}/owner.lease` (an `s3://` folder)."""
+class _S3Object:
+    """The lease object in an S3 bucket; its version is the ETag."""
 
-    def __init__(self, run_url: str, ttl_s: float):
-        self.url = storage.join(run_url, LEASE_FILE)
-        self.bucket = storage.bucket_of(self.url)
-        self.key = self.url.partition("://")[2].split("/", 1)[1]
-        self.ttl_s = ttl_s
-        self._etag: str | None = None
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.lost: str | None = None  # why the lease was lost, once it is
+    def __init__(self, url: str):
+        self.url = url
+        self.bucket = storage.bucket_of(url)
+        self.key = url.partition("://")[2].split("/", 1)[1]
 
     def _call(self, method: str, **kwargs):
         return storage.filesystem(self.url).call_s3(method, Bucket=self.bucket, Key=self.key,
                                                      **kwargs)
+
+    def write(self, body: bytes, version: str | None) -> str:
+        """Writes `body` if the object is at `version` (None: if it does not exist); the
+        new version (a conflict error otherwise)."""
+        cond = {"IfNoneMatch": "*"} if version is None else {"IfMatch": version}
+        return self._call("put_object", Body=body, **cond)["ETag"]
+
+    def head(self) -> tuple[str, float | None]:
+        """(version, seconds since the last write on the store's clock, or None);
+        FileNotFoundError when there is no lease."""
+        head = self._call("head_object")
+        now = head.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+        age = None
+        if now and head.get("LastModified") is not None:
+            age = (email.utils.parsedate_to_datetime(now) - head["LastModified"]).total_seconds()
+        return head["ETag"], age
+
+    def delete(self, version: str) -> None:
+        self._call("delete_object", IfMatch=version)
+
+
+class _GcsObject:
+    """The lease object in a GCS bucket (JSON API through gcsfs); its version is the
+    generation. Writes are multipart uploads, as gcsfs's own small ones are."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.bucket = storage.bucket_of(url)
+        self.key = url.partition("://")[2].split("/", 1)[1]
+
+    def write(self, body: bytes, version: str | None) -> str:
+        fs = storage.filesystem(self.url)
+        meta = json.dumps({"name": self.key}).encode()
+        data = (b"--==0==\nContent-Type: application/json; charset=UTF-8\n\n" + meta +
+                b"\n--==0==\nContent-Type: application/octet-stream\n\n" + body + b"\n--==0==--")
+        out = fs.call("POST", f"{fs._location}/upload/storage/v1/b/{{}}/o", self.bucket,
+                      uploadType="multipart", ifGenerationMatch=version or "0", data=data,
+                      headers={"Content-Type": 'multipart/related; boundary="==0=="'},
+                      json_out=True)
+        return str(out["generation"])
+
+    def head(self) -> tuple[str, float | None]:
+        headers, content = storage.filesystem(self.url).call("GET", "b/{}/o/{}", self.bucket,
+                                                             self.key)
+        meta = json.loads(content)
+        now, updated = headers.get("Date"), meta.get("updated")
+        age = None
+        if now and updated:
+            written = datetime.datetime.fromisoformat(updated.replace("Z", "+00:00"))
+            age = (email.utils.parsedate_to_datetime(now) - written).total_seconds()
+        return str(meta["generation"]), age
+
+    def delete(self, version: str) -> None:
+        storage.filesystem(self.url).call("DELETE", "b/{}/o/{}", self.bucket, self.key,
+                                          ifGenerationMatch=version)
+
+
+class Lease:
+    """The owner lease `{run_url}/owner.lease` (an `s3://` or `gs://` folder)."""
+
+    def __init__(self, run_url: str, ttl_s: float):
+        self.url = storage.join(run_url, LEASE_FILE)
+        self._object = (_S3Object if storage.scheme(self.url) == "s3" else _GcsObject)(self.url)
+        self.ttl_s = ttl_s
+        self._etag: str | None = None  # the version this trainer last wrote
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.lost: str | None = None  # why the lease was lost, once it is
 
     def _body(self) -> bytes:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S %Z")
@@ -107,7 +173,7 @@ class Lease:
         """Takes the lease (LeaseHeld when a live owner has it) and starts the heartbeat."""
         body = self._body()
         try:
-            self._etag = self._call("put_object", Body=body, IfNoneMatch="*")["ETag"]
+            self._etag = self._object.write(body, None)
         except Exception as e:
             if not _conflict(e):
                 raise
@@ -117,10 +183,10 @@ class Lease:
 
     def _take_over(self, body: bytes) -> None:
         try:
-            head = self._call("head_object")
+            version, age = self._object.head()
         except FileNotFoundError:  # released meanwhile: try to create it again
             try:
-                self._etag = self._call("put_object", Body=body, IfNoneMatch="*")["ETag"]
+                self._etag = self._object.write(body, None)
                 return
             except Exception as e:
                 if _conflict(e):
@@ -131,23 +197,19 @@ class Lease:
         except (OSError, ValueError):
             held = {}
         holder = str(held.get("owner", "an owner whose lease cannot be read"))
-        if not self._stale(head, held):
+        if not self._stale(age, held):
             raise LeaseHeld(holder)
         try:
-            self._etag = self._call("put_object", Body=body, IfMatch=head["ETag"])["ETag"]
+            self._etag = self._object.write(body, version)
         except Exception as e:
             if _conflict(e):
                 raise LeaseHeld("another trainer that took over the stale lease of "
                                 f"{holder}") from e
             raise
 
-    def _stale(self, head: dict, held: dict) -> bool:
-        headers = head.get("ResponseMetadata", {}).get("HTTPHeaders", {})
-        now = headers.get("date")
-        if now and head.get("LastModified") is not None:  # both on the store's clock
-            age = (email.utils.parsedate_to_datetime(now) - head["LastModified"]).total_seconds()
-            if age > self.ttl_s:
-                return True
+    def _stale(self, age: float | None, held: dict) -> bool:
+        if age is not None and age > self.ttl_s:  # on the store's clock
+            return True
         machine = _machine()
         pid = held.get("pid")
         return bool(machine) and held.get("machine") == machine and isinstance(pid, int) \
@@ -170,8 +232,7 @@ class Lease:
             if self._etag is None:
                 return
             try:
-                self._etag = self._call("put_object", Body=self._body(),
-                                        IfMatch=self._etag)["ETag"]
+                self._etag = self._object.write(self._body(), self._etag)
             except Exception as e:
                 if not (_conflict(e) or isinstance(e, FileNotFoundError)):
                     raise
@@ -195,5 +256,5 @@ class Lease:
         with self._lock:
             if self._etag is not None and not self.lost:
                 with contextlib.suppress(Exception):  # a lost lease stays its owner's
-                    self._call("delete_object", IfMatch=self._etag)
+                    self._object.delete(self._etag)
             self._etag = None

@@ -1,4 +1,4 @@
-"""The local working copy of a run folder kept in a bucket (trainer.run_dir=s3://...).
+"""The local working copy of a run folder kept in a bucket (trainer.run_dir=s3://... or gs://...).
 
 Checkpoints go to the bucket directly (orbax, checkpoint/object_store.py). The run's other
 files (config.json, metrics.jsonl, expert_counts.jsonl, errors.log, mesh.json, the

@@ -13,9 +13,9 @@
   when the process ends, however it ends (kill -9 included), so no stale lock is left. A
   second trainer on the folder is refused at once, naming the owner. Readers (report,
   convert) take no lock.
-- A run folder in an S3 bucket (`s3://bucket/prefix`): checkpoints are written there by
-  orbax (checkpoint/object_store.py), the other files are written in a local copy and
-  uploaded (mirror.py); the one owner holds a lease object instead of the flock
+- A run folder in a bucket (`s3://bucket/prefix`, `gs://bucket/prefix`): checkpoints are
+  written there by orbax (checkpoint/object_store.py), the other files are written in a
+  local copy and uploaded (mirror.py); the one owner holds a lease object instead of the flock
   (lease.py), refused with the same message.
 - A refused launch leaves nothing behind: a folder this launch created is removed again
   (with the empty folders and the lock file in it) when the run is refused before it

@@ -148,17 +148,19 @@ def test_missing_bucket_object_and_denied_access_name_the_path(s3, monkeypatch):
     assert "access to bucket 'tokens' is denied" in msg and SECRET not in msg
 
 
-def test_run_folders_in_gcs_are_refused_naming_the_field():
-    """s3:// run folders and checkpoints are supported (tests/trainer/test_bucket_run_dir.py),
-    gs:// ones not yet."""
+def test_run_folders_in_buckets_are_accepted_and_gcs_scheme_named():
+    """s3:// and gs:// run folders and checkpoints validate (tests/trainer/
+    test_bucket_run_dir.py, test_gcs_run_dir.py); gcs:// is refused, naming the field and
+    the gs:// spelling (orbax's paths know gs:// only)."""
     for name in ("run_dir", "init_from"):
         cfg = config_lib.default_config()
-        cfg.trainer[name] = "gs://runs/one"
-        with pytest.raises(ConfigError, match=rf"trainer\.{name}=gs://runs/one: run folders and "
-                                              "checkpoints in gs:// buckets are not supported"):
+        cfg.trainer[name] = "gcs://runs/one"
+        with pytest.raises(ConfigError, match=rf"trainer\.{name}=gcs://runs/one: write a GCS "
+                                              "bucket as gs://runs/one"):
             config_lib.validate(cfg)
-        cfg.trainer[name] = "s3://runs/one"
-        config_lib.validate(cfg)
+        for url in ("s3://runs/one", "gs://runs/one"):
+            cfg.trainer[name] = url
+            config_lib.validate(cfg)
 
 
 @pytest.fixture(scope="module")
