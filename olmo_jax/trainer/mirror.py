@@ -48,7 +48,8 @@ class Mirror:
         """Replaces the local copy with the bucket's files."""
         if self.local.exists():
             shutil.rmtree(self.local)
-        self.local.mkdir(parents=True)
+        # exist_ok: another process of the run on this host may make it meanwhile
+        self.local.mkdir(parents=True, exist_ok=True)
         fs = storage.filesystem(self.url)
         prefix = f"{storage.scheme(self.url)}://"
         root = self.url.partition("://")[2]

@@ -195,7 +195,8 @@ class RunFolder:
             if main:
                 self._lock(cfg)
         try:
-            _check_saved_config(cfg, self.path)
+            if main or not self.url:  # a bucket's: only process 0's copy holds its files
+                _check_saved_config(cfg, self.path)
         except BaseException:
             self.release(refused=True)
             raise
@@ -207,7 +208,9 @@ class RunFolder:
 
     def _open_bucket(self, cfg: RunConfig, main: bool) -> None:
         """Process 0 takes the lease, then makes the local copy the bucket's files and
-        uploads them from then on; the others only check the bucket."""
+        uploads them from then on; the others only check the bucket (their local folder,
+        the same as process 0's on one host, may hold another run's files: they never
+        read it)."""
         try:
             storage.makedirs(self.url)  # the bucket exists
             if main:

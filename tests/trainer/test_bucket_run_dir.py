@@ -275,3 +275,32 @@ def test_a_lost_lease_stops_the_run_and_a_refused_launch_leaves_nothing(s3, tmp_
         RunFolder(cfg, main=True)
     assert sorted(storage.filesystem(url).find(url)) == before
     assert not folder.path.exists()
+
+
+def test_other_processes_never_read_their_local_copy(s3, tmp_path, monkeypatch):
+    """A multi-process run (tests/distributed/test_bucket_multiprocess.py) on a bucket run
+    folder: only process 0 judges the folder's config, by the bucket's files. Another
+    process's local folder may hold another run's config.json (a stale cache; on one host,
+    process 0's copy being replaced): it is not read, so the processes cannot disagree.
+    Process 0's copy is replaced whole even when another process makes the folder while
+    it is being replaced."""
+    from olmo_jax.trainer import mirror
+    from olmo_jax.trainer.run_dir import RunFolder
+
+    url = f"s3://{BUCKET}/stale-copy"
+    cfg = config_lib.validate(run_config(url, tmp_path / "cache"))
+    local = mirror.local_copy(cfg.trainer.cache_dir, url)
+    local.mkdir(parents=True)
+    (local / "config.json").write_text(json.dumps({"trainer": {"seed": 99}}))
+    other = RunFolder(cfg, main=False)  # the bucket holds no config: nothing to refuse
+    other.release()
+    rmtree = mirror.shutil.rmtree
+
+    def rmtree_then_another_process_mkdirs(path, *args, **kwargs):
+        rmtree(path, *args, **kwargs)
+        path.mkdir()
+
+    monkeypatch.setattr(mirror.shutil, "rmtree", rmtree_then_another_process_mkdirs)
+    owner = RunFolder(cfg, main=True)  # the copy becomes the bucket's (empty) folder
+    assert not (local / "config.json").exists()
+    owner.release()
