@@ -44,11 +44,17 @@ def continuation_sums(logits_BTV, positions_T, tgt_BT, mask_BT, pos_B):
     context-parallel rank's zig-zag shard (their global indices; `tgt_BT`, `mask_BT` and
     `pos_B` are the whole rows'). Both are sums over those positions (log p at pos is zero
     where pos is not one of them), so the shards' results add up to the whole row's."""
-    logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
+    logits_BTV = logits_BTV.astype(jnp.float32)
+    # log p = logit - logsumexp: one pass over [B, T, V]; only the picked entries and the
+    # answer position's row are read again
+    lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
     tgt_BT, mask_BT = jnp.take(tgt_BT, positions_T, axis=1), jnp.take(mask_BT, positions_T, axis=1)
-    picked_BT = jnp.take_along_axis(logp_BTV, tgt_BT[..., None], axis=-1)[..., 0]
+    picked_BT = jnp.take_along_axis(logits_BTV, tgt_BT[..., None], axis=-1)[..., 0] - lse_BT
     at_BT = positions_T[None, :] == pos_B[:, None]
-    at_pos_BV = jnp.sum(jnp.where(at_BT[..., None], logp_BTV, 0.0), axis=1)
+    at_B = jnp.argmax(at_BT, axis=1)  # pos's index among the positions (0 where absent)
+    row_BV = jnp.take_along_axis(logits_BTV, at_B[:, None, None], axis=1)[:, 0]
+    lse_B = jnp.take_along_axis(lse_BT, at_B[:, None], axis=1)[:, 0]
+    at_pos_BV = jnp.where(jnp.any(at_BT, axis=1)[:, None], row_BV - lse_B[:, None], 0.0)
     return jnp.sum(jnp.where(mask_BT > 0, picked_BT, 0.0), axis=-1), at_pos_BV
 
 
