@@ -49,16 +49,14 @@ def _tiny_config():
     return module.get_config()
 
 
-NEGATIVE_STEPS = 3  # each change below leaves RTOL by step 2
+NEGATIVE_STEPS = 3  # a 0.1% larger learning rate leaves RTOL by step 2
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("change", ["lr+0.1%", "seed"])
-def test_a_slightly_different_run_fails_the_check(golden, change):
-    """The tolerance catches a 0.1% larger learning rate and another init seed (on one
-    device) within the curve's first NEGATIVE_STEPS steps."""
+def test_a_slightly_different_run_fails_the_check(golden):
+    """The tolerance catches a 0.1% larger learning rate (on one device) within the curve's
+    first NEGATIVE_STEPS steps. (Another init seed, a far larger change, moves step 1's
+    loss: it is caught as surely, and its child run was left out for the suite's time.)"""
     cfg = _tiny_config()
-    override = ({"optim.lr": cfg.optim.lr * 1.001} if change == "lr+0.1%"
-                else {"trainer.seed": cfg.trainer.seed + 1})
-    losses = gc.run_curve("1_device", override, steps=NEGATIVE_STEPS)
+    losses = gc.run_curve("1_device", {"optim.lr": cfg.optim.lr * 1.001}, steps=NEGATIVE_STEPS)
     assert gc.mismatches(losses, golden["curves"]["1_device"], golden["rtol"])

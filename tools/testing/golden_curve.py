@@ -33,8 +33,8 @@ STEPS = 16
 # agrees with every other (both machines, both meshes, both levels) within 1.2e-7 up to
 # step 19; from step 20 the rounding differences grow with the warmed-up learning rate
 # (2e-6 at step 20, 2e-2 at step 27), so the curve stops at 16 steps. RTOL leaves 80x
-# over the 1.2e-7 and still fails a 0.1% larger learning rate from step 2 (1.3e-5) and
-# another init seed from step 1 (tests/test_golden_curve.py checks both).
+# over the 1.2e-7 and still fails a 0.1% larger learning rate from step 2 (1.3e-5,
+# tests/test_golden_curve.py checks it) and another init seed from step 1.
 RTOL = 1e-5
 # name -> (fake CPU devices, config overrides of the mesh). Expert parallelism dispatches
 # dropless (ragged), the one-device math: the default rowwise dispatch's fixed receive
