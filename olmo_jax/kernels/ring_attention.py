@@ -20,7 +20,12 @@ documents that do not see each other), grouped-query heads:
              first step (its own keys) three; nothing else is computed. The backward
              pass (custom VJP) recomputes each block's probabilities from the saved
              log-sum-exp; dK and dV travel with K and V and arrive home after C hops.
-             No device ever holds the whole sequence's K, V or scores.
+             No device ever holds the whole sequence's K, V or scores. Under a
+             pipeline (hops="pairs", a power-of-two C) the K/V visit the ranks in
+             Gray-code order instead, each hop a swap inside pairs of ranks by an
+             all-gather over two-rank replica groups: a stage runs it in a branch the
+             other stages skip, where a collective-permute (one collective over every
+             device of the mesh) would meet the other stages' collectives.
   allgather  K and V all-gathered over `context` (MaxText's approach), then one masked
              block of the local queries against all T keys; its VJP reduce-scatters
              dK and dV (the transpose of the all-gather). Simple, but each device
