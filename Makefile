@@ -14,7 +14,7 @@ J11_PY := $(J11)/bin/python
 # versions (olmo_jax/compat.py: its shims, and the jax functions of its SAME_ON_BOTH: the
 # Pallas Mosaic GPU kernels in interpret mode and lowered for CUDA, the CPU FFI kernels,
 # jax.nn.scaled_matmul, shard_map's vma typing and pcast, ragged_all_to_all, the ring's
-# ppermute), forward and gradients, and every test of what runs on the image itself (marked
+# ppermute and pair-exchange all_gather), forward and gradients, and every test of what runs on the image itself (marked
 # `image`: gpu_check end to end, the image's packages), slow or not. The run fails unless
 # its tests made olmo_jax call every one of those APIs (tests/jax011_apis.py);
 # tests/test_jax011_selection.py keeps this list and the marks in step.

@@ -16,7 +16,8 @@ these APIs in .venv-jax011 too, Makefile J11_TESTS):
   its FLOPs as 0, as planner/gpu_hlo.py says).
 
 Everything else olmo_jax calls exists in 0.11.2 with the same meaning: the jax functions of
-`SAME_ON_BOTH` below (shard_map and its vma typing, pcast, ppermute, ragged_all_to_all,
+`SAME_ON_BOTH` below (shard_map and its vma typing, pcast, ppermute, all_gather (over
+replica groups: the ring's pair exchanges), ragged_all_to_all,
 scaled_matmul, the FFI, the Pallas Mosaic GPU primitives), plus
 `jax.experimental.topologies` (deviceless GPU compiles, in the CUDA plugin's venv only) and
 the class `plgpu.InterpretGPUParams`. `make test`'s jax 0.11.2 stage runs the tests marked
@@ -32,7 +33,7 @@ from __future__ import annotations
 # The jax functions olmo_jax calls whose meaning was checked on both versions (module
 # docstring), by dotted name.
 SAME_ON_BOTH = (
-    "jax.shard_map", "jax.typeof", "jax.lax.pcast", "jax.lax.ppermute",
+    "jax.shard_map", "jax.typeof", "jax.lax.pcast", "jax.lax.ppermute", "jax.lax.all_gather",
     "jax.lax.ragged_all_to_all", "jax.nn.scaled_matmul", "jax.ffi.ffi_call",
     "jax.ffi.register_ffi_target",
     *(f"jax.experimental.pallas.mosaic_gpu.{f}" for f in (

@@ -71,6 +71,7 @@ def make_run(model, args):
     from jax.sharding import NamedSharding, PartitionSpec
 
     from olmo_jax.evals import score
+    from olmo_jax.kernels.ring_attention import pairs_possible
     from olmo_jax.model.abstract import abstract_model
     from olmo_jax.parallel.config import ParallelConfig
     from olmo_jax.parallel.expert import DROPLESS
@@ -95,7 +96,8 @@ def make_run(model, args):
     model_cfg = model.config
     if args.dispatch in DROPLESS:  # a capacity the checkpoint was trained with does not apply
         model_cfg = dataclasses.replace(model_cfg, moe=dataclasses.replace(model_cfg.moe, capacity_factor=0.0))
-    if sizes["pipe"] > 1 and sizes["context"] > 1:  # the ring does not run across stages' conds
+    if sizes["pipe"] > 1 and not pairs_possible(sizes["context"]):
+        # the ring under a pipeline hops by pair exchanges: a power-of-two context only
         model_cfg = dataclasses.replace(model_cfg, context_attention="allgather")
     plan = build_plan(parallel, types.SimpleNamespace(global_batch_size=args.batch_size, grad_accum=1),
                       model_cfg, devices=devices[:n])

@@ -16,7 +16,7 @@ from olmo_jax.checkpoint import hf
 from olmo_jax.config import SECTIONS, default_config, get_path, has_path, parse, set_path, validate
 from olmo_jax.errors import ConfigError
 from olmo_jax.kernels import GMM_IMPLS
-from olmo_jax.kernels.ring_attention import CONTEXT_ATTENTIONS
+from olmo_jax.kernels.ring_attention import CONTEXT_ATTENTIONS, RING_HOPS
 from olmo_jax.kernels.select import MXFP8_GEMM_IMPLS, NORM_IMPLS
 from olmo_jax.labels import INSTANCES
 from olmo_jax.model.config import (
@@ -53,7 +53,7 @@ CHOICES = {
     "parallel.dispatch": BACKENDS, "parallel.pipeline_schedule": PIPELINE_SCHEDULES,
     "optim.name": OPTIMIZERS, "optim.schedule": LR_SCHEDULES, "trainer.nan_policy": POLICIES,
     "trainer.wandb.mode": WANDB_MODES, "data.instances": INSTANCES,
-    "model.context_attention": CONTEXT_ATTENTIONS,
+    "model.context_attention": CONTEXT_ATTENTIONS, "model.context_ring_hops": RING_HOPS,
 }
 
 

@@ -20,7 +20,12 @@ documents that do not see each other), grouped-query heads:
              first step (its own keys) three; nothing else is computed. The backward
              pass (custom VJP) recomputes each block's probabilities from the saved
              log-sum-exp; dK and dV travel with K and V and arrive home after C hops.
-             No device ever holds the whole sequence's K, V or scores.
+             No device ever holds the whole sequence's K, V or scores. Under a
+             pipeline (hops="pairs", a power-of-two C) the K/V visit the ranks in
+             Gray-code order instead, each hop a swap inside pairs of ranks by an
+             all-gather over two-rank replica groups: a stage runs it in a branch the
+             other stages skip, where a collective-permute (one collective over every
+             device of the mesh) would meet the other stages' collectives.
   allgather  K and V all-gathered over `context` (MaxText's approach), then one masked
              block of the local queries against all T keys; its VJP reduce-scatters
              dK and dV (the transpose of the all-gather). Simple, but each device
@@ -49,6 +54,8 @@ from olmo_jax.kernels.vma import cotangent_like, like
 CONTEXT_AXIS = "context"  # the mesh axis name (olmo_jax/parallel/mesh.py uses this one)
 ContextAttention = Literal["ring", "allgather"]  # model.context_attention
 CONTEXT_ATTENTIONS = get_args(ContextAttention)
+RingHops = Literal["permute", "pairs"]  # model.context_ring_hops (set by the plan)
+RING_HOPS = get_args(RingHops)
 _MASKED = -1e30
 
 
@@ -203,21 +210,25 @@ def _where(c, a, b):
 
 # ---- ring attention ----------------------------------------------------------------------
 def ring_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT=None, *, context: int,
-                   axis_name: str = CONTEXT_AXIS, window: int = 0):
+                   axis_name: str = CONTEXT_AXIS, window: int = 0, hops: RingHops = "permute"):
     """Causal attention of this rank's zig-zag shard ([B, 2L, ...], module docstring) with
     K / V passed around `axis_name` (size `context`); out [B, 2L, N, H] in q's dtype.
     `segment_ids_BT`: int32 [B, 2L] sharded like q, or None (no document masking);
     `window` > 0: a sliding window of that many keys (masked in each block; the blocks it
-    does not reach are skipped)."""
+    does not reach are skipped); `hops` (RING_HOPS): how K/V travel, "permute" around
+    the ring or "pairs" by pair exchanges (`_ring_loop`; a power-of-two `context`)."""
+    if hops not in RING_HOPS or (hops == "pairs" and not pairs_possible(context)):
+        raise ValueError(f"hops={hops!r} over context={context}: choose one of {RING_HOPS} "
+                         "(pairs: a power-of-two context)")
     seg = segment_ids_BT if segment_ids_BT is not None else jnp.zeros(q_BTNH.shape[:2], jnp.int32)
     o = _ring(q_BTNH, k_BTKH, v_BTKH, seg, context, axis_name, segment_ids_BT is not None,
-              window)
+              window, hops == "pairs")
     return o
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _ring(q, k, v, seg, C, axis, masked, window=0):
-    return _ring_fwd(q, k, v, seg, C, axis, masked, window)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _ring(q, k, v, seg, C, axis, masked, window=0, pairs=False):
+    return _ring_fwd(q, k, v, seg, C, axis, masked, window, pairs)[0]
 
 
 def _halves(x, axis):
@@ -229,6 +240,43 @@ def _perm(C):
     return [(i, (i + 1) % C) for i in range(C)]
 
 
+def pairs_possible(C: int) -> bool:
+    """Whether the ring can hop by pair exchanges (`hops="pairs"`): C a power of two."""
+    return C >= 1 and C & (C - 1) == 0
+
+
+def _exchange(tree, axis, C: int, bit: int):
+    """Every leaf of `tree` from context rank r ^ `bit` (a swap inside each pair of ranks
+    {i, i ^ bit}): an all-gather over the pair's replica group, the partner's half kept.
+    The groups stay inside the rest of the mesh's coordinates (a pipeline stage), so a
+    stage may run it in a branch the other stages skip; the bytes each rank receives are
+    the permute's."""
+    groups = [[i, i ^ bit] for i in range(C) if not i & bit]
+    mine = (jax.lax.axis_index(axis) // bit) % 2  # this rank's place in its pair's group
+
+    def one(x):
+        both = jax.lax.all_gather(x, axis, axis_index_groups=groups)
+        return like(jax.lax.dynamic_index_in_dim(both, 1 - mine, 0, keepdims=False), x)
+    return jax.tree.map(one, tree)
+
+
+def _gray(s: int) -> int:
+    return s ^ (s >> 1)
+
+
+def _hop(C, axis, pairs: bool, s: int = 1):
+    """The hop that moves a rank's K/V (and the backward's dK / dV) from where step s - 1
+    of `_ring_loop` read them to where step s reads them; s = C: home, to the rank they
+    came from. The ring (`pairs` False): one collective-permute to rank r + 1, whatever s.
+    Pairs: step s reads rank r ^ gray(s)'s keys (the Gray code visits every rank once),
+    so the hop into step s swaps pairs of ranks differing in gray(s - 1) ^ gray(s) (the
+    lowest set bit of s), and home swaps by gray(C - 1) = C / 2."""
+    if not pairs:
+        return lambda x: jax.lax.ppermute(x, axis, _perm(C))
+    bit = _gray(C - 1) if s == C else _gray(s - 1) ^ _gray(s)
+    return partial(_exchange, axis=axis, C=C, bit=bit)
+
+
 def _ring_setup(q, seg, C, axis):
     r = jax.lax.axis_index(axis)
     T = 2 * C * (q.shape[1] // 2)
@@ -236,30 +284,42 @@ def _ring_setup(q, seg, C, axis):
     return r, pos
 
 
-def _ring_loop(C, axis, src, state, step0, step):
+def _ring_loop(C, axis, src, state, step0, step, pairs: bool = False):
     """step0(src, state) -> (rest, state) on this rank's own K/V `src`, then
-    step(src, rest, j, state) for the K/V of ranks j = r-1, ..., r-C+1, `src` passed one
-    hop around the ring before each (`rest`: what the steps carry besides, e.g. the
-    backward pass's dK / dV). Steps 1..C-2 are a `lax.scan` (one step's blocks alive at a
-    time); each hop is issued before the step it does not feed, so XLA may overlap it
-    with that step's matmuls."""
+    step(src, rest, j, state, hop) for the K/V of the other C - 1 ranks j, `src` passed
+    one hop before each (`hop`, which the step applies to what travels with the K/V:
+    `rest`, e.g. the backward pass's dK / dV). The ring: j = r-1, ..., r-C+1, hops by
+    collective-permute, steps 1..C-2 a `lax.scan` (one step's blocks alive at a time).
+    `pairs`: j = r ^ gray(s), hops by pair exchanges (`_hop`), the steps unrolled (each
+    hop has its own replica groups). Each hop is issued before the step it does not
+    feed, so XLA may overlap it with that step's matmuls."""
     r = jax.lax.axis_index(axis)
-    nxt = jax.lax.ppermute(src, axis, _perm(C)) if C > 1 else None
+    if pairs:
+        nxt = _hop(C, axis, True, 1)(src) if C > 1 else None
+        rest, state = step0(src, state)
+        for s in range(1, C):
+            src = nxt
+            if s < C - 1:
+                nxt = _hop(C, axis, True, s + 1)(src)  # the next step's K/V (prefetch)
+            rest, state = step(src, rest, r ^ _gray(s), state, _hop(C, axis, True, s))
+        return rest, state
+    hop = _hop(C, axis, False)
+    nxt = hop(src) if C > 1 else None
     rest, state = step0(src, state)
     if C == 1:
         return rest, state
 
     def body(carry, s):
         src, rest, state = carry
-        nxt = jax.lax.ppermute(src, axis, _perm(C))  # the next step's K/V (prefetch)
-        rest, state = step(src, rest, (r - s) % C, state)
+        nxt = hop(src)  # the next step's K/V (prefetch)
+        rest, state = step(src, rest, (r - s) % C, state, hop)
         return (nxt, rest, state), None
 
     carry = (nxt, rest, state)
     if C > 2:
         carry, _ = jax.lax.scan(body, carry, jnp.arange(1, C - 1))
     src, rest, state = carry
-    return step(src, rest, (r - (C - 1)) % C, state)
+    return step(src, rest, (r - (C - 1)) % C, state, hop)
 
 
 def _key_parts(kv_src, j, Lk, C):
@@ -268,7 +328,7 @@ def _key_parts(kv_src, j, Lk, C):
     return _halves(ks, 2), _halves(vs, 2), _halves(kpos, 0), _halves(kseg, 1)
 
 
-def _ring_fwd(q, k, v, seg, C, axis, masked, window=0):
+def _ring_fwd(q, k, v, seg, C, axis, masked, window=0, pairs=False):
     _block_fwd = partial(_ring_block_fwd, window=window)
     r, pos = _ring_setup(q, seg, C, axis)
     qs = _scaled(_heads(q, k))  # [B, K, G, 2L, H]
@@ -287,7 +347,7 @@ def _ring_fwd(q, k, v, seg, C, axis, masked, window=0):
         st1 = _block_fwd(qh1, k1, v1, p1, kp1, msk(s1), msk(ks1), st1)
         return (), (st0, st1)
 
-    def step(kv, rest, j, state):
+    def step(kv, rest, j, state, hop):
         # Keys of rank j != r: query chunk 2C-1-r sees key chunk j; and j < r: query chunk
         # r sees key chunk j too; j > r: chunk 2C-1-r sees 2C-1-j too.
         st0, st1 = state
@@ -300,7 +360,7 @@ def _ring_fwd(q, k, v, seg, C, axis, masked, window=0):
         return rest, (_where(lo, stx, st0), _where(lo, st1, stx))
 
     _, (st0, st1) = _ring_loop(C, axis, (kh, vh, seg), (_init_state(qh0), _init_state(qh1)),
-                               step0, step)
+                               step0, step, pairs)
     outs, lses = [], []
     for m, l, acc in (st0, st1):
         outs.append(acc / l)
@@ -312,7 +372,7 @@ def _ring_fwd(q, k, v, seg, C, axis, masked, window=0):
     return o, (q, k, v, seg, o_h, lse)
 
 
-def _ring_bwd(C, axis, masked, window, res, do):
+def _ring_bwd(C, axis, masked, window, pairs, res, do):
     _block_bwd = partial(_ring_block_bwd, window=window)
     q, k, v, seg, o_h, lse = res
     r, pos = _ring_setup(q, seg, C, axis)
@@ -347,11 +407,11 @@ def _ring_bwd(C, axis, masked, window, res, do):
         dv = add(zero_kv, c1 + c0, c2)
         return (dk, dv), (dq0 + a0, dq1 + a1 + a2)
 
-    def step(src, rest, j, state):
+    def step(src, rest, j, state, hop):
         dq0, dq1 = state
         dk, dv = rest
-        # the K/V gradients of rank j's keys arrive with them (one hop behind)
-        dk, dv = jax.lax.ppermute((dk, dv), axis, _perm(C))
+        # the K/V gradients of the last step's keys travel the hop that brought rank j's
+        dk, dv = hop((dk, dv))
         (k0, k1), (v0, v1), (kp0, kp1), (ks0, ks1) = _key_parts(src, j, Lk, C)
         a1, b1, c1 = _block_bwd(qh1, k0, v0, p1, kp0, msk(s1), msk(ks0), ls1, do1, dl1)
         lo = j < r
@@ -366,9 +426,9 @@ def _ring_bwd(C, axis, masked, window, res, do):
         dq1 = dq1 + a1 + jnp.where(lo, jnp.zeros_like(a), a)
         return (dk, dv), (dq0, dq1)
 
-    (dk, dv), (dq0, dq1) = _ring_loop(C, axis, (kh, vh, seg), (dq0, dq1), step0, step)
-    if C > 1:  # home: the gradients of this rank's keys come from rank r-1
-        dk, dv = jax.lax.ppermute((dk, dv), axis, _perm(C))
+    (dk, dv), (dq0, dq1) = _ring_loop(C, axis, (kh, vh, seg), (dq0, dq1), step0, step, pairs)
+    if C > 1:  # home: the gradients of this rank's keys, from where the last step read them
+        dk, dv = _hop(C, axis, pairs, C)((dk, dv))
     B, T2, N, H = q.shape
     dqs = jnp.concatenate([dq0, dq1], axis=3)
     dq = _scaled(dqs).transpose(0, 3, 1, 2, 4).reshape(B, T2, N, H)
@@ -458,8 +518,12 @@ _masked_attention.defvjp(_masked_fwd, _masked_bwd)
 
 
 def context_attention(impl: str, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT=None, *,
-                      context: int, axis_name: str = CONTEXT_AXIS, window: int = 0):
-    """`impl` (CONTEXT_ATTENTIONS) of this rank's zig-zag shard (`window` > 0: sliding)."""
-    fn = ring_attention if impl == "ring" else allgather_attention
-    return fn(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, context=context, axis_name=axis_name,
-              window=window)
+                      context: int, axis_name: str = CONTEXT_AXIS, window: int = 0,
+                      hops: RingHops = "permute"):
+    """`impl` (CONTEXT_ATTENTIONS) of this rank's zig-zag shard (`window` > 0: sliding;
+    `hops`: the ring's, ring_attention)."""
+    if impl == "ring":
+        return ring_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, context=context,
+                              axis_name=axis_name, window=window, hops=hops)
+    return allgather_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, context=context,
+                               axis_name=axis_name, window=window)

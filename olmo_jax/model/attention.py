@@ -259,7 +259,7 @@ class Attention(nnx.Module):
         self.mxfp8_impl = cfg.mxfp8_gemm_impl  # likewise (model/mxfp8_gemm.py)
         # Context parallelism: the sequence's zig-zag shard, attended over the plan's
         # `context` axis (olmo_jax/kernels/ring_attention.py; set by the plan).
-        self.context = (cfg.context_parallel, cfg.context_attention)
+        self.context = (cfg.context_parallel, cfg.context_attention, cfg.context_ring_hops)
         self.windows = cfg.window_choices  # the cores compiled (module docstring)
         self.rope_by_window = rope.by_window(cfg)  # a RoPE table per window choice
 
@@ -336,10 +336,10 @@ class Attention(nnx.Module):
         k_BTKH = apply_rope(k_BTKH, cos_TH, sin_TH)
         with jax.named_scope("attention_scores"):  # named for olmo_jax/planner
             if impl == "context":
-                C, how = self.context
+                C, how, hops = self.context
                 return self._by_window(lambda w: ring_attention.context_attention(
-                    how, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, context=C, window=w),
-                    window_index)
+                    how, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, context=C, window=w,
+                    hops=hops), window_index)
             if impl == "cudnn":
                 return self._by_window(lambda w: cudnn_attention(
                     q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, self.cudnn_max_docs, w),

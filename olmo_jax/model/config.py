@@ -20,7 +20,7 @@ from typing import Literal, get_args
 import jax.numpy as jnp
 
 from olmo_jax.errors import ConfigError, check_choice
-from olmo_jax.kernels.ring_attention import CONTEXT_ATTENTIONS, ContextAttention
+from olmo_jax.kernels.ring_attention import CONTEXT_ATTENTIONS, RING_HOPS, ContextAttention, RingHops
 from olmo_jax.kernels.select import (
     ATTENTION_IMPLS,
     GMM_IMPLS,
@@ -295,8 +295,13 @@ class TransformerConfig:
     # attention over the sequence's shards, CONTEXT_ATTENTIONS: ring (K/V passed around the
     # ring) | allgather (K/V all-gathered). `context_parallel` is set by the parallel plan
     # from parallel.context (the model then runs inside the plan's shard_map); leave it 1.
+    # `context_ring_hops` (RING_HOPS), how the ring's K/V travel, is set by the plan too:
+    # permute (collective-permutes around the ring), or pairs under a pipeline
+    # (parallel.pipe > 1: exchanges inside pairs of context ranks, whose replica groups
+    # stay inside a stage; ring_attention._ring_loop).
     context_attention: ContextAttention = "ring"
     context_parallel: int = 1
+    context_ring_hops: RingHops = "permute"
     # Sliding-window attention per layer, OLMo-core's SlidingWindowAttentionConfig
     # (nn/attention/__init__.py; `layer_windows`): window sizes in tokens cycled over the
     # layers, -1 = full attention, e.g. (4096, 4096, 4096, -1): three windowed layers of
@@ -423,6 +428,7 @@ class TransformerConfig:
         check_choice(f"{prefix}.norm_impl", self.norm_impl, NORM_IMPLS)
         check_choice(f"{prefix}.mxfp8_gemm_impl", self.mxfp8_gemm_impl, MXFP8_GEMM_IMPLS)
         check_choice(f"{prefix}.context_attention", self.context_attention, CONTEXT_ATTENTIONS)
+        check_choice(f"{prefix}.context_ring_hops", self.context_ring_hops, RING_HOPS)
         if self.context_parallel < 1:
             raise ConfigError(f"{prefix}.context_parallel must be >= 1 (set by the plan from "
                               f"parallel.context), got {self.context_parallel}")

@@ -40,6 +40,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from olmo_jax.errors import ConfigError
 from olmo_jax.kernels import platform
+from olmo_jax.kernels.ring_attention import pairs_possible
 from olmo_jax.kernels.select import KernelChoice, resolve_kernels
 from olmo_jax.kernels.vma import varying_axes
 from olmo_jax.model.abstract import abstract_model
@@ -345,7 +346,7 @@ def check_model_fits(model_cfg: TransformerConfig, mesh: Mesh, strategy: str, di
 def check_context(p: ParallelConfig, trainer: BatchSettings, model_cfg: TransformerConfig,
                   pipe: int) -> None:
     """parallel.context > 1: the sequence must split into 2 x context zig-zag chunks, and
-    pipeline stages attend by all-gather."""
+    a ring under a pipeline needs a power-of-two context."""
     C = p.context
     if model_cfg.context_parallel not in (1, C):
         raise ConfigError(
@@ -353,12 +354,15 @@ def check_context(p: ParallelConfig, trainer: BatchSettings, model_cfg: Transfor
             f"parallel.context={C}; leave it 1 and set parallel.context")
     if C == 1:
         return
-    if pipe != 1 and model_cfg.context_attention == "ring":
-        # A stage's ops run in conds the other stages skip; the ring's collective-permute
-        # spans every device of the mesh (all-gather's groups stay inside a stage).
+    if pipe != 1 and model_cfg.context_attention == "ring" and not pairs_possible(C):
+        # A stage's ops run in conds the other stages skip, and a collective-permute's
+        # rendezvous spans every device of the mesh: under a pipeline the ring hops by
+        # exchanges inside pairs of context ranks (replica groups inside a stage), which
+        # visit every rank for a power-of-two context.
         raise ConfigError(
-            f"model.context_attention=ring does not run with parallel.pipe={pipe} yet: set "
-            "model.context_attention=allgather (or parallel.pipe=1)")
+            f"model.context_attention=ring with parallel.pipe={pipe} needs a power-of-two "
+            f"parallel.context, got {C}: choose 2, 4, 8, ... or model.context_attention="
+            "allgather")
     if model_cfg.moe.lb_granularity == "instance":
         raise ConfigError(
             f"model.moe.lb_granularity=instance needs each row's router counts on one device, "
@@ -443,6 +447,9 @@ def build_plan(parallel: ParallelConfig, trainer: BatchSettings, model_cfg: Tran
                 f"optim.name=muon does not support parallel.pipe={mesh.shape['pipe']} yet: "
                 "use parallel.pipe=1 or optim.name=adamw")
         muon = muon_lib.ownership(abstract_params, layouts, mesh)
-    model_cfg = dataclasses.replace(kernels.apply(model_cfg), context_parallel=p.context)
+    # the ring's hops: pair exchanges under a pipeline (check_context)
+    hops = "pairs" if mesh.shape["pipe"] > 1 else "permute"
+    model_cfg = dataclasses.replace(kernels.apply(model_cfg), context_parallel=p.context,
+                                    context_ring_hops=hops)
     return ParallelPlan(mesh, p.strategy, bool(p.zero1), trainer.grad_accum, dispatch,
                         dispatcher, layouts, pipeline, muon, kernels, model_cfg)

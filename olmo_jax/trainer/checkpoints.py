@@ -52,7 +52,7 @@ FREE_MODEL_FIELDS = {"dtype", "remat", "init_std", "scan_unroll", "attention_imp
                      "rope_attention_factor", "rope_scaling_layers",
                      # context parallelism: how attention runs over the sequence's shards (a
                      # run resumes onto another parallel.context)
-                     "context_attention", "context_parallel"}
+                     "context_attention", "context_parallel", "context_ring_hops"}
 FREE_MOE_FIELDS = {
     "capacity_factor", "gmm_impl", "lb_loss_coef", "z_loss_coef", "lb_loss_type", "lb_granularity",
     "routing_mode", "router_jitter",

@@ -3,7 +3,8 @@ device on the same weights: the continuation sums and the answer-position
 log-probabilities of every request, and the ICLMetric numbers logged. Meshes: data x expert (DDP and FSDP), the pipeline
 (pipe 2 x data 2 x expert 2, 1F1B, 2 microbatches: the stages' forward as the trainer's
 evaluation runs it), and context parallelism (zig-zag shards of the positions) without
-and with a pipeline. Each mesh compiles one program (one [8, 16] batch shape)."""
+and with a pipeline (all-gather attention, and the ring's pair exchanges). Each mesh
+compiles one program (one [8, 16] batch shape)."""
 
 import dataclasses
 
@@ -76,6 +77,7 @@ MESHES = {
     "pipe": dict(data=2, expert=2, pipe=Pipe(2, "1f1b", 2)),
     "context": dict(data=2, context=2, expert=2),
     "pipe_context": dict(context=2, expert=2, pipe=Pipe(2, "1f1b", 2), context_attention="allgather"),
+    "pipe_context_ring": dict(context=2, expert=2, pipe=Pipe(2, "1f1b", 2)),
 }
 
 

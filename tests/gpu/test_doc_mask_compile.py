@@ -7,9 +7,11 @@ makes no [T, S] score buffer, and keeps cuDNN's softmax statistics at
 model.cudnn_max_docs per row.
 
 Context parallelism, 8 GPUs as data 2 x context 2 x expert 2 (ring and all-gather
-attention) and pipe 2 x context 2 x expert 2 (1F1B, all-gather: the ring is refused with
-a pipeline): each cell compiles on its path, the attention's collectives being the ring's
-K/V collective-permutes or the all-gather's K/V all-gathers and dK/dV reduce-scatters,
+attention) and pipe 2 x context 2 x expert 2 (1F1B, all-gather and ring): each cell
+compiles on its path, the attention's collectives being the ring's K/V
+collective-permutes (under the pipeline its pair exchanges: all-gathers over groups of 2
+context ranks inside a stage, e.g. {{0,2},{1,3},{4,6},{5,7}}) or the all-gather's K/V
+all-gathers and dK/dV reduce-scatters,
 each attention block masked by segment (`hlo_cost.document_masks`), and the ring holding
 no score block that spans the whole sequence's keys (the all-gather's [2L, T] one is
 found by the same check). The blocks are XLA's own einsums, not cuDNN's fused attention
@@ -57,7 +59,7 @@ def test_doc_masked_step_runs_cudnn_packed_attention():
 
 
 # (model.context_attention, parallel.pipe) on 8 H200s
-CONTEXT_CELLS = [("ring", 1), ("allgather", 1), ("allgather", 2)]
+CONTEXT_CELLS = [("ring", 1), ("allgather", 1), ("allgather", 2), ("ring", 2)]
 
 
 def context_cell_config(how: str, pipe: int):
@@ -81,15 +83,20 @@ def test_doc_masked_context_parallel_compiles_on_its_path(how, pipe):
     step = compile_train_step(config_lib.validate(cfg), targets.abstract_devices("h200", 8),
                               trainer_step=True, options=COMPILE_OPTIONS)
     cell_id = f"h200x8-doc_mask-context2-{how}" + (f"-pipe{pipe}" if pipe > 1 else "")
-    kinds = {c.kind for c in comms.collectives(step.module)
-             if "attention" in c.op_name and c.group_size > 1}
-    want = {"collective-permute"} if how == "ring" else {"all-gather", "reduce-scatter"}
+    colls = [c for c in comms.collectives(step.module)
+             if "attention" in c.op_name and c.group_size > 1]
+    kinds = {c.kind for c in colls}
+    want = {"all-gather", "reduce-scatter"}
+    if how == "ring":  # K/V around the ring; under a pipeline, swapped inside pairs of ranks
+        want = {"collective-permute"} if pipe == 1 else {"all-gather"}
     whole = hlo_cost.key_span_buffers(step.module, SEQ_LEN)
     problems = []
     if kinds != want:
         problems.append(f"attention collectives {sorted(kinds)}, not {sorted(want)}")
     if not hlo_cost.document_masks(step.module):
         problems.append("no q-segment == k-segment mask in the attention blocks")
+    if how == "ring" and pipe > 1 and any(c.group_size != 2 for c in colls):
+        problems.append("the ring's pair exchanges span more than pairs of context ranks")
     if how == "ring" and whole:
         problems.append(f"whole-sequence score blocks next to the ring: {whole[:3]}")
     if how == "allgather" and not whole:

@@ -95,10 +95,17 @@ def reference():
     return out
 
 
+# (model.context_attention, the ring's hops): the ring by collective-permutes, the ring by
+# pair exchanges (all-gathers over pairs of ranks: under a pipeline), the all-gather
+IMPLS = [pytest.param(("ring", "permute"), marks=pytest.mark.jax011, id="ring"),  # ppermute
+         pytest.param(("ring", "pairs"), marks=pytest.mark.jax011, id="ring-pairs"),
+         *(pytest.param((i, "permute"), id=i) for i in CONTEXT_ATTENTIONS if i != "ring")]
+
+
 @pytest.mark.parametrize("C", [2, 4])
-@pytest.mark.parametrize("impl", [pytest.param(i, marks=pytest.mark.jax011) if i == "ring" else i
-                                  for i in CONTEXT_ATTENTIONS])  # ring: ppermute
-def test_context_attention_matches_naive(impl, C, reference):
+@pytest.mark.parametrize("impl_hops", IMPLS)
+def test_context_attention_matches_naive(impl_hops, C, reference):
+    impl, hops = impl_hops
     q, k, v, w, seg = _inputs()
     mesh = Mesh(np.asarray(jax.devices()[:C]), ("context",))
     order = np.concatenate([zigzag_indices(T, C, r) for r in range(C)])  # rank-major layout
@@ -108,7 +115,8 @@ def test_context_attention_matches_naive(impl, C, reference):
         out = {}
         for masked in (False, True):  # one program for both
             def attend(q, k, v, masked=masked):
-                return context_attention(impl, q, k, v, seg if masked else None, context=C)
+                return context_attention(impl, q, k, v, seg if masked else None, context=C,
+                                         hops=hops)
             grads = jax.grad(lambda q, k, v, a=attend: jnp.sum(a(q, k, v) * w),
                              argnums=(0, 1, 2))(q, k, v)
             out[masked] = (attend(q, k, v), grads)
@@ -125,5 +133,5 @@ def test_context_attention_matches_naive(impl, C, reference):
         errs = [rel_err(np.asarray(o)[:, inverse], want_o)]
         errs += [rel_err(np.asarray(g)[:, inverse], x)
                  for g, x in zip(grads, want_grads, strict=True)]
-        print(impl, C, masked, errs)
+        print(impl, hops, C, masked, errs)
         assert max(errs) <= 1e-5, (masked, errs)

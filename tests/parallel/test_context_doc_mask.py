@@ -4,15 +4,16 @@ docs=True: three or four EOS-ended documents a row, their ends straddling the zi
 chunks of context 2 and 4, so documents cross the shards' boundaries; every fourth row is
 one document); one device masks them (model.doc_mask_eos) with the plain causal core.
 Against it: context 4 alone (ring), data 2 x context 2 x expert 2 (ring), context 4 x
-expert 2 (all-gather, ragged dispatch), and pipe 2 x data 2 x context 2 (interleaved
-1F1B, 2 microbatches, virtual stages 2, a dense-first block; all-gather attention): loss,
+expert 2 (all-gather, ragged dispatch), pipe 2 x data 2 x context 2 (all-gather) and pipe
+2 x context 2 x expert 2 (the ring, by pair exchanges) (interleaved 1F1B, 2
+microbatches, virtual stages 2, a dense-first block): loss,
 router losses and every gradient within 1e-5 relative, five steps' losses within 1e-4
 (test_parallel_invariance.py's tolerances). The masked reference differs from the
 unmasked one by far more, so the cases prove the shards mask. The compiled steps hold the
 design's collectives (the ring: collective-permutes only; all-gather: K/V all-gathers and
 dK/dV reduce-scatters) and the ring makes no whole-sequence score buffer while the
-all-gather's [2L, T] block is found by the same check. The ring with a pipeline stays
-refused naming the fields."""
+all-gather's [2L, T] block is found by the same check. Under a pipeline the plan sets the
+ring's pair exchanges, and refuses a context they cannot cover naming the fields."""
 
 import jax
 import pytest
@@ -35,6 +36,7 @@ from tests.parallel.harness import (
     with_capacity,
     with_docs,
 )
+from tests.parallel.test_context_parallel import ring_pair_exchanges
 from tests.parallel.test_parallel_invariance import assert_matches_reference
 from tests.sections import plan_for
 
@@ -73,16 +75,22 @@ def test_doc_masked_context_parallel_matches_single_device(case):
         assert whole, "the check no longer sees the all-gather's [2L, T] score block"
 
 
-def test_doc_masked_context_parallel_pipeline_matches_single_device():
+@pytest.mark.parametrize("data, expert, how", [(2, 1, "allgather"), (1, 2, "ring")],
+                         ids=["data2-allgather", "expert2-ring"])
+def test_doc_masked_context_parallel_pipeline_matches_single_device(data, expert, how):
     # Each microbatch's segment ids and RoPE positions are computed on its whole rows by
     # every stage, then sharded; the stash keeps what each block's backward needs of them.
     layers, batch, M = (5, 1), 8, 2
-    run = plan_run(2, 1, "rowwise", batch=batch, layers=layers, width=WIDTH, context=2,
-                   pipe=Pipe(2, "interleaved_1f1b", M, 2), context_attention="allgather",
-                   **DOCS)
+    run = plan_run(data, expert, "rowwise", batch=batch, layers=layers, width=WIDTH, context=2,
+                   pipe=Pipe(2, "interleaved_1f1b", M, 2), context_attention=how, **DOCS)
     assert_matches_reference(run, reference_run(grad_accum=M, batch=batch, layers=layers,
                                                 width=WIDTH, **DOCS))
-    assert _attention_collectives(run) == {"all-gather", "reduce-scatter"}
+    assert hlo_cost.document_masks(run.hlo)
+    if how == "ring":  # K/V, dK/dV swapped inside pairs of context ranks of one stage
+        assert ring_pair_exchanges(run)
+        assert not hlo_cost.key_span_buffers(run.hlo, SEQ)
+    else:
+        assert _attention_collectives(run) == {"all-gather", "reduce-scatter"}
 
 
 def test_doc_masked_pipeline_eval_matches_single_device():
@@ -111,12 +119,15 @@ def test_doc_masked_pipeline_eval_matches_single_device():
     assert rel_err(plain_ce, ref_ce) > 1e-3  # the masks matter
 
 
-def test_the_ring_with_a_pipeline_is_refused_with_doc_masking_too():
+def test_the_plan_sets_the_rings_hops_with_a_pipeline():
     from olmo_jax.config import model_config
 
     cfg = make_cfg(data=2, pipe=Pipe(2), context=2)
-    with pytest.raises(ConfigError, match=r"model.context_attention=ring does not run with "
-                                          r"parallel.pipe=2"):
-        plan_for(cfg, with_docs(model_config(cfg), True, True))
-    cfg.model.context_attention = "allgather"  # builds, with document masking
-    assert plan_for(cfg, with_docs(model_config(cfg), True, True)).model_cfg.doc_mask_eos == DOC_EOS
+    plan = plan_for(cfg, with_docs(model_config(cfg), True, True))
+    assert (plan.model_cfg.context_ring_hops, plan.model_cfg.doc_mask_eos) == ("pairs", DOC_EOS)
+    cfg = make_cfg(pipe=Pipe(2), context=3)  # pair exchanges cover powers of two
+    with pytest.raises(ConfigError, match=r"model.context_attention=ring with parallel.pipe=2 "
+                                          r"needs a power-of-two parallel.context, got 3"):
+        plan_for(cfg, with_docs(model_config(cfg), True, True), devices=jax.devices()[:6])
+    cfg = make_cfg(data=4, context=2)  # no pipeline: the ring's collective-permutes
+    assert plan_for(cfg, model_config(cfg)).model_cfg.context_ring_hops == "permute"

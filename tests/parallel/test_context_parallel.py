@@ -3,13 +3,15 @@ one-device reference against the trainer's step with each sequence split over th
 `context` axis (zig-zag, ring or all-gather attention), alone on 4 devices, with
 data 2 / expert 2 (MoE dispatch over the tokens of data x context x expert, ZeRO-1
 sharding over them; AdamW and Muon) on 8, and as pipe 2 x data 2 x context 2 (all-gather
-attention; the ring is refused with a pipeline): loss, router losses and every gradient
+attention, and the ring hopping by pair exchanges): loss, router losses and every gradient
 within 1e-5 relative, five steps' losses within 1e-4 (test_parallel_invariance.py's
 tolerances). The compiled step holds the design's collectives: ring attention moves K/V
-by collective-permute and gathers no K/V; all-gather attention permutes nothing; and,
-without data.doc_mask, no segment mask (test_context_doc_mask.py has the masked cases).
-Bad settings are refused naming the field."""
+by collective-permute and gathers no K/V, under a pipeline by all-gathers over pairs of
+context ranks only; all-gather attention permutes nothing; and, without data.doc_mask, no
+segment mask (test_context_doc_mask.py has the masked cases). Bad settings are refused
+naming the field."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -56,14 +58,27 @@ def test_context_parallel_matches_single_device(case):
         assert kinds == {"all-gather", "reduce-scatter"}, kinds
 
 
-def test_context_parallel_pipeline_matches_single_device():
+def ring_pair_exchanges(run):
+    """Whether the attention's collectives are the ring's pair exchanges: all-gathers over
+    groups of 2 context ranks inside one pipeline stage, and nothing else (no
+    collective-permute, whose rendezvous spans every device of the mesh: a stage's ops run
+    in conds the other stages skip)."""
+    colls = _attention_collectives(run)
+    return bool(colls) and all(c.kind == "all-gather" and c.group_size == 2 for c in colls)
+
+
+@pytest.mark.parametrize("how", ["allgather", "ring"])
+def test_context_parallel_pipeline_matches_single_device(how):
     # pipe 2 x data 2 x context 2 (GPipe): each stage's blocks run on the zig-zag shards
-    # with all-gather attention, the last stage's loss on the sharded targets.
+    # (the ring's K/V hop by pair exchanges), the last stage's loss on the sharded targets.
     layers, batch = (4, 0), 8
     run = plan_run(2, 1, "rowwise", batch=batch, layers=layers, pipe=Pipe(2, "gpipe", 1),
-                   context=2, context_attention="allgather")
+                   context=2, context_attention=how)
     assert_matches_reference(run, reference_run(batch=batch, layers=layers))
-    assert {c.kind for c in _attention_collectives(run)} == {"all-gather", "reduce-scatter"}
+    if how == "ring":
+        assert ring_pair_exchanges(run), _attention_collectives(run)
+    else:
+        assert {c.kind for c in _attention_collectives(run)} == {"all-gather", "reduce-scatter"}
 
 
 def _cfg(**parallel):
@@ -83,10 +98,10 @@ def test_bad_context_settings_are_refused_by_name():
     with pytest.raises(ConfigError, match=r"trainer.seq_len=12 must be divisible by 2 x "
                                           r"parallel.context = 8"):
         plan_for(cfg, model_config(cfg))
-    cfg = _cfg(context=2, data=2, pipe=2)
-    with pytest.raises(ConfigError, match=r"model.context_attention=ring does not run with "
-                                          r"parallel.pipe=2"):
-        plan_for(cfg, model_config(cfg))
+    cfg = _cfg(context=3, pipe=2)
+    with pytest.raises(ConfigError, match=r"model.context_attention=ring with parallel.pipe=2 "
+                                          r"needs a power-of-two parallel.context, got 3"):
+        plan_for(cfg, model_config(cfg), devices=jax.devices()[:6])
     cfg = _cfg(context=2, data=4)
     cfg.model.moe.lb_granularity = "instance"
     with pytest.raises(ConfigError, match=r"model.moe.lb_granularity=instance needs each row's"):
