@@ -9,13 +9,10 @@ about it). The server checks no token; the tests check the token is never writte
 from __future__ import annotations
 
 import contextlib
-import socket
-import subprocess
-import time
 
 import fsspec
 
-from tests.moto_s3 import free_port, patched_environ
+from tests.moto_s3 import free_port, local_server, patched_environ
 
 TOKEN = "ya29.olmoJaxGcsToken-NeverLogged-0123456789abcdef"
 
@@ -31,21 +28,10 @@ def server():
     """Yields the URL of a fresh, empty fake-gcs-server."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([binary(), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",
-                             "-port", str(port), "-external-url", url, "-log-level", "error"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        for _ in range(300):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                assert proc.poll() is None, "fake-gcs-server did not start"
-                time.sleep(0.05)
+    with local_server([binary(), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",
+                       "-port", str(port), "-external-url", url, "-log-level", "error"],
+                      port, "fake-gcs-server"):
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 @contextlib.contextmanager

@@ -29,16 +29,24 @@ def server(auth: bool = False):
     (none are valid: every request is denied, InvalidAccessKeyId)."""
     port = free_port()
     env = {**os.environ, **({"INITIAL_NO_AUTH_ACTION_COUNT": "0"} if auth else {})}
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    with local_server([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                      port, "the moto server", env) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def local_server(cmd: list[str], port: int, name: str, env: dict | None = None):
+    """Runs `cmd` (a server listening on 127.0.0.1:`port`) as a child process, yields its
+    URL once the port accepts connections, and stops it at the end."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
         for _ in range(300):
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
                 break
             except OSError:
-                assert proc.poll() is None, "the moto server did not start"
-                time.sleep(0.1)
+                assert proc.poll() is None, f"{name} did not start"
+                time.sleep(0.05)
         yield f"http://127.0.0.1:{port}"
     finally:
         proc.terminate()

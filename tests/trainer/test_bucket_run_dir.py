@@ -182,32 +182,43 @@ def test_the_report_reads_the_bucket(runs):
     assert moto_s3.SECRET not in html + done.stdout + done.stderr
 
 
-def test_init_from_and_convert_read_the_bucket(runs, tmp_path):
+def final_params(where, steps: int) -> dict:
+    """The weights of a run folder's last checkpoint (step `steps`), found as
+    trainer.init_from finds them, on one device."""
     import jax
 
-    from olmo_jax import convert
+    ckpts, step = m.resolve(where)
+    with ckpts:
+        assert step == steps
+        names = ckpts.array_metadata(step, m.MODEL)
+        sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        target = {n: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh) for n, v in names.items()}
+        return ckpts.restore_arrays(step, m.MODEL, target)
 
-    def final_params(where):
-        ckpts, step = m.resolve(where)  # what trainer.init_from reads
-        with ckpts:
-            assert step == STEPS
-            names = ckpts.array_metadata(step, m.MODEL)
-            sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-            target = {n: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh) for n, v in names.items()}
-            return ckpts.restore_arrays(step, m.MODEL, target)
 
-    local, bucket = final_params(runs["tmp"] / "straight"), final_params(RUN)
+def assert_same_weights(local_run, bucket_run, steps: int) -> None:
+    local, bucket = final_params(local_run, steps), final_params(bucket_run, steps)
     assert local.keys() == bucket.keys()
     for name in local:
         np.testing.assert_array_equal(np.asarray(local[name]), np.asarray(bucket[name]), err_msg=name)
-    out = f"s3://{BUCKET}/exports/olmo3moe"
-    assert convert.main(["orbax-to-olmo3moe", "--ckpt", RUN, "--out", out]) == 0
-    assert convert.main(["orbax-to-olmo3moe", "--ckpt", str(runs["tmp"] / "straight"),
-                         "--out", str(tmp_path / "hf")]) == 0
-    fs = storage.filesystem(out)
-    for f in (tmp_path / "hf").iterdir():
-        if f.suffix == ".safetensors":
-            assert fs.cat_file(f"{out}/{f.name}") == f.read_bytes(), f.name
+
+
+def assert_same_export(local_run, bucket_run, out: str, local_out: Path) -> None:
+    """`convert orbax-to-olmo3moe` of the bucket's run into `out` (a bucket folder) writes
+    the bytes it writes from the local run into `local_out`."""
+    from olmo_jax import convert
+
+    assert convert.main(["orbax-to-olmo3moe", "--ckpt", bucket_run, "--out", out]) == 0
+    assert convert.main(["orbax-to-olmo3moe", "--ckpt", str(local_run), "--out", str(local_out)]) == 0
+    tensors = [f for f in local_out.iterdir() if f.suffix == ".safetensors"]
+    assert tensors
+    for f in tensors:
+        assert storage.read_bytes(f"{out}/{f.name}") == f.read_bytes(), f.name
+
+
+def test_init_from_and_convert_read_the_bucket(runs, tmp_path):
+    assert_same_weights(runs["tmp"] / "straight", RUN, STEPS)
+    assert_same_export(runs["tmp"] / "straight", RUN, f"s3://{BUCKET}/exports/olmo3moe", tmp_path / "hf")
 
 
 def test_the_lease_on_its_own(s3):

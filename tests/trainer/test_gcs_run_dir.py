@@ -24,7 +24,6 @@ import json
 import os
 import time
 
-import numpy as np
 import pytest
 
 pytest.importorskip("gcsfs")
@@ -40,7 +39,12 @@ from olmo_jax.errors import CheckpointError, ConfigError  # noqa: E402
 from olmo_jax.trainer.lease import Lease, LeaseHeld, LeaseLost  # noqa: E402
 from olmo_jax.trainer.loop import train  # noqa: E402
 from tests import fake_gcs  # noqa: E402
-from tests.trainer.test_bucket_run_dir import records, run_config  # noqa: E402
+from tests.trainer.test_bucket_run_dir import (  # noqa: E402
+    assert_same_export,
+    assert_same_weights,
+    records,
+    run_config,
+)
 
 BUCKET = "runs-bkt"
 RUN = f"gs://{BUCKET}/team/run1"
@@ -133,35 +137,12 @@ def test_the_bucket_holds_the_run_folder_and_no_token(runs):
 
 
 def test_init_from_and_convert_read_the_bucket(runs, tmp_path):
-    import jax
-
-    from olmo_jax import convert
-
-    def final_params(where):
-        ckpts, step = m.resolve(where)  # what trainer.init_from reads
-        with ckpts:
-            assert step == STEPS
-            names = ckpts.array_metadata(step, m.MODEL)
-            sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-            target = {n: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh) for n, v in names.items()}
-            return ckpts.restore_arrays(step, m.MODEL, target)
-
-    local, bucket = final_params(runs["tmp"] / "straight"), final_params(RUN)
-    assert local.keys() == bucket.keys()
-    for name in local:
-        np.testing.assert_array_equal(np.asarray(local[name]), np.asarray(bucket[name]), err_msg=name)
+    assert_same_weights(runs["tmp"] / "straight", RUN, STEPS)
     console = Console(record=True, width=300)
     train(config(str(tmp_path / "from_bucket"), runs["tmp"] / "cache", init_from=RUN, max_steps=2,
                  save_every=0), console=console)
     assert f"initialized the weights from {RUN}/checkpoints/{STEPS}" in console.export_text()
-    out = f"gs://{BUCKET}/exports/olmo3moe"
-    assert convert.main(["orbax-to-olmo3moe", "--ckpt", RUN, "--out", out]) == 0
-    assert convert.main(["orbax-to-olmo3moe", "--ckpt", str(runs["tmp"] / "straight"),
-                         "--out", str(tmp_path / "hf")]) == 0
-    tensors = [f for f in (tmp_path / "hf").iterdir() if f.suffix == ".safetensors"]
-    assert tensors
-    for f in tensors:
-        assert storage.read_bytes(f"{out}/{f.name}") == f.read_bytes(), f.name
+    assert_same_export(runs["tmp"] / "straight", RUN, f"gs://{BUCKET}/exports/olmo3moe", tmp_path / "hf")
 
 
 def test_the_lease_on_gcs(gcs, tmp_path):
