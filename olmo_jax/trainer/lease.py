@@ -81,13 +81,17 @@ class LeaseLost(Exception):
     """The lease was taken over by another trainer (this one did not renew it in time)."""
 
 
-class _S3Object:
-    """The lease object in an S3 bucket; its version is the ETag."""
+class _StoreObject:
+    """The lease object `url` in a bucket: its bucket and key."""
 
     def __init__(self, url: str):
         self.url = url
         self.bucket = storage.bucket_of(url)
         self.key = url.partition("://")[2].split("/", 1)[1]
+
+
+class _S3Object(_StoreObject):
+    """The lease object in an S3 bucket; its version is the ETag."""
 
     def _call(self, method: str, **kwargs):
         return storage.filesystem(self.url).call_s3(method, Bucket=self.bucket, Key=self.key,
@@ -113,14 +117,9 @@ class _S3Object:
         self._call("delete_object", IfMatch=version)
 
 
-class _GcsObject:
+class _GcsObject(_StoreObject):
     """The lease object in a GCS bucket (JSON API through gcsfs); its version is the
     generation. Writes are multipart uploads, as gcsfs's own small ones are."""
-
-    def __init__(self, url: str):
-        self.url = url
-        self.bucket = storage.bucket_of(url)
-        self.key = url.partition("://")[2].split("/", 1)[1]
 
     def write(self, body: bytes, version: str | None) -> str:
         fs = storage.filesystem(self.url)
