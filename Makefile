@@ -146,9 +146,13 @@ chromium:
 	  fi; \
 	fi
 
-# A crashed test process ends its pytest run (--max-worker-restart=0) with the crash's
-# traceback: xdist's replacement of a crashed worker once left a --dist loadfile run
-# waiting forever for the crashed file.
+# A crashed test process ends its pytest run (--max-worker-restart=0: xdist's replacement
+# of a crashed worker once left a --dist loadfile run waiting forever for the crashed
+# file), with the crashed thread's stack in the test's failure report. When crashes were
+# the run's only failures, tools/testing/pytest_resume.sh runs the tests that had not ended
+# once more (tests/crash_resume.py): a segmentation fault inside XLA:CPU has killed a worker
+# about once in several full runs, at a different test each time.
+RESUME := tools/testing/pytest_resume.sh
 # The suite in .venv (CPU), then the jax 0.11.2 subset in .venv-jax011, then tests/gpu in
 # .venv-gpu (README: "Compiling for GPUs without one"), one stage after the other. Beside
 # each other they cost more than in turn: on 2 AMD EPYC cores the main suite took 18:56
@@ -167,10 +171,10 @@ test:
 	@t0=$$(cat .artifacts/test-start); t1=$$(date +%s); \
 	  mmss() { printf '%d:%02d' $$(( $$1 / 60 )) $$(( $$1 % 60 )); }; \
 	  echo "main suite, then jax 0.11.2, then the GPU-compile stages"; \
-	  $(CPU_TEST_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0 --ignore=tests/gpu $(PYTEST_ARGS); \
+	  $(CPU_TEST_ENV) $(RESUME) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0 --ignore=tests/gpu $(PYTEST_ARGS); \
 	  main=$$?; j11=0; t2=$$(date +%s); \
 	  if [ -n "$(strip $(J11_TESTS))" ]; then echo "jax 0.11.2 ($(J11)): $(J11_TESTS)"; \
-	    $(CPU_TEST_ENV) $(J11_PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0 \
+	    $(CPU_TEST_ENV) $(RESUME) $(J11_PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0 \
 	      -m "jax011 or image" -p tests.jax011_apis $(J11_TESTS); j11=$$?; fi; \
 	  t3=$$(date +%s); $(MAKE) --no-print-directory test-gpu; rc=$$?; t4=$$(date +%s); \
 	  echo "make test: set-up $$(mmss $$((t1 - t0))), main suite $$(mmss $$((t2 - t1))), jax 0.11.2" \
@@ -185,9 +189,9 @@ test:
 # compiled to future architecture"), so Hopper, B200 (sm_100) and B300 (sm_103) compile
 # in separate runs; tests/gpu/conftest.py refuses a selection that mixes them.
 test-gpu:
-	$(GPU_PY) -m pytest -q -n $(GPU_TEST_WORKERS) $(GPU_PYTEST_ARGS) -k "not b200 and not b300"
-	$(GPU_PY) -m pytest -q -n $(GPU_TEST_WORKERS) $(GPU_PYTEST_ARGS) -k b200
-	$(GPU_PY) -m pytest -q -n $(GPU_TEST_WORKERS) $(GPU_PYTEST_ARGS) -k b300
+	$(RESUME) $(GPU_PY) -m pytest -q -n $(GPU_TEST_WORKERS) $(GPU_PYTEST_ARGS) -k "not b200 and not b300"
+	$(RESUME) $(GPU_PY) -m pytest -q -n $(GPU_TEST_WORKERS) $(GPU_PYTEST_ARGS) -k b200
+	$(RESUME) $(GPU_PY) -m pytest -q -n $(GPU_TEST_WORKERS) $(GPU_PYTEST_ARGS) -k b300
 
 # The docs site (mkdocs.yml) into the git-ignored site/; --strict fails on a broken link or anchor.
 docs: venv
@@ -196,7 +200,7 @@ docs: venv
 # The inner loop (meant to take < 8 min on 2 cores once the venvs are installed): lint, then
 # the main suite's fast tier, every test not marked `slow` (tests/conftest.py SLOW).
 check: lint
-	$(CPU_TEST_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0 --ignore=tests/gpu -m "not slow" $(PYTEST_ARGS)
+	$(CPU_TEST_ENV) $(RESUME) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0 --ignore=tests/gpu -m "not slow" $(PYTEST_ARGS)
 
 lint: venv
 	$(PY) -m ruff check olmo_jax tests tools configs

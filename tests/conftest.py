@@ -114,6 +114,9 @@ if RUN_CACHE:
 
 
 def pytest_configure(config):
+    from tests.crash_resume import CrashResume
+
+    config.pluginmanager.register(CrashResume(config), "olmo_jax_crash_resume")
     config.addinivalue_line(
         "markers", "no_compile_cache: runs with the persistent compilation cache off "
         "(tests that measure compiling)")
