@@ -20,6 +20,7 @@ J11_PY := $(J11)/bin/python
 # tests/test_jax011_selection.py keeps this list and the marks in step.
 J11_TESTS ?= tests/kernels/test_cpu_attention.py tests/kernels/test_cpu_gmm.py \
   tests/kernels/test_grouped_matmul.py tests/kernels/test_grouped_matmul_tcgen05.py \
+  tests/kernels/test_grouped_matmul_slots.py \
   tests/kernels/test_mxfp8_kernels.py tests/kernels/test_platform.py \
   tests/model/test_mxfp8_model.py tests/parallel/test_gpu_typing.py \
   tests/parallel/test_parallel_zero.py tests/parallel/test_parallel_dispatch.py \

@@ -27,6 +27,15 @@ the work) and stream operands through SMEM with `plgpu.emit_pipeline` (TMA copie
   zeroed in SMEM (both operands, so non-finite values of a neighbouring group cannot
   leak in) before the wgmma. Empty groups store zeros.
 
+Sender-major slots (`senders` S > 1, static): the rows are a capacity buffer as an
+expert-parallel all_to_all delivers it, [S, G, c] (c = M / (S G) rows per sender and
+group, a multiple of the row block): group g's rows are S slots of c rows, not one run.
+gmm's tiles are then the row blocks themselves, each inside one slot (`slot_schedule`),
+and tgmm's pipeline visits group g's S x c / block rows slot by slot; `group_sizes_G` is
+not read (every slot is full: empty slots hold zero rows). The products are those of the
+group-major buffer (`slot_layout.slots_to_groups`), summed in the same order, without the transposes
+between the layouts.
+
 Requirements: 16-bit floating inputs of one dtype; K and N multiples of the block sizes
 (`TileConfig.for_shapes` picks blocks that divide them); M is padded to the row block
 inside the wrappers. On CPU the kernels run in Pallas' GPU interpret mode (inside
@@ -51,14 +60,21 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from olmo_jax import compat, shapes
 from olmo_jax.kernels import platform, vma
+from olmo_jax.kernels.slot_layout import groups_to_slots, slot_rows, slots_to_groups
 
 # ----------------------------------------------------------------------------- reference
 
 
 @shapes.check("w_GKN: G * *", "-> M *")  # w [G, N, K] with transpose_rhs
-def gmm_reference(x_MK, w_GKN, group_sizes_G, transpose_rhs: bool = False):
+def gmm_reference(x_MK, w_GKN, group_sizes_G, transpose_rhs: bool = False, senders: int = 1):
     """y[rows of g] = x[rows of g] @ w[g] (w[g].T when transpose_rhs), float32
-    accumulation, a loop over groups with row masks; rows past sum(group_sizes) are 0."""
+    accumulation, a loop over groups with row masks; rows past sum(group_sizes) are 0.
+    `senders` > 1: sender-major slots (module docstring), every slot full."""
+    if senders > 1:
+        G = w_GKN.shape[0]
+        full_G = jnp.full((G,), x_MK.shape[0] // G, jnp.int32)
+        y = gmm_reference(slots_to_groups(x_MK, G, senders), w_GKN, full_G, transpose_rhs)
+        return groups_to_slots(y, G, senders)
     w = jnp.swapaxes(w_GKN, 1, 2) if transpose_rhs else w_GKN
     mask_GM = group_masks(group_sizes_G, x_MK.shape[0])
     y_MN = jnp.zeros((x_MK.shape[0], w.shape[2]), jnp.float32)
@@ -69,8 +85,14 @@ def gmm_reference(x_MK, w_GKN, group_sizes_G, transpose_rhs: bool = False):
 
 
 @shapes.check("-> G K N")
-def tgmm_reference(x_MK, dy_MN, group_sizes_G):
-    """dw[g] = x[rows of g].T @ dy[rows of g], float32 accumulation."""
+def tgmm_reference(x_MK, dy_MN, group_sizes_G, senders: int = 1):
+    """dw[g] = x[rows of g].T @ dy[rows of g], float32 accumulation (`senders`: as
+    gmm_reference's)."""
+    if senders > 1:
+        G = group_sizes_G.shape[0]
+        full_G = jnp.full((G,), x_MK.shape[0] // G, jnp.int32)
+        return tgmm_reference(slots_to_groups(x_MK, G, senders),
+                              slots_to_groups(dy_MN, G, senders), full_G)
     mask_GM = group_masks(group_sizes_G, x_MK.shape[0])
     xm_GMK = jnp.where(mask_GM[:, :, None], x_MK[None], 0)
     dw = jnp.einsum("gmk,mn->gkn", xm_GMK, dy_MN, preferred_element_type=jnp.float32)
@@ -130,6 +152,39 @@ def tile_schedule(group_sizes_G, n_rows: int, block_m: int) -> TileSchedule:
         lo_T=jnp.where(valid, lo, zero),
         hi_T=jnp.where(valid, hi, zero),
     )
+
+
+def slot_schedule(n_rows: int, num_groups: int, senders: int, block_m: int) -> TileSchedule:
+    """gmm's row tiles over a sender-major slot buffer (module docstring): tile t is row
+    block t whole, of group (t // blocks per slot) % G; padding entries up to
+    num_row_tiles (static: no group sizes are read)."""
+    per_slot = slot_rows(n_rows, num_groups, senders, block_m) // block_m
+    n = n_rows // block_m
+    t = np.arange(num_row_tiles(n_rows, num_groups, block_m))
+    valid = t < n
+    arrays = (np.where(valid, (t // per_slot) % num_groups, num_groups), np.where(valid, t, 0),
+              np.where(valid, t * block_m, 0), np.where(valid, (t + 1) * block_m, 0))
+    return TileSchedule(*(jnp.asarray(a, jnp.int32) for a in arrays))
+
+
+def row_schedule(group_sizes_G, n_rows: int, block_m: int, senders: int = 1) -> TileSchedule:
+    """gmm's row tiles: tile_schedule, or slot_schedule for sender-major slots."""
+    if senders > 1:
+        return slot_schedule(n_rows, group_sizes_G.shape[0], senders, block_m)
+    return tile_schedule(group_sizes_G, n_rows, block_m)
+
+
+def tgmm_rows(g, start, end, br: int, n_rows: int, num_groups: int, senders: int):
+    """(row block of pipeline step r, the number of steps, whether a step's block may hold
+    rows of other groups) of tgmm's group g: the blocks from `start` to `end` (its run),
+    or for sender-major slots its senders' slots one after another (whole blocks)."""
+    if senders > 1:
+        nb = slot_rows(n_rows, num_groups, senders, br) // br
+        return ((lambda r: (lax.div(r, nb) * num_groups + g) * nb + lax.rem(r, nb)),
+                jnp.int32(senders * nb), jnp.bool_(False))
+    first = lax.div(start, br)
+    return ((lambda r: first + r), jnp.where(end > start, lax.div(end + br - 1, br) - first, 0),
+            jnp.bool_(True))
 
 
 # ----------------------------------------------------------------------------- tiling
@@ -313,8 +368,10 @@ def _gmm_kernel(M, Mp, K, N, G, transpose_rhs, cfg, dtype, num_programs, interpr
 
 
 @shapes.check("w: G * *", "-> M *")  # w [G, K, N], or [G, N, K] with transpose_rhs
-def gmm(x_MK, w, group_sizes_G, *, transpose_rhs: bool = False, config: TileConfig | None = None):
-    """Grouped matmul (see module doc). w is [G, K, N], or [G, N, K] with transpose_rhs."""
+def gmm(x_MK, w, group_sizes_G, *, transpose_rhs: bool = False, config: TileConfig | None = None,
+        senders: int = 1):
+    """Grouped matmul (see module doc). w is [G, K, N], or [G, N, K] with transpose_rhs;
+    `senders` > 1: the rows are sender-major slots."""
     _check(x_MK, w, "gmm")
     platform.require_kernel_platform("gmm")
     M, K = x_MK.shape
@@ -329,7 +386,7 @@ def gmm(x_MK, w, group_sizes_G, *, transpose_rhs: bool = False, config: TileConf
             f"N={N} (block_m a multiple of 64); TileConfig.for_shapes(K, N) picks such blocks"
         )
     x_pad = _pad_rows(x_MK, cfg.block_m)
-    sched = tile_schedule(group_sizes_G, M, cfg.block_m)
+    sched = row_schedule(group_sizes_G, M, cfg.block_m, senders)
     kernel = _gmm_kernel(
         M, x_pad.shape[0], K, N, G, transpose_rhs, cfg, jnp.dtype(x_MK.dtype),
         _num_programs(cfg, num_row_tiles(M, G, cfg.block_m) * (N // cfg.block_n)),
@@ -343,10 +400,10 @@ def gmm(x_MK, w, group_sizes_G, *, transpose_rhs: bool = False, config: TileConf
 
 
 @functools.cache
-def _tgmm_kernel(M, K, N, G, cfg, dtype, num_programs, interpret):
+def _tgmm_kernel(M, K, N, G, cfg, dtype, num_programs, interpret, senders=1):
     """The tgmm kernel for these static shapes (cached: one trace per configuration).
-    The pipeline length is read from the group ends; the row count M only sizes the cost
-    estimate (over `priced` rows)."""
+    The pipeline length is read from the group ends (sender-major slots: static); the row
+    count M also sizes the cost estimate (over `priced` rows)."""
     br, bko, bn = cfg.block_m, cfg.block_k, cfg.block_n
     grid_k, grid_n = K // bko, N // bn
     work, R = G * grid_k * grid_n, priced(M, cfg)
@@ -359,14 +416,13 @@ def _tgmm_kernel(M, K, N, G, cfg, dtype, num_programs, interpret):
             ki = lax.div(lax.rem(idx, grid_k * grid_n), grid_n)
             ni = lax.rem(idx, grid_n)
             start, end = starts_ref[g], ends_ref[g]
-            first = lax.div(start, br)
-            n_blocks = jnp.where(end > start, lax.div(end + br - 1, br) - first, 0)
+            block, n_blocks, may_straddle = tgmm_rows(g, start, end, br, M, G, senders)
 
             def acc_scope(acc_ref):
                 def step(idxs, x_smem, dy_smem):
-                    row0 = (first + idxs[0]) * br
+                    row0 = block(idxs[0]) * br
 
-                    @pl.when((row0 < start) | (row0 + br > end))
+                    @pl.when(may_straddle & ((row0 < start) | (row0 + br > end)))
                     def _():
                         _zero_rows_outside(x_smem, start - row0, end - row0)
                         _zero_rows_outside(dy_smem, start - row0, end - row0)
@@ -381,8 +437,8 @@ def _tgmm_kernel(M, K, N, G, cfg, dtype, num_programs, interpret):
                         step,
                         grid=(n_blocks,),
                         in_specs=[
-                            plgpu.BlockSpec((br, bko), lambda r: (first + r, ki)),
-                            plgpu.BlockSpec((br, bn), lambda r: (first + r, ni)),
+                            plgpu.BlockSpec((br, bko), lambda r: (block(r), ki)),
+                            plgpu.BlockSpec((br, bn), lambda r: (block(r), ni)),
                         ],
                         max_concurrent_steps=cfg.max_concurrent_steps,
                     )(x_gmem, dy_gmem)
@@ -414,8 +470,9 @@ def _tgmm_kernel(M, K, N, G, cfg, dtype, num_programs, interpret):
 
 
 @shapes.check("-> G K N")
-def tgmm(x_MK, dy_MN, group_sizes_G, *, config: TileConfig | None = None):
-    """dw[g] = x[rows of g].T @ dy[rows of g]: [G, K, N] (see module doc)."""
+def tgmm(x_MK, dy_MN, group_sizes_G, *, config: TileConfig | None = None, senders: int = 1):
+    """dw[g] = x[rows of g].T @ dy[rows of g]: [G, K, N] (see module doc; `senders`: as
+    gmm's)."""
     _check(x_MK, dy_MN, "tgmm")
     platform.require_kernel_platform("tgmm")
     M, K = x_MK.shape
@@ -433,7 +490,8 @@ def tgmm(x_MK, dy_MN, group_sizes_G, *, config: TileConfig | None = None):
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
     work = G * (K // cfg.block_k) * (N // cfg.block_n)
     kernel = _tgmm_kernel(
-        M, K, N, G, cfg, jnp.dtype(x_MK.dtype), _num_programs(cfg, work), platform.interpret_params()
+        M, K, N, G, cfg, jnp.dtype(x_MK.dtype), _num_programs(cfg, work),
+        platform.interpret_params(), senders,
     )
     return vma.like(kernel(starts, ends, x_pad, dy_pad), x_MK, dy_MN, group_sizes_G)
 
@@ -447,22 +505,24 @@ def differentiable(gmm_fn, tgmm_fn):
     transposed shapes), weight gradient tgmm_fn; `gmm_fn` and `tgmm_fn` take gmm's and
     tgmm's arguments. This module's kernels and the tcgen05 ones share it."""
 
-    @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-    def fn(x_MK, w_GKN, group_sizes_G, config):
-        return gmm_fn(x_MK, w_GKN, group_sizes_G, config=config)
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+    def fn(x_MK, w_GKN, group_sizes_G, config, senders):
+        return gmm_fn(x_MK, w_GKN, group_sizes_G, config=config, senders=senders)
 
-    def fwd(x_MK, w_GKN, group_sizes_G, config):
-        return gmm_fn(x_MK, w_GKN, group_sizes_G, config=config), (x_MK, w_GKN, group_sizes_G)
+    def fwd(x_MK, w_GKN, group_sizes_G, config, senders):
+        return (gmm_fn(x_MK, w_GKN, group_sizes_G, config=config, senders=senders),
+                (x_MK, w_GKN, group_sizes_G))
 
-    def bwd(config, res, dy_MN):
+    def bwd(config, senders, res, dy_MN):
         x_MK, w_GKN, group_sizes_G = res
         dy_MN = dy_MN.astype(x_MK.dtype)
         base = config or TileConfig()
         K, N = w_GKN.shape[1:]
         kw = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
         dgrad_cfg = TileConfig.for_shapes(N, K, **kw)  # contracts N, produces K columns
-        dx_MK = gmm_fn(dy_MN, w_GKN, group_sizes_G, transpose_rhs=True, config=dgrad_cfg)
-        dw_GKN = tgmm_fn(x_MK, dy_MN, group_sizes_G, config=base)
+        dx_MK = gmm_fn(dy_MN, w_GKN, group_sizes_G, transpose_rhs=True, config=dgrad_cfg,
+                       senders=senders)
+        dw_GKN = tgmm_fn(x_MK, dy_MN, group_sizes_G, config=base, senders=senders)
         gs_ct = np.zeros(group_sizes_G.shape, dtype=jax.dtypes.float0)  # integer input
         return (vma.cotangent_like(dx_MK, x_MK),
                 vma.cotangent_like(dw_GKN.astype(w_GKN.dtype), w_GKN), gs_ct)
@@ -484,13 +544,14 @@ def with_priced_rows(config: TileConfig | None, priced_rows: int, K: int, N: int
 
 @shapes.check("-> M N")
 def grouped_matmul(x_MK, w_GKN, group_sizes_G, config: TileConfig | None = None, *,
-                   priced_rows: int = 0):
+                   priced_rows: int = 0, senders: int = 1):
     """Differentiable grouped matmul on the Pallas kernels: forward gmm, input gradient
     gmm against w transposed, weight gradient tgmm. Same contract as
     jax.lax.ragged_dot(x_MK, w_GKN, group_sizes_G) for bf16/f16 inputs. `priced_rows`
-    (static): the rows the three kernels declare their cost over (TileConfig.priced_rows)."""
+    (static): the rows the three kernels declare their cost over (TileConfig.priced_rows);
+    `senders` (static) > 1: the rows are sender-major slots (module docstring)."""
     config = with_priced_rows(config, priced_rows, *w_GKN.shape[1:])
-    return _grouped_matmul(x_MK, w_GKN, group_sizes_G.astype(jnp.int32), config)
+    return _grouped_matmul(x_MK, w_GKN, group_sizes_G.astype(jnp.int32), config, senders)
 
 
 def flops(n_rows: int, k: int, n: int) -> float:
@@ -508,6 +569,8 @@ __all__ = [
     "grouped_matmul",
     "num_row_tiles",
     "priced",
+    "row_schedule",
+    "slot_schedule",
     "tgmm",
     "tgmm_reference",
     "tile_schedule",

@@ -3,9 +3,10 @@
 The same three products, contract, row-tile schedule and custom VJP as the Hopper kernel
 (olmo_jax/kernels/grouped_matmul.py, whose docstring defines them): each expert's rows
 run without padding to a block or to a capacity, bf16/f16 inputs, float32 accumulation;
-rows past sum(group_sizes) give zeros. Only the tensor-core step differs:
+rows past sum(group_sizes) give zeros; sender-major slot buffers (`senders`) are read in
+place, as there. Only the tensor-core step differs:
 
-- gmm: persistent programs over (row tile, column block) pairs of `tile_schedule`. The
+- gmm: persistent programs over (row tile, column block) pairs of `row_schedule`. The
   K loop is `plgpu.emit_pipeline` (TMA copies into SMEM, `max_concurrent_steps` in
   flight, each slot released one step late) into `plgpu.tcgen05_mma` accumulating in a
   [block_m, block_n] float32 TMEM accumulator. The MMAs are asynchronous: step k arrives
@@ -171,9 +172,10 @@ def _gmm_kernel(M, Mp, K, N, G, transpose_rhs, cfg, dtype, num_programs, interpr
 
 
 @shapes.check("w: G * *", "-> M *")  # w [G, K, N], or [G, N, K] with transpose_rhs
-def gmm(x_MK, w, group_sizes_G, *, transpose_rhs: bool = False, config: TileConfig | None = None):
+def gmm(x_MK, w, group_sizes_G, *, transpose_rhs: bool = False, config: TileConfig | None = None,
+        senders: int = 1):
     """Grouped matmul (grouped_matmul.gmm's contract). w is [G, K, N], or [G, N, K] with
-    transpose_rhs."""
+    transpose_rhs; `senders` > 1: sender-major slots."""
     gm._check(x_MK, w, "gmm")
     platform.require_kernel_platform("gmm")
     M, K = x_MK.shape
@@ -188,7 +190,7 @@ def gmm(x_MK, w, group_sizes_G, *, transpose_rhs: bool = False, config: TileConf
             f"N={N}, block_m 64 or 128 (tcgen05 M); TileConfig.for_shapes(K, N) picks such blocks"
         )
     x_pad = gm._pad_rows(x_MK, cfg.block_m)
-    sched = gm.tile_schedule(group_sizes_G, M, cfg.block_m)
+    sched = gm.row_schedule(group_sizes_G, M, cfg.block_m, senders)
     kernel = _gmm_kernel(
         M, x_pad.shape[0], K, N, G, transpose_rhs, cfg, jnp.dtype(x_MK.dtype),
         gm._num_programs(cfg, gm.num_row_tiles(M, G, cfg.block_m) * (N // cfg.block_n)),
@@ -209,7 +211,7 @@ def _zero_rows_outside(ref, lo, hi):
 
 
 @functools.cache
-def _tgmm_kernel(M, K, N, G, cfg, dtype, num_programs, interpret):
+def _tgmm_kernel(M, K, N, G, cfg, dtype, num_programs, interpret, senders=1):
     """The tgmm kernel for these static shapes (cached). The output tile is
     [block_k, block_n] (tcgen05 M = block_k); block_m is the contracting row block."""
     br, bko, bn = cfg.block_m, cfg.block_k, cfg.block_n
@@ -226,13 +228,12 @@ def _tgmm_kernel(M, K, N, G, cfg, dtype, num_programs, interpret):
             ki = lax.div(lax.rem(idx, grid_k * grid_n), grid_n)
             ni = lax.rem(idx, grid_n)
             start, end = starts_ref[g], ends_ref[g]
-            first = lax.div(start, br)
-            n_blocks = jnp.where(end > start, lax.div(end + br - 1, br) - first, 0)
+            block, n_blocks, may_straddle = gm.tgmm_rows(g, start, end, br, M, G, senders)
 
             def mask(r, x_smem, dy_smem):
-                row0 = (first + r) * br
+                row0 = block(r) * br
 
-                @pl.when((row0 < start) | (row0 + br > end))
+                @pl.when(may_straddle & ((row0 < start) | (row0 + br > end)))
                 def _():
                     _zero_rows_outside(x_smem, start - row0, end - row0)
                     _zero_rows_outside(dy_smem, start - row0, end - row0)
@@ -241,9 +242,9 @@ def _tgmm_kernel(M, K, N, G, cfg, dtype, num_programs, interpret):
             @pl.when(n_blocks > 0)
             def _():
                 in_specs = [
-                    plgpu.BlockSpec((br, bko), lambda r: (first + r, ki), delay_release=1,
+                    plgpu.BlockSpec((br, bko), lambda r: (block(r), ki), delay_release=1,
                                     transforms=x_tf),
-                    plgpu.BlockSpec((br, bn), lambda r: (first + r, ni), delay_release=1,
+                    plgpu.BlockSpec((br, bn), lambda r: (block(r), ni), delay_release=1,
                                     transforms=dy_tf),
                 ]
                 _mma_pipeline(acc_tmem, mma_bar, n_blocks, in_specs, (x_gmem, dy_gmem),
@@ -263,7 +264,7 @@ def _tgmm_kernel(M, K, N, G, cfg, dtype, num_programs, interpret):
 
 
 @shapes.check("-> G K N")
-def tgmm(x_MK, dy_MN, group_sizes_G, *, config: TileConfig | None = None):
+def tgmm(x_MK, dy_MN, group_sizes_G, *, config: TileConfig | None = None, senders: int = 1):
     """dw[g] = x[rows of g].T @ dy[rows of g]: [G, K, N] (grouped_matmul.tgmm's contract)."""
     gm._check(x_MK, dy_MN, "tgmm")
     platform.require_kernel_platform("tgmm")
@@ -281,7 +282,7 @@ def tgmm(x_MK, dy_MN, group_sizes_G, *, config: TileConfig | None = None):
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
     work = G * (K // cfg.block_k) * (N // cfg.block_n)
     kernel = _tgmm_kernel(M, K, N, G, cfg, jnp.dtype(x_MK.dtype), gm._num_programs(cfg, work),
-                          platform.interpret_params())
+                          platform.interpret_params(), senders)
     return vma.like(kernel(starts, ends, x_pad, dy_pad), x_MK, dy_MN, group_sizes_G)
 
 
@@ -293,12 +294,12 @@ _grouped_matmul = gm.differentiable(gmm, tgmm)
 
 @shapes.check("-> M N")
 def grouped_matmul(x_MK, w_GKN, group_sizes_G, config: TileConfig | None = None, *,
-                   priced_rows: int = 0):
+                   priced_rows: int = 0, senders: int = 1):
     """Differentiable grouped matmul on the tcgen05 kernels: forward gmm, input gradient gmm
     against w transposed, weight gradient tgmm; jax.lax.ragged_dot's contract (bf16/f16).
-    `priced_rows`: as grouped_matmul.grouped_matmul's."""
+    `priced_rows`, `senders`: as grouped_matmul.grouped_matmul's."""
     config = gm.with_priced_rows(config, priced_rows, *w_GKN.shape[1:])
-    return _grouped_matmul(x_MK, w_GKN, group_sizes_G.astype(jnp.int32), config)
+    return _grouped_matmul(x_MK, w_GKN, group_sizes_G.astype(jnp.int32), config, senders)
 
 
 __all__ = ["TileConfig", "gmm", "grouped_matmul", "tgmm"]

@@ -4,12 +4,12 @@ dispatch, on a small example, computed with the real plan functions.
 Each of `ep` sender ranks holds S tokens routed top-k over E experts (an example routing
 drawn from a seeded key, skewed towards low expert ids so that capacity drops show).
 `olmo_jax.parallel.expert.rowwise` decides, on the sender, every assignment's row
-(j * ep + r) * C + c of the [El, ep, C] send buffer (`rowwise_plan`; j = local expert,
-r = destination rank, c = slot) or drops it; the all_to_all over `expert` swaps the
-rank dimension, so the assignment lands in row (j * ep + s) * C + c of rank r's
-[El, ep, C] receive buffer (s = sender), already grouped by local expert; the expert's
-output travels back by the mirror all_to_all to the same send-buffer row, where the
-sender's combine gathers it and applies the router weight.
+(r * El + j) * C + c of the [ep, El, C] send buffer (`rowwise_plan`; r = destination
+rank, j = local expert, c = slot) or drops it; the all_to_all over `expert` swaps the
+rank dimension, so the assignment lands in row (s * El + j) * C + c of rank r's
+[ep, El, C] receive buffer (s = sender), where local expert j owns slot j of every
+sender; the expert's output travels back by the mirror all_to_all to the same send-buffer
+row, where the sender's combine gathers it and applies the router weight.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from olmo_jax.model.moe import sizing
-from olmo_jax.parallel.expert.rowwise import destination_expert, rowwise_plan
+from olmo_jax.parallel.expert.rowwise import rowwise_plan
 
 TOKENS_PER_SENDER = 8
 ILLUSTRATION_EP = 4  # expert ranks shown when the mesh has none (expert = 1)
@@ -51,20 +51,20 @@ def route_section(moe_cfg, mesh_ep: int, dispatch: str, capacity_factor: float, 
     idx = example_routing(ep, n_tokens, E, k, seed)
     senders = []
     for s in range(ep):
-        plan = rowwise_plan(jnp.asarray(idx[s]), E, ep, C)
+        plan = rowwise_plan(jnp.asarray(idx[s]), E, C)
         row = np.asarray(plan.row_Sk)
         keep = np.asarray(plan.keep_Sk)
-        relabelled = np.asarray(destination_expert(jnp.asarray(idx[s]), E, ep))  # j * ep + r
         assignments = []
         for t in range(n_tokens):
             for c in range(k):
-                local, rank = divmod(int(relabelled[t, c]), ep)
-                a = {"token": t, "choice": c, "expert": int(idx[s, t, c]), "rank": rank,
+                expert = int(idx[s, t, c])
+                rank, local = divmod(expert, El)
+                a = {"token": t, "choice": c, "expert": expert, "rank": rank,
                      "local": local, "kept": bool(keep[t, c])}
-                if a["kept"]:  # send row (j * ep + r) * C + slot; received at (j * ep + s) * C + slot
+                if a["kept"]:  # send row (r * El + j) * C + slot; received at (s * El + j) * C + slot
                     send_row = int(row[t, c])
-                    slot = send_row - int(relabelled[t, c]) * C
-                    a.update(send_row=send_row, slot=slot, recv_row=(local * ep + s) * C + slot)
+                    slot = send_row - expert * C
+                    a.update(send_row=send_row, slot=slot, recv_row=(s * El + local) * C + slot)
                 assignments.append(a)
         senders.append({"assignments": assignments, "dropped": int((~keep).sum())})
     return {

@@ -35,7 +35,9 @@ refused, with a ConfigError / ValueError naming the field, and only the cells of
 the path the cell asks for (`path_problems`): native ragged_all_to_all for
 dispatch=ragged (not the dense emulation CPU runs); the expert GEMMs in the cell's layout
 (`expert_layout`: every dispatch runs the resolved grouped matmul, rowwise over its
-equal-sized capacity groups: the Pallas kernel's wgmma Mosaic GPU calls for pallas (= auto
+equal-sized capacity groups, which the Pallas kernels read in place as the all_to_all
+delivers them (sender-major slots, no transposes of the expert rows; the batched einsum
+transposes them: `receive_transposes`): the Pallas kernel's wgmma Mosaic GPU calls for pallas (= auto
 on Hopper), its tcgen05 calls for pallas_tcgen05 (= auto on Blackwell in bf16; the B200
 cells compile it, the B300 auto cells are its twins), jax.lax.ragged_dot for ragged_dot;
 MXFP8 on Blackwell takes the batched / blocked einsum layouts, and no cell but an
@@ -86,6 +88,9 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 HOPPER, BLACKWELL = ("h100", "h200"), ("b200", "b300")
 COMPILE_OPTIONS = {"xla_gpu_autotune_level": 0}
 SEQ_LEN = 64
+# rowwise: C = ceil(8 x 64 tokens x top-2 / 8 experts) = 128 slots per (sender, expert),
+# one row block of the Pallas kernels, which then read the receive buffer in place
+ROWWISE_CF = 8.0
 
 # Cells refused while the plan is built: (kind, gmm_impl) or (kind, gmm_impl, precision)
 # -> what the message must name.
@@ -147,6 +152,8 @@ def cell_config(cell: Cell):
     t.global_batch_size, t.seq_len = 8, SEQ_LEN
     if cell.n > 1:
         p.data, p.expert, p.dispatch = 2, 4, cell.dispatch
+        if cell.dispatch == "rowwise":  # 128 slots per (sender, expert): one 128-row block
+            m.moe.capacity_factor = ROWWISE_CF
     if cell.schedule:
         interleaved = cell.schedule == "interleaved_1f1b"
         m.n_layers = 1 + (4 if interleaved else 2)
@@ -208,6 +215,15 @@ def path_problems(cell: Cell, step) -> list[str]:
                    f"{len(tcgen05)} tcgen05 Mosaic GPU kernels (of {len(kernels)} Mosaic calls)")
     if layout != "tcgen05" and tcgen05:
         out.append(f"{len(tcgen05)} Blackwell grouped-matmul kernels in the {layout} layout")
+    moved = receive_transposes(module)
+    in_place = (cell.dispatch == "rowwise" and cell.precision == "bf16" and not cell.schedule
+                and layout in ("pallas", "tcgen05"))  # ffn.reads_slots (ROWWISE_CF's slots)
+    if in_place and moved:
+        out.append(f"the {layout} kernels must read rowwise's sender-major receive slots in "
+                   f"place: {len(moved)} transposes of expert rows ({moved[:2]})")
+    if cell.dispatch == "rowwise" and layout == "batched" and not cell.schedule and not moved:
+        out.append("the batched einsum runs on group-major rows: its transposes of the "
+                   "receive buffer are missing, so receive_transposes no longer sees them")
     if layout == "ragged" and not want_scaled and "ragged_dot" not in stablehlo:
         out.append(f"gmm_impl={cell.gmm} must resolve to ragged_dot on {cell.kind}: the "
                    "StableHLO has no ragged_dot")
@@ -231,6 +247,15 @@ def path_problems(cell: Cell, step) -> list[str]:
     if step.compiled.memory_analysis() is None:
         out.append("no memory analysis (buffer assignment) from the compiled step")
     return out
+
+
+def receive_transposes(module) -> list[str]:
+    """The transposes of floating-point rows among the routed experts' operations (names of
+    the fusions): the rowwise receive buffer moved between its sender-major and
+    group-major orders (the routing's integer bookkeeping is not counted)."""
+    return [o.name for o in hlo_cost.program_cost(module).ops
+            if o.scope == "routed_experts" and "transpose" in o.name
+            and module.by_name[o.name].type_str.startswith(("bf16", "f16", "f32"))]
 
 
 def attention_problems(cell: Cell, module, seq_len: int = SEQ_LEN) -> list[str]:

@@ -117,7 +117,7 @@ def test_rowwise_low_capacity_drops_exactly_the_documented_assignments():
     assert sizing.capacity(6, 2, 4, cf) == 2
     for r in range(2):
         np.testing.assert_array_equal(naive_keep_mask(HAND_IDX[r], 4, 2), HAND_KEEP[r])
-        plan = rowwise_plan(jnp.asarray(HAND_IDX[r]), 4, 2, 2)
+        plan = rowwise_plan(jnp.asarray(HAND_IDX[r]), 4, 2)
         np.testing.assert_array_equal(np.asarray(plan.keep_Sk), HAND_KEEP[r])
     x, w, y, dropped = run("rowwise", HAND_IDX, ep=2, E=4, capacity_factor=cf)
     np.testing.assert_array_equal(dropped, (~HAND_KEEP).reshape(2, -1).sum(1))  # [6, 5]
@@ -127,16 +127,16 @@ def test_rowwise_low_capacity_drops_exactly_the_documented_assignments():
     assert np.abs(y[5]).max() > 0  # rank 0, token 5 kept its first choice
 
 
-def test_rowwise_rows_are_grouped_by_local_expert_then_sender():
-    # Rank 0's send buffer is [local expert j, destination rank r, slot c]: the row of
-    # (token, choice) is (j * ep + r) * C + rank-within-expert.
-    plan = rowwise_plan(jnp.asarray(HAND_IDX[0]), num_experts=4, ep=2, capacity=2)
+def test_rowwise_rows_are_grouped_by_destination_rank_then_local_expert():
+    # Rank 0's send buffer is [destination rank r, local expert j, slot c]: the row of
+    # (token, choice) is (r * El + j) * C + rank-within-expert = e * C + rank.
+    plan = rowwise_plan(jnp.asarray(HAND_IDX[0]), num_experts=4, capacity=2)
     rows = np.asarray(plan.row_Sk)
     # expert 0 = (r0, j0): tokens 0, 1 -> rows 0, 1; expert 1 = (r0, j1): tokens 3, 5 ->
-    # rows (1*2+0)*2 = 4, 5; expert 2 = (r1, j0): tokens 4, 1 (second choice) -> rows 2, 3.
+    # rows (0*2+1)*2 = 2, 3; expert 2 = (r1, j0): tokens 4, 1 (second choice) -> rows 4, 5.
     assert rows[0, 0] == 0 and rows[1, 0] == 1
-    assert rows[3, 0] == 4 and rows[5, 0] == 5
-    assert rows[4, 0] == 2 and rows[1, 1] == 3
+    assert rows[3, 0] == 2 and rows[5, 0] == 3
+    assert rows[4, 0] == 4 and rows[1, 1] == 5
     assert (rows[~HAND_KEEP[0]] == plan.n_rows).all()
 
 

@@ -103,8 +103,8 @@ def test_route_matches_the_capacity_rule_and_a_real_all_to_all():
 
     mesh = Mesh(np.asarray(jax.devices()[:ep]), ("expert",))
 
-    def exchange(buf):  # [1, El * ep * C] -> the all_to_all over destination ranks
-        out = jax.lax.all_to_all(buf.reshape(El, ep, C), "expert", 1, 1)
+    def exchange(buf):  # [1, ep * El * C] -> the all_to_all over destination ranks
+        out = jax.lax.all_to_all(buf.reshape(ep, El * C), "expert", 0, 0)
         return out.reshape(1, -1)
 
     a2a = jax.jit(jax.shard_map(exchange, mesh=mesh, in_specs=PartitionSpec("expert"),

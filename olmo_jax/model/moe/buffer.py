@@ -13,7 +13,10 @@ Group layouts (sizes: olmo_jax/model/moe/sizing.py):
          under balanced routing (the grouped-matmul kernels declare their cost over them:
          an expert-parallel buffer is sized for the worst case, olmo_jax/kernels/
          grouped_matmul.py `priced`); 0: the whole buffer.
-  Slots  capacity: group g owns rows [g * capacity, (g + 1) * capacity).
+  Slots  capacity: group g owns `capacity` rows, [g * capacity, (g + 1) * capacity);
+         with `senders` S > 1 the rows are sender-major, [S, groups, capacity / S] (as
+         an expert-parallel all_to_all delivers them, olmo_jax/kernels/slot_layout.py):
+         group g owns slot g of every sender.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ class Runs:
 @dataclasses.dataclass(frozen=True)
 class Slots:
     groups: int = dataclasses.field(metadata={"static": True})
-    capacity: int = dataclasses.field(metadata={"static": True})
+    capacity: int = dataclasses.field(metadata={"static": True})  # rows per group
+    senders: int = dataclasses.field(default=1, metadata={"static": True})
 
 
 GroupLayout = Runs | Slots

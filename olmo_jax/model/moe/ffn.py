@@ -3,7 +3,10 @@ expert FFN from the buffer's group layout (olmo_jax/model/moe/buffer.py), the re
 gmm_impl and model.moe.precision.
 
   Slots  ragged_dot, pallas, pallas_tcgen05, blas: the grouped GEMM with every group `capacity` rows;
-         einsum, tiled: one batched product over the [G, C, D] capacity buffers
+         einsum, tiled: one batched product over the [G, C, D] capacity buffers.
+         Sender-major slots (`senders` > 1, rowwise dispatch's receive buffer): pallas and
+         pallas_tcgen05 read them in place (bf16, slots of whole 128-row blocks); every
+         other FFN runs on the rows transposed to group-major order and back.
   Runs   einsum: the blocked batched matmul (runs padded to blocks, each block's owner
          from the run sizes); tiled: the per-expert GEMM loop (runs padded to 8 rows);
          ragged_dot, pallas, pallas_tcgen05, blas: the grouped GEMM over the runs
@@ -20,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from olmo_jax import shapes
+from olmo_jax.kernels.slot_layout import groups_to_slots, slots_to_groups
 from olmo_jax.model import mxfp8_gemm
 from olmo_jax.model.config import MoEConfig
 from olmo_jax.model.moe import dispatch, experts, mxfp8_experts, tiled
@@ -38,21 +42,22 @@ class ExpertFFNs(NamedTuple):
 
 
 def expert_ffns(cfg: MoEConfig, impl: str, mxfp8_impl: str = "auto",
-                priced_rows: int = 0) -> ExpertFFNs:
+                priced_rows: int = 0, senders: int = 1) -> ExpertFFNs:
     """The expert FFNs for cfg.precision; `impl` (resolved gmm_impl) picks the ragged
     product: jax.lax.ragged_dot, or the Pallas grouped matmul for "pallas" (Hopper) and
     "pallas_tcgen05" (Blackwell), declaring its cost over `priced_rows` rows (0: the
-    buffer's); `mxfp8_impl` (model.mxfp8_gemm_impl) the MXFP8 GEMM."""
+    buffer's) and reading sender-major slots for `senders` > 1; `mxfp8_impl`
+    (model.mxfp8_gemm_impl) the MXFP8 GEMM."""
     if cfg.precision == "bf16":
         if impl == "pallas":
             from olmo_jax.kernels.grouped_matmul import grouped_matmul
 
-            gmm = functools.partial(grouped_matmul, priced_rows=priced_rows)
+            gmm = functools.partial(grouped_matmul, priced_rows=priced_rows, senders=senders)
             ragged = functools.partial(experts.ffn_ragged, gmm=gmm)
         elif impl == "pallas_tcgen05":
             from olmo_jax.kernels.grouped_matmul_tcgen05 import grouped_matmul
 
-            gmm = functools.partial(grouped_matmul, priced_rows=priced_rows)
+            gmm = functools.partial(grouped_matmul, priced_rows=priced_rows, senders=senders)
             ragged = functools.partial(experts.ffn_ragged, gmm=gmm)
         else:
             ragged = experts.ffn_ragged
@@ -90,10 +95,16 @@ def expert_ffn(x_RD: jax.Array, layout: GroupLayout, weights, cfg: MoEConfig,
                impl: str, mxfp8_impl: str = "auto") -> jax.Array:
     """y_RD: every group's SwiGLU over its rows; `weights` (w_gate, w_up, w_down) hold
     one expert per group, in the compute dtype; `mxfp8_impl`: model.mxfp8_gemm_impl."""
+    if isinstance(layout, Slots) and layout.senders > 1 and not reads_slots(impl, cfg, layout):
+        G, S = layout.groups, layout.senders
+        y_RD = expert_ffn(slots_to_groups(x_RD, G, S), Slots(G, layout.capacity), weights, cfg,
+                          impl, mxfp8_impl)
+        return groups_to_slots(y_RD, G, S)
     if impl == "blas":
         return _ffn_blas(x_RD, layout, weights)
     ffn = expert_ffns(cfg, impl, mxfp8_impl,
-                      priced_rows=layout.balanced_rows if isinstance(layout, Runs) else 0)
+                      priced_rows=layout.balanced_rows if isinstance(layout, Runs) else 0,
+                      senders=layout.senders if isinstance(layout, Slots) else 1)
     if isinstance(layout, Slots):
         G, C = layout.groups, layout.capacity
         if impl in GROUPED_GEMMS:
@@ -109,6 +120,17 @@ def expert_ffn(x_RD: jax.Array, layout: GroupLayout, weights, cfg: MoEConfig,
     if impl in GROUPED_GEMMS:
         return ffn.ragged(x_RD, layout.sizes_E, *weights)
     raise ValueError(f"unknown gmm_impl {impl!r}")
+
+
+def reads_slots(impl: str, cfg: MoEConfig, layout: Slots) -> bool:
+    """Whether the expert FFN reads `layout`'s sender-major slots in place: the Pallas
+    grouped matmuls in bf16, where each slot is whole row blocks of the kernels
+    (TileConfig.block_m)."""
+    if impl not in ("pallas", "pallas_tcgen05") or cfg.precision != "bf16":
+        return False
+    from olmo_jax.kernels.grouped_matmul import TileConfig
+
+    return (layout.capacity // layout.senders) % TileConfig().block_m == 0
 
 
 def _ffn_blas(x_RD, layout: GroupLayout, weights):
