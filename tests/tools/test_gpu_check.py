@@ -89,7 +89,8 @@ def test_gpu_check_dry_run(tmp_path):
         assert "error" not in s[name], (name, s[name].get("error"))
     gmm = s["gmm"]["result"]
     products = [c["name"].split(":")[0] for c in gmm["checks"]]
-    assert products == ["gmm forward"] * 2 + ["gmm dgrad"] * 2 + ["gmm wgrad"] * 2
+    assert products == (["gmm forward"] * 2 + ["gmm dgrad"] * 2 + ["gmm wgrad"] * 2
+                        + ["gmm forward, sender-major slots", "gmm wgrad, sender-major slots"])
     for name in ("gmm", "attention", "mxfp8"):
         assert all(c["ok"] for c in s[name]["result"]["checks"]), s[name]["result"]["checks"]
     assert "the target is cpu" in s["attention"]["result"]["cudnn"]["not_run"]

@@ -155,8 +155,28 @@ def section_gmm(model_cfg, t_cfg, sz: Sizes, dry: bool) -> dict:
         checks.append(check(f"gmm {name}: ragged_dot vs float32", out_ragged, ref))
         rows.append({"product": name, "pallas_ms": 1e3 * t_pallas, "ragged_dot_ms": 1e3 * t_ragged,
                      "pallas_tflops": flops / t_pallas / 1e12, "ragged_dot_tflops": flops / t_ragged / 1e12})
+    checks += _slot_checks(gm, K, N, G, w, cfg, dry)
     return {"shape_rows_k_n_experts": [M, K, N, G], "flops": flops, "timing": rows,
             "checks": checks, "all_ok": all(c["ok"] for c in checks)}
+
+
+def _slot_checks(gm, K, N, G, w, cfg, dry: bool) -> list[dict]:
+    """The kernels on rowwise dispatch's sender-major receive slots (`senders`): 4 senders x
+    G experts x one row block each, forward and weight gradient against the float32
+    references in group-major order."""
+    S, c = 4, 64 if dry else 128
+    keys = jax.random.split(jax.random.key(int(time.time()) % 2**31 + 1), 2)
+    x = jax.random.normal(keys[0], (S * G * c, K), jnp.bfloat16)
+    dy = jax.random.normal(keys[1], (S * G * c, N), jnp.bfloat16)
+    full = jnp.full((G,), S * c, jnp.int32)
+    f32 = jnp.float32
+    with _kernel_context(dry):
+        y = jax.jit(lambda x, w: gm.gmm(x, w, full, config=cfg, senders=S))(x, w)
+        dw = jax.jit(lambda x, dy: gm.tgmm(x, dy, full, config=cfg, senders=S))(x, dy)
+    return [check("gmm forward, sender-major slots: pallas vs float32", y,
+                  gm.gmm_reference(x.astype(f32), w.astype(f32), full, senders=S)),
+            check("gmm wgrad, sender-major slots: pallas vs float32", dw,
+                  gm.tgmm_reference(x.astype(f32), dy.astype(f32), full, senders=S))]
 
 
 def section_attention(model_cfg, t_cfg, sz: Sizes, dry: bool) -> dict:
