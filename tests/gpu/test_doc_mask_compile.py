@@ -67,6 +67,7 @@ def context_cell_config(how: str, pipe: int):
     context 2 x expert 2 (1F1B, 2 microbatches, 2 MoE blocks), with data.doc_mask."""
     cfg = cell_config(Cell("h200", 8, "rowwise", "auto", "bf16"))
     cfg.model.vocab_size, cfg.model.context_attention = 384, how
+    cfg.model.cudnn_max_docs = 4  # the ring's diagonal blocks: 4 packed segment slots
     cfg.data.doc_mask = True
     p = cfg.parallel
     p.data, p.context, p.expert = 2, 2, 2
@@ -93,18 +94,46 @@ def test_doc_masked_context_parallel_compiles_on_its_path(how, pipe):
     problems = []
     if kinds != want:
         problems.append(f"attention collectives {sorted(kinds)}, not {sorted(want)}")
-    if not hlo_cost.document_masks(step.module):
-        problems.append("no q-segment == k-segment mask in the attention blocks")
     if how == "ring" and pipe > 1 and any(c.group_size != 2 for c in colls):
         problems.append("the ring's pair exchanges span more than pairs of context ranks")
     if how == "ring" and whole:
         problems.append(f"whole-sequence score blocks next to the ring: {whole[:3]}")
     if how == "allgather" and not whole:
         problems.append("key_span_buffers no longer sees the all-gather's [2L, T] block")
-    if gpu_hlo.cudnn_attention(step.module):
-        problems.append("cuDNN attention under context parallelism: update the docs")
+    if how == "ring":
+        problems += ring_block_problems(step, cfg)
+    else:  # XLA's [2L, T] block, masked by segment; no cuDNN
+        if not hlo_cost.document_masks(step.module):
+            problems.append("no q-segment == k-segment mask in the attention blocks")
+        if gpu_hlo.cudnn_attention(step.module):
+            problems.append("cuDNN attention in the all-gather: update the docs")
     if pipe > 1 and gpu_hlo.collective_counts(step.module)["collective-permute"] == 0:
         problems.append("pipe=2 has no collective-permute between stages")
     results.record(cell_id, "wrongpath" if problems else "compiled", step.lower_s,
                    step.compile_s, "; ".join(problems))
     assert not problems, f"{cell_id}:\n  " + "\n  ".join(problems)
+
+
+def ring_block_problems(step, cfg) -> list[str]:
+    """What keeps the ring's [L, L] blocks from being cuDNN's fused attention with the
+    segment masks (kernels/ring_blocks.py): forward and backward calls in the attention's
+    scope, the diagonal blocks packed-segment padding-causal (model.cudnn_max_docs slots,
+    softmax statistics [B * slots, N, L] float32), the blocks before the queries one
+    packed segment with a padding mask (2 slots), and no score block of XLA's."""
+    calls = [c for c in gpu_hlo.cudnn_attention(step.module) if "attention" in c.op_name]
+    problems = []
+    targets = {c.target for c in calls}
+    if not {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"} <= targets:
+        problems.append(f"the ring's blocks are not cuDNN's forward and backward: {targets}")
+    fmha = [line for line in step.compiled.as_text().splitlines()
+            if "__cudnn$fmha" in line and "custom-call(" in line]
+    docs = cfg.model.cudnn_max_docs
+    for kind, slots in (("PADDING_CAUSAL", docs), ("PADDING", 2)):
+        mine = [line for line in fmha if re.search(rf'"mask_type":\s*"{kind}"', line)]
+        if not mine or not all(re.search(rf'"max_seg_per_batch":\s*"?{slots}\b', line)
+                                for line in mine):
+            problems.append(f"no {kind} blocks over {slots} packed segment slots")
+    if hlo_cost.score_buffers(step.module, SEQ_LEN // 4):
+        problems.append("XLA score blocks next to the cuDNN blocks: "
+                        f"{hlo_cost.score_buffers(step.module, SEQ_LEN // 4)[:3]}")
+    return problems

@@ -95,17 +95,24 @@ def reference():
     return out
 
 
-# (model.context_attention, the ring's hops): the ring by collective-permutes, the ring by
-# pair exchanges (all-gathers over pairs of ranks: under a pipeline), the all-gather
-IMPLS = [pytest.param(("ring", "permute"), marks=pytest.mark.jax011, id="ring"),  # ppermute
-         pytest.param(("ring", "pairs"), marks=pytest.mark.jax011, id="ring-pairs"),
-         *(pytest.param((i, "permute"), id=i) for i in CONTEXT_ATTENTIONS if i != "ring")]
+# (model.context_attention, the ring's hops, its blocks): the ring by collective-permutes,
+# the ring by pair exchanges (all-gathers over pairs of ranks: under a pipeline), each with
+# its own online softmax ("xla") and with the block-kernel interface that cuDNN's blocks
+# implement, run by its XLA reference ("reference": per-block (o, lse) merged by
+# log-sum-exp, the backward from the global O / LSE, a `before` block's one document),
+# and the all-gather
+IMPLS = [pytest.param(("ring", "permute", "xla"), marks=pytest.mark.jax011, id="ring"),
+         pytest.param(("ring", "pairs", "xla"), marks=pytest.mark.jax011, id="ring-pairs"),
+         pytest.param(("ring", "permute", "reference"), marks=pytest.mark.jax011,
+                      id="ring-blocks"),
+         pytest.param(("ring", "pairs", "reference"), id="ring-pairs-blocks"),
+         *(pytest.param((i, "permute", "xla"), id=i) for i in CONTEXT_ATTENTIONS if i != "ring")]
 
 
 @pytest.mark.parametrize("C", [2, 4])
 @pytest.mark.parametrize("impl_hops", IMPLS)
 def test_context_attention_matches_naive(impl_hops, C, reference):
-    impl, hops = impl_hops
+    impl, hops, blocks = impl_hops
     q, k, v, w, seg = _inputs()
     mesh = Mesh(np.asarray(jax.devices()[:C]), ("context",))
     order = np.concatenate([zigzag_indices(T, C, r) for r in range(C)])  # rank-major layout
@@ -116,7 +123,7 @@ def test_context_attention_matches_naive(impl_hops, C, reference):
         for masked in (False, True):  # one program for both
             def attend(q, k, v, masked=masked):
                 return context_attention(impl, q, k, v, seg if masked else None, context=C,
-                                         hops=hops)
+                                         hops=hops, blocks=blocks)
             grads = jax.grad(lambda q, k, v, a=attend: jnp.sum(a(q, k, v) * w),
                              argnums=(0, 1, 2))(q, k, v)
             out[masked] = (attend(q, k, v), grads)
@@ -133,5 +140,5 @@ def test_context_attention_matches_naive(impl_hops, C, reference):
         errs = [rel_err(np.asarray(o)[:, inverse], want_o)]
         errs += [rel_err(np.asarray(g)[:, inverse], x)
                  for g, x in zip(grads, want_grads, strict=True)]
-        print(impl, hops, C, masked, errs)
+        print(impl, hops, blocks, C, masked, errs)
         assert max(errs) <= 1e-5, (masked, errs)
