@@ -36,6 +36,16 @@ Under a sliding window neither computes what the window does not reach: the ring
 each [L, L] block under a `lax.cond` on `block_in_window`, the all-gather meets each
 chunk of L queries with only the L + W - 1 keys that reach it.
 
+The ring's blocks (`blocks`, RING_BLOCKS; the model passes "cudnn" where its attention
+core resolved to cuDNN, else "xla"): "xla", einsums of float32 scores folded into an
+online softmax (any device, any window); "cudnn", cuDNN's fused flash attention per
+block through the block-kernel interface of kernels/ring_blocks.py (each step's block is
+diagonal or wholly before its queries; the blocks' (o, lse) merged by log-sum-exp
+weights, each block's backward from the global output and log-sum-exp); "reference",
+that interface's XLA implementation (the CPU tests). A sliding-window layer always runs
+"xla" (cuDNN's window is not offset for the blocks off the diagonal), and so does the
+all-gather.
+
 The kernels run inside a shard_map whose mesh has `axis_name`; outside one, with
 `context == 1`, the layout is the identity and the kernels are plain attention.
 """

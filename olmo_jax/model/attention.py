@@ -40,6 +40,10 @@ model (`window_choices`, usually two: full and W) and runs the one its scanned
 one window (the default: all full) has a static core and no switch. Under context
 parallelism the ring and all-gather kernels mask keys outside the window and skip the
 blocks (ring) or keys (all-gather) it does not reach (kernels/ring_attention.py).
+
+Under context parallelism the core is the ring or the all-gather
+(kernels/ring_attention.py); where the core resolved to cudnn the ring's [L, L] blocks
+run on cuDNN's fused attention (kernels/ring_blocks.py), except in sliding-window layers.
 """
 
 from __future__ import annotations

@@ -12,11 +12,13 @@ compiles on its path, the attention's collectives being the ring's K/V
 collective-permutes (under the pipeline its pair exchanges: all-gathers over groups of 2
 context ranks inside a stage, e.g. {{0,2},{1,3},{4,6},{5,7}}) or the all-gather's K/V
 all-gathers and dK/dV reduce-scatters,
-each attention block masked by segment (`hlo_cost.document_masks`), and the ring holding
-no score block that spans the whole sequence's keys (the all-gather's [2L, T] one is
-found by the same check). The blocks are XLA's own einsums, not cuDNN's fused attention
-(no cuDNN call: the per-block kernel under context parallelism is not done). Each cell
-is recorded in the session's table (tests/gpu/results.py)."""
+the ring holding no score block that spans the whole sequence's keys (the all-gather's
+[2L, T] one is found by the same check). The ring's [L, L] blocks are cuDNN's fused
+attention forward and backward (kernels/ring_blocks.py): the diagonal blocks
+padding-causal over model.cudnn_max_docs packed segment slots, the blocks before their
+queries padding over one packed segment (2 slots), and no XLA score block; the
+all-gather's block is XLA's einsum, masked by segment (`hlo_cost.document_masks`), with
+no cuDNN call. Each cell is recorded in the session's table (tests/gpu/results.py)."""
 
 from __future__ import annotations
 
