@@ -42,6 +42,7 @@ the diagonal would need a window offset, so windowed layers stay on the XLA bloc
 
 from __future__ import annotations
 
+import functools
 from typing import Literal, NamedTuple, get_args
 
 import jax
@@ -273,9 +274,12 @@ def _lse_to_stats(lse, where):
     return stats.at[s_BQ, :, t_BQ].set(lse_BNQ.transpose(0, 2, 1), mode="drop")
 
 
+@functools.cache
 def cudnn_kernels(max_docs: int = 16) -> Kernels:
     """cuDNN's fused attention as the ring's block kernels (module docstring); `max_docs`:
-    the packed layout's document slots of a diagonal block (model.cudnn_max_docs)."""
+    the packed layout's document slots of a diagonal block (model.cudnn_max_docs; more
+    documents share the last slot, as in model/attention.cudnn_attention). One Kernels per
+    `max_docs` (the ring's custom VJP takes it as a static argument)."""
     from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as sdpa
 
     from olmo_jax import compat

@@ -139,3 +139,35 @@ def ring_block_problems(step, cfg) -> list[str]:
         problems.append("XLA score blocks next to the cuDNN blocks: "
                         f"{hlo_cost.score_buffers(step.module, SEQ_LEN // 4)[:3]}")
     return problems
+
+
+def test_gpu_check_ring_blocks_compile_on_cudnn():
+    # tools/gpu_check's ring block program (jax_kernels.ring_block_program: the four block
+    # kinds, forward and backward from global statistics) compiles for an H200 with one
+    # cuDNN forward and one backward call of each kind's mask.
+    import collections
+    import sys
+    from pathlib import Path
+
+    import jax
+    from jax.sharding import SingleDeviceSharding
+
+    from olmo_jax.kernels import platform, ring_blocks
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "gpu_check"))
+    import jax_kernels
+
+    dev = targets.abstract_devices("h200", 1)[0]
+    cases = jax_kernels.ring_block_cases(128)
+    args = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=SingleDeviceSharding(dev))
+            for x in jax.eval_shape(lambda: jax_kernels.ring_block_inputs(128))]
+    run = jax_kernels.ring_block_program(ring_blocks.cudnn_kernels(4), cases)
+    with platform.targeting(platform.target_of([dev])):
+        hlo = jax.jit(run).lower(*args).compile().as_text()
+    calls = collections.Counter(
+        (re.search(r'custom_call_target="([^"]+)"', line).group(1),
+         re.search(r'"mask_type":\s*"(\w+)"', line).group(1))
+        for line in hlo.splitlines() if "__cudnn$fmha" in line and "custom-call(" in line)
+    want = {(t, m): 1 for t in ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")
+            for m in ("CAUSAL", "PADDING_CAUSAL", "NO_MASK", "PADDING")}
+    assert calls == want, calls

@@ -226,37 +226,50 @@ def ring_block_cases(L: int = 128):
             ("before", False, None, None), ("before one doc", False, q_before, k_before)]
 
 
-def ring_block_checks(L: int = 128, cudnn: bool = True) -> list[dict]:
-    """cuDNN's ring blocks (forward, and backward from a given global O / LSE) against the
-    float32 reference kernels on the same bf16 inputs, all cases in one program each
-    (`cudnn` False: the bf16 reference in cuDNN's place, for the dry run)."""
-    from olmo_jax.kernels import ring_blocks as rb
-
+def ring_block_inputs(L: int = 128):
+    """bf16 (qs [B, K, G, L, H], k, v [B, K, L, H], do [B, K, G, L, H], a global output
+    o [B, K, G, L, H] float32 as if other blocks had contributed) of the block checks."""
     B, K, G, H = 2, 2, 2, 64
     keys = jax.random.split(jax.random.key(7), 5)
     bf = jnp.bfloat16
     qs = (jax.random.normal(keys[0], (B, K, G, L, H)) / 8).astype(bf)
     k, v = (jax.random.normal(x, (B, K, L, H)).astype(bf) for x in keys[1:3])
     do = jax.random.normal(keys[3], (B, K, G, L, H)).astype(bf)
-    o_global = jax.random.normal(keys[4], (B, K, G, L, H)).astype(bf)  # as if other blocks
-    cases = ring_block_cases(L)
+    o_global = jax.random.normal(keys[4], (B, K, G, L, H)).astype(bf).astype(jnp.float32)
+    return qs, k, v, do, o_global
 
-    def run(kern, qs, k, v, do):
+
+def ring_block_program(kern, cases):
+    """f(qs, k, v, do, o_global) -> per case (o, lse, dq, dk, dv) of `kern`'s blocks
+    (ring_blocks.block_fwd / block_bwd: the ring's masking), the backward from the global
+    o and the block's lse + 0.5 (the other blocks' keys: a larger normalizer)."""
+    from olmo_jax.kernels import ring_blocks as rb
+
+    def run(qs, k, v, do, o_global):
         out = []
         for _, diagonal, qseg, kseg in cases:
             mask = rb.block_mask(diagonal, None if qseg is None else jnp.asarray(qseg),
                                  None if kseg is None else jnp.asarray(kseg))
             o, lse = rb.block_fwd(kern, qs, k, v, mask)
-            lse_global = lse + 0.5  # the other blocks' keys: a larger normalizer
-            o_g = o_global.astype(jnp.float32)
-            delta = jnp.sum(do.astype(jnp.float32) * o_g, axis=-1, keepdims=True)
-            out.append((o, lse) + rb.block_bwd(kern, qs, k, v, mask, o_g, lse_global, do, delta))
+            delta = jnp.sum(do.astype(jnp.float32) * o_global, axis=-1, keepdims=True)
+            out.append((o, lse) + rb.block_bwd(kern, qs, k, v, mask, o_global, lse + 0.5,
+                                               do, delta))
         return out
+    return run
 
+
+def ring_block_checks(L: int = 128, cudnn: bool = True) -> list[dict]:
+    """cuDNN's ring blocks (forward, and backward from a given global O / LSE) against the
+    float32 reference kernels on the same bf16 inputs, all cases in one program each
+    (`cudnn` False: the bf16 reference in cuDNN's place, for the dry run)."""
+    from olmo_jax.kernels import ring_blocks as rb
+
+    cases = ring_block_cases(L)
+    args = ring_block_inputs(L)
     kern = rb.cudnn_kernels(4) if cudnn else rb.REFERENCE
-    got = jax.jit(lambda *a: run(kern, *a))(qs, k, v, do)
-    f32 = [x.astype(jnp.float32) for x in (qs, k, v, do)]
-    want = jax.jit(lambda *a: run(rb.REFERENCE, *a))(*f32)
+    got = jax.jit(ring_block_program(kern, cases))(*args)
+    want = jax.jit(ring_block_program(rb.REFERENCE, cases))(
+        *(x.astype(jnp.float32) for x in args))
     checks = []
     for (name, *_), g, w in zip(cases, got, want, strict=True):
         for part, a, b in zip(("o", "lse", "dq", "dk", "dv"), g, w, strict=True):
