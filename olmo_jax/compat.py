@@ -15,6 +15,14 @@ these APIs in .venv-jax011 too, Makefile J11_TESTS):
   0.11.2 a kernel declares no cost, which changes no numerics (the planner then counts
   its FLOPs as 0, as planner/gpu_hlo.py says).
 
+- cuDNN's fused-attention backward primitive (`_dot_product_attention_bwd_p_wrapper` of
+  jax/_src/cudnn/fused_attention_stablehlo.py), which the ring's cuDNN blocks call with
+  the global output and softmax statistics (kernels/ring_blocks.py): 0.12 binds flex
+  attention's `score_mod` (None) as a static argument, 0.11.2 has none; the operands and
+  the other static arguments are the same. `cudnn_sdpa_bwd` binds it either way. (The
+  forward, jax's private `dot_product_attention` with `return_residual`, is called by
+  keyword and is the same on both.)
+
 Everything else olmo_jax calls exists in 0.11.2 with the same meaning: the jax functions of
 `SAME_ON_BOTH` below (shard_map and its vma typing, pcast, ppermute, all_gather (over
 replica groups: the ring's pair exchanges), ragged_all_to_all,
