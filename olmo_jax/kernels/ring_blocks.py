@@ -14,9 +14,10 @@ With zig-zag shards every block the ring computes is one of two kinds (`BlockMas
             are contiguous runs) at most one document is visible in the block, the one
             that runs from the key chunk into the query chunk: the key chunk's last
             document. Its queries are the query chunk's first `q_len` tokens, its keys the
-            key chunk's tokens from `k_start` on (cuDNN: one packed segment with separate
-            query and key offsets, padding mask). Other rows see no key of the block,
-            other keys are seen by no query.
+            key chunk's tokens from `k_start` on (cuDNN: a padding mask over dense rows,
+            q_seqlen = q_len, the keys rotated so that k_start comes first and kv_seqlen =
+            A - k_start; dK / dV rotated back). Other rows see no key of the block, other
+            keys are seen by no query.
 Blocks that no query sees are never computed (the ring skips them).
 
 The interface, in the ring's head-major layout (pre-scaled queries qs [B, K, G, Q, H], keys
@@ -34,10 +35,15 @@ cuDNN's backward is jax's private backward primitive called with the global O an
 (compat.cudnn_sdpa_bwd): jax's own VJP of `dot_product_attention(return_residual=True)`
 drops the residual's cotangent, so differentiating through the merge would be wrong.
 cuDNN's softmax statistics are [B * M, N, Q] float32 (M = the packed layout's segment
-slots, 1 without one); in the packed layout the statistics of the s-th non-empty segment
-(counted over the whole batch) sit at row s, position = the token's place in its
-segment (`packed_rows`). Sliding windows are not expressed on cuDNN here: the blocks off
-the diagonal would need a window offset, so windowed layers stay on the XLA blocks.
+slots, 1 without one), the natural-log log-sum-exp of the scaled scores. Dense rows (every
+block but a diagonal one with documents) hold [B, N, Q]. In the packed layout this
+module reads the statistics of the s-th non-empty segment (counted over the whole batch)
+at row s, position = the token's place in its segment (`packed_rows`): an assumption
+about XLA's cuDNN graph that no CPU can check; the lent-GPU check compares these blocks'
+statistics and gradients with the reference (tools/gpu_check.sh, attention section).
+
+Sliding windows are not expressed on cuDNN here: the blocks off the diagonal would need a
+window offset, so windowed layers stay on the XLA blocks.
 """
 
 from __future__ import annotations
@@ -222,34 +228,48 @@ def _kv(k):  # [B, K, A, H] <-> [B, A, K, H]
     return k.transpose(0, 2, 1, 3)
 
 
-def _cudnn_layout(mask: BlockMask, max_docs: int):
-    """cuDNN's arguments for a block: (mask_type, q_seqlen, kv_seqlen, q_offsets,
-    kv_offsets, where its statistics are: None (dense [B, N, Q]) or (s_BQ, t_BQ, M))."""
+class CudnnLayout(NamedTuple):
+    """What cuDNN is given for a block: its mask type, sequence lengths and packed offsets
+    (None where not used), where its statistics sit (`stats_at`: None, dense [B, N, Q];
+    else (s_BQ, t_BQ, M) of `packed_rows`) and how far the keys are rotated (`k_shift_B`:
+    a `before` block's visible keys moved to the front; None: not rotated)."""
+    mask_type: object
+    q_seqlen: jax.Array | None = None
+    kv_seqlen: jax.Array | None = None
+    q_offsets: jax.Array | None = None
+    kv_offsets: jax.Array | None = None
+    stats_at: tuple | None = None
+    k_shift_B: jax.Array | None = None
+
+
+def cudnn_layout(mask: BlockMask, max_docs: int) -> CudnnLayout:
+    """cuDNN's arguments for a block (module docstring). A `before` block's one document
+    is a padding mask over dense rows: queries [0, q_len), and the keys rotated so that
+    [k_start, A) come first (kv_seqlen A - k_start); only a diagonal block with documents
+    uses the packed layout."""
     from jax._src.cudnn.fused_attention_stablehlo import MaskType
 
     if mask.qseg_BQ is None:
-        return (MaskType.CAUSAL if mask.diagonal else MaskType.NO_MASK), None, None, None, \
-            None, None
-    if mask.diagonal:
-        Q = mask.qseg_BQ.shape[1]
-        offsets, lengths = packed_segments(mask.qseg_BQ, max_docs)
-        M = lengths.shape[1]
-        s_BQ, t_BQ = packed_rows(mask.qseg_BQ, offsets, M) if M > 1 else (None, None)
-        if M == 1:  # one slot: the whole chunk one sequence (the layout is not packed)
-            lengths = jnp.full_like(lengths, Q)
-            return MaskType.PADDING_CAUSAL, lengths, lengths, None, None, None
-        return MaskType.PADDING_CAUSAL, lengths, lengths, offsets, offsets, (s_BQ, t_BQ, M)
-    # `before`: one segment (queries [0, q_len), keys [k_start, A)) in two packed slots
-    B, A = mask.kseg_BA.shape
-    none_B1 = jnp.full((B, 1), -1, jnp.int32)
-    q_offsets = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), none_B1, none_B1], axis=1)
-    kv_offsets = jnp.concatenate([mask.k_start_B[:, None], none_B1, none_B1], axis=1)
-    q_seqlen = jnp.concatenate([mask.q_len_B[:, None], none_B1], axis=1)
-    kv_seqlen = jnp.concatenate([(A - mask.k_start_B)[:, None], none_B1], axis=1)
+        return CudnnLayout(MaskType.CAUSAL if mask.diagonal else MaskType.NO_MASK)
+    if not mask.diagonal:
+        A = mask.kseg_BA.shape[1]
+        return CudnnLayout(MaskType.PADDING, mask.q_len_B, A - mask.k_start_B,
+                           k_shift_B=mask.k_start_B)
     Q = mask.qseg_BQ.shape[1]
-    s_BQ = jnp.broadcast_to(jnp.arange(B)[:, None], (B, Q))
-    t_BQ = jnp.broadcast_to(jnp.arange(Q)[None, :], (B, Q))
-    return MaskType.PADDING, q_seqlen, kv_seqlen, q_offsets, kv_offsets, (s_BQ, t_BQ, 2)
+    offsets, lengths = packed_segments(mask.qseg_BQ, max_docs)
+    M = lengths.shape[1]
+    if M == 1:  # one slot: the whole chunk one sequence (not the packed layout)
+        full_B = jnp.full(lengths.shape[:1], Q, jnp.int32)
+        return CudnnLayout(MaskType.PADDING_CAUSAL, full_B, full_B)
+    return CudnnLayout(MaskType.PADDING_CAUSAL, lengths, lengths, offsets, offsets,
+                       (*packed_rows(mask.qseg_BQ, offsets, M), M))
+
+
+def _rotate(k_BKAH, shift_B, sign: int = 1):
+    """Keys rotated left by `shift_B` per row (sign -1: back), [B, K, A, H]."""
+    A = k_BKAH.shape[2]
+    idx_BA = (jnp.arange(A)[None, :] + sign * shift_B[:, None]) % A
+    return jnp.take_along_axis(k_BKAH, idx_BA[:, None, :, None], axis=2)
 
 
 def _stats_to_lse(stats, where, K: int):
@@ -274,37 +294,55 @@ def _lse_to_stats(lse, where):
     return stats.at[s_BQ, :, t_BQ].set(lse_BNQ.transpose(0, 2, 1), mode="drop")
 
 
-@functools.cache
-def cudnn_kernels(max_docs: int = 16) -> Kernels:
-    """cuDNN's fused attention as the ring's block kernels (module docstring); `max_docs`:
-    the packed layout's document slots of a diagonal block (model.cudnn_max_docs; more
-    documents share the last slot, as in model/attention.cudnn_attention). One Kernels per
-    `max_docs` (the ring's custom VJP takes it as a static argument)."""
-    from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as sdpa
+def _jax_sdpa():
+    """(forward, backward) of cuDNN's fused attention as jax binds them: forward
+    (q, k, v, **layout) -> (o, stats); backward (q, k, v, o, stats, do, **layout) ->
+    (dq, dk, dv), BTNH, no bias or dropout."""
+    from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention
 
     from olmo_jax import compat
 
+    def fwd(q, k, v, **kw):
+        return dot_product_attention(q, k, v, return_residual=True, **kw)
+
+    return fwd, compat.cudnn_sdpa_bwd
+
+
+@functools.cache
+def cudnn_kernels(max_docs: int = 16, sdpa=None) -> Kernels:
+    """cuDNN's fused attention as the ring's block kernels (module docstring); `max_docs`:
+    the packed layout's document slots of a diagonal block (model.cudnn_max_docs; more
+    documents share the last slot, as in model/attention.cudnn_attention). `sdpa`: the
+    (forward, backward) pair called (default `_jax_sdpa`: cuDNN; the tests pass an XLA
+    emulation of cuDNN's masks to run this layout code on a CPU)."""
+    sdpa_fwd, sdpa_bwd = sdpa or _jax_sdpa()
+
+    def args(lay: CudnnLayout):
+        return dict(q_seqlen=lay.q_seqlen, kv_seqlen=lay.kv_seqlen, q_offsets=lay.q_offsets,
+                    kv_offsets=lay.kv_offsets, scale=1.0, mask_type=lay.mask_type)
+
+    def keys(x, lay, sign=1):
+        return x if lay.k_shift_B is None else _rotate(x, lay.k_shift_B, sign)
+
     def fwd(qs, k, v, mask):
-        mask_type, q_len, kv_len, q_off, kv_off, where = _cudnn_layout(mask, max_docs)
-        o_BQNH, stats = sdpa(_btnh(qs), _kv(k), _kv(v), q_seqlen=q_len, kv_seqlen=kv_len,
-                             q_offsets=q_off, kv_offsets=kv_off, scale=1.0,
-                             mask_type=mask_type, return_residual=True)
+        lay = cudnn_layout(mask, max_docs)
+        o_BQNH, stats = sdpa_fwd(_btnh(qs), _kv(keys(k, lay)), _kv(keys(v, lay)), **args(lay))
         K = k.shape[1]
-        return _heads(o_BQNH, K).astype(jnp.float32), _stats_to_lse(stats, where, K)
+        return _heads(o_BQNH, K).astype(jnp.float32), _stats_to_lse(stats, lay.stats_at, K)
 
     def bwd(qs, k, v, mask, o, lse, do, delta):
         del delta  # cuDNN computes rowsum(do * o) from the global o itself
-        mask_type, q_len, kv_len, q_off, kv_off, where = _cudnn_layout(mask, max_docs)
-        dq, dk, dv = compat.cudnn_sdpa_bwd(
-            _btnh(qs), _kv(k), _kv(v), _btnh(o.astype(qs.dtype)),
-            _lse_to_stats(lse, where), _btnh(do.astype(qs.dtype)), q_seqlen=q_len,
-            kv_seqlen=kv_len, q_offsets=q_off, kv_offsets=kv_off, scale=1.0,
-            mask_type=mask_type)
+        lay = cudnn_layout(mask, max_docs)
+        dq, dk, dv = sdpa_bwd(
+            _btnh(qs), _kv(keys(k, lay)), _kv(keys(v, lay)), _btnh(o.astype(qs.dtype)),
+            _lse_to_stats(lse, lay.stats_at), _btnh(do.astype(qs.dtype)), **args(lay))
         K = k.shape[1]
-        return (_heads(dq, K).astype(jnp.float32), _kv(dk).astype(jnp.float32),
-                _kv(dv).astype(jnp.float32))
+        return (_heads(dq, K).astype(jnp.float32),
+                keys(_kv(dk), lay, -1).astype(jnp.float32),
+                keys(_kv(dv), lay, -1).astype(jnp.float32))
 
     return Kernels("cudnn", fwd, bwd)
+
 
 
 def kernels(blocks, max_docs: int = 16) -> Kernels | None:
