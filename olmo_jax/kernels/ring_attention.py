@@ -237,7 +237,8 @@ def ring_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT=None, *, context: int,
         raise ValueError(f"hops={hops!r} over context={context}: choose one of {RING_HOPS} "
                          "(pairs: a power-of-two context)")
     seg = segment_ids_BT if segment_ids_BT is not None else jnp.zeros(q_BTNH.shape[:2], jnp.int32)
-    kern = ring_blocks.kernels(blocks, max_docs) if window <= 0 else None
+    kern = ring_blocks.kernels(blocks, max_docs)  # refuses an unknown name
+    kern = kern if window <= 0 else None  # windows: XLA's blocks (module docstring)
     o = _ring(q_BTNH, k_BTKH, v_BTKH, seg, context, axis_name, segment_ids_BT is not None,
               window, hops == "pairs", kern)
     return o
