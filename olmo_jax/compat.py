@@ -15,6 +15,14 @@ these APIs in .venv-jax011 too, Makefile J11_TESTS):
   0.11.2 a kernel declares no cost, which changes no numerics (the planner then counts
   its FLOPs as 0, as planner/gpu_hlo.py says).
 
+- cuDNN's fused-attention backward primitive (`_dot_product_attention_bwd_p_wrapper` of
+  jax/_src/cudnn/fused_attention_stablehlo.py), which the ring's cuDNN blocks call with
+  the global output and softmax statistics (kernels/ring_blocks.py): 0.12 binds flex
+  attention's `score_mod` (None) as a static argument, 0.11.2 has none; the operands and
+  the other static arguments are the same. `cudnn_sdpa_bwd` binds it either way. (The
+  forward, jax's private `dot_product_attention` with `return_residual`, is called by
+  keyword and is the same on both.)
+
 Everything else olmo_jax calls exists in 0.11.2 with the same meaning: the jax functions of
 `SAME_ON_BOTH` below (shard_map and its vma typing, pcast, ppermute, all_gather (over
 replica groups: the ring's pair exchanges), ragged_all_to_all,
@@ -62,3 +70,28 @@ def gpu_kernel_cost(estimate) -> dict:
     if "cost_estimate" in inspect.signature(plgpu.kernel).parameters:
         return {"cost_estimate": estimate}
     return {}
+
+
+def cudnn_sdpa_bwd(q_BTNH, k_BSKH, v_BSKH, o_BTNH, stats, do_BTNH, *, q_seqlen=None,
+                   kv_seqlen=None, q_offsets=None, kv_offsets=None, scale: float, mask_type):
+    """(dq, dk, dv) of cuDNN's fused attention (BTNH layout, no bias or dropout) from a
+    given output `o_BTNH` and softmax statistics `stats` (cuDNN's layout, as
+    `dot_product_attention(..., return_residual=True)` returns them): jax's private
+    backward primitive, bound as jax's own VJP binds it. Its static arguments differ: jax
+    0.12 adds flex attention's `score_mod` (None here); 0.11.2 has none."""
+    import inspect
+
+    import jax.numpy as jnp
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    unused = jnp.zeros(0, q_BTNH.dtype)
+    args = [unused if x is None else x for x in (q_seqlen, kv_seqlen, q_offsets, kv_offsets)]
+    extra = {}
+    if "score_mod" in inspect.signature(fa._dot_product_attention_bwd_rule).parameters:
+        extra["score_mod"] = None  # jax >= 0.12 (and no score_mod_args operands)
+    dq, dk, dv = fa._dot_product_attention_bwd_p_wrapper.bind(
+        q_BTNH, k_BSKH, v_BSKH, unused, *args, unused, unused, stats, o_BTNH, do_BTNH,
+        scale=scale, seed=42, dropout_rate=0.0, variadic_args=(False, False),
+        mask_type=mask_type, layout=fa.AttentionLayout.BTNH.value,
+        sliding_window_length=None, **extra)
+    return dq, dk, dv

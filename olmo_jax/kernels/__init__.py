@@ -15,6 +15,9 @@ the choice of kernels by target and config.
                        OpenBLAS (CPU, float32); reference: tiled.py
     cpu_attention.py/.cc  the causal attention core and its QK-norm / clipping / RoPE as
                        XLA FFI calls (CPU, float32); reference: model/attention.py's xla
+    ring_attention.py  context parallelism: zig-zag shards, ring and all-gather attention
+    ring_blocks.py     the ring's [L, L] block kernels: cuDNN's fused attention, forward
+                       and backward from the global statistics; reference: XLA einsums
 
 Importing this package is cheap: the Pallas modules load when a kernel is first used.
 """

@@ -36,6 +36,16 @@ Under a sliding window neither computes what the window does not reach: the ring
 each [L, L] block under a `lax.cond` on `block_in_window`, the all-gather meets each
 chunk of L queries with only the L + W - 1 keys that reach it.
 
+The ring's blocks (`blocks`, RING_BLOCKS; the model passes "cudnn" where its attention
+core resolved to cuDNN, else "xla"): "xla", einsums of float32 scores folded into an
+online softmax (any device, any window); "cudnn", cuDNN's fused flash attention per
+block through the block-kernel interface of kernels/ring_blocks.py (each step's block is
+diagonal or wholly before its queries; the blocks' (o, lse) merged by log-sum-exp
+weights, each block's backward from the global output and log-sum-exp); "reference",
+that interface's XLA implementation (the CPU tests). A sliding-window layer always runs
+"xla" (cuDNN's window is not offset for the blocks off the diagonal), and so does the
+all-gather.
+
 The kernels run inside a shard_map whose mesh has `axis_name`; outside one, with
 `context == 1`, the layout is the identity and the kernels are plain attention.
 """
@@ -49,6 +59,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from olmo_jax.kernels import ring_blocks
+from olmo_jax.kernels.ring_blocks import RingBlocks
 from olmo_jax.kernels.vma import cotangent_like, like
 
 CONTEXT_AXIS = "context"  # the mesh axis name (olmo_jax/parallel/mesh.py uses this one)
@@ -210,25 +222,78 @@ def _where(c, a, b):
 
 # ---- ring attention ----------------------------------------------------------------------
 def ring_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT=None, *, context: int,
-                   axis_name: str = CONTEXT_AXIS, window: int = 0, hops: RingHops = "permute"):
+                   axis_name: str = CONTEXT_AXIS, window: int = 0, hops: RingHops = "permute",
+                   blocks: RingBlocks = "xla", max_docs: int = 16):
     """Causal attention of this rank's zig-zag shard ([B, 2L, ...], module docstring) with
     K / V passed around `axis_name` (size `context`); out [B, 2L, N, H] in q's dtype.
     `segment_ids_BT`: int32 [B, 2L] sharded like q, or None (no document masking);
     `window` > 0: a sliding window of that many keys (masked in each block; the blocks it
     does not reach are skipped); `hops` (RING_HOPS): how K/V travel, "permute" around
-    the ring or "pairs" by pair exchanges (`_ring_loop`; a power-of-two `context`)."""
+    the ring or "pairs" by pair exchanges (`_ring_loop`; a power-of-two `context`);
+    `blocks` (RING_BLOCKS): the [L, L] blocks' kernels, XLA's einsums (an online softmax)
+    or cuDNN's fused attention (kernels/ring_blocks.py; `max_docs` document slots of a
+    diagonal block); a sliding window always runs XLA's blocks (module docstring)."""
     if hops not in RING_HOPS or (hops == "pairs" and not pairs_possible(context)):
         raise ValueError(f"hops={hops!r} over context={context}: choose one of {RING_HOPS} "
                          "(pairs: a power-of-two context)")
     seg = segment_ids_BT if segment_ids_BT is not None else jnp.zeros(q_BTNH.shape[:2], jnp.int32)
+    kern = ring_blocks.kernels(blocks, max_docs)  # refuses an unknown name
+    kern = kern if window <= 0 else None  # windows: XLA's blocks (module docstring)
     o = _ring(q_BTNH, k_BTKH, v_BTKH, seg, context, axis_name, segment_ids_BT is not None,
-              window, hops == "pairs")
+              window, hops == "pairs", kern)
     return o
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _ring(q, k, v, seg, C, axis, masked, window=0, pairs=False):
-    return _ring_fwd(q, k, v, seg, C, axis, masked, window, pairs)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def _ring(q, k, v, seg, C, axis, masked, window=0, pairs=False, kern=None):
+    return _ring_fwd(q, k, v, seg, C, axis, masked, window, pairs, kern)[0]
+
+
+def _fwd_blocks(kern, window: int, masked: bool):
+    """(init(qs), block(diagonal, qs, k, v, qpos, kpos, qseg, kseg, state), finish(state)
+    -> (o, lse)) of the ring's forward: XLA's online softmax over the blocks (`kern`
+    None), or a block kernel's (o, lse) per block merged by log-sum-exp weights."""
+    def msk(x):
+        return x if masked else None
+
+    if kern is None:
+        fwd = partial(_ring_block_fwd, window=window)
+
+        def finish(st):
+            m, l, acc = st
+            return acc / l, m + jnp.log(l)
+
+        return (_init_state, lambda diag, qs, k, v, qp, kp, qs_, ks_, st: fwd(
+            qs, k, v, qp, kp, msk(qs_), msk(ks_), st), finish)
+
+    def init(qs):
+        return tuple(like(x, qs) for x in ring_blocks.init_state(qs))
+
+    def block(diag, qs, k, v, qp, kp, qseg, kseg, st):
+        mask = ring_blocks.block_mask(diag, msk(qseg), msk(kseg))
+        out = ring_blocks.block_fwd(kern, qs, k, v, mask)
+        return ring_blocks.merge(st, tuple(like(x, qs, k) for x in out))
+
+    return init, block, lambda st: st
+
+
+def _bwd_block(kern, window: int, masked: bool):
+    """block(diagonal, qs, k, v, qpos, kpos, qseg, kseg, o, lse, do, delta) -> (dqs, dk,
+    dv) of one block with the global o / lse / delta (XLA's or the kernel's)."""
+    def msk(x):
+        return x if masked else None
+
+    if kern is None:
+        bwd = partial(_ring_block_bwd, window=window)
+        return lambda diag, qs, k, v, qp, kp, qseg, kseg, o, lse, do, dl: bwd(
+            qs, k, v, qp, kp, msk(qseg), msk(kseg), lse, do, dl)
+
+    def block(diag, qs, k, v, qp, kp, qseg, kseg, o, lse, do, dl):
+        mask = ring_blocks.block_mask(diag, msk(qseg), msk(kseg))
+        out = ring_blocks.block_bwd(kern, qs, k, v, mask, o, lse, do, dl)
+        return tuple(like(x, qs, k, do) for x in out)
+
+    return block
 
 
 def _halves(x, axis):
@@ -328,8 +393,8 @@ def _key_parts(kv_src, j, Lk, C):
     return _halves(ks, 2), _halves(vs, 2), _halves(kpos, 0), _halves(kseg, 1)
 
 
-def _ring_fwd(q, k, v, seg, C, axis, masked, window=0, pairs=False):
-    _block_fwd = partial(_ring_block_fwd, window=window)
+def _ring_fwd(q, k, v, seg, C, axis, masked, window=0, pairs=False, kern=None):
+    init, block, finish = _fwd_blocks(kern, window, masked)
     r, pos = _ring_setup(q, seg, C, axis)
     qs = _scaled(_heads(q, k))  # [B, K, G, 2L, H]
     kh, vh = _kv_heads(k), _kv_heads(v)
@@ -337,50 +402,47 @@ def _ring_fwd(q, k, v, seg, C, axis, masked, window=0, pairs=False):
     qh0, qh1 = _halves(qs, 3)
     p0, p1 = _halves(pos, 0)
     s0, s1 = _halves(seg, 1)
-    msk = (lambda x: x) if masked else (lambda x: None)
 
     def step0(kv, state):  # own keys: both diagonal blocks (causal) and chunk 2C-1-r x r
         st0, st1 = state
         (k0, k1), (v0, v1), (kp0, kp1), (ks0, ks1) = _key_parts(kv, r, Lk, C)
-        st1 = _block_fwd(qh1, k0, v0, p1, kp0, msk(s1), msk(ks0), st1)
-        st0 = _block_fwd(qh0, k0, v0, p0, kp0, msk(s0), msk(ks0), st0)
-        st1 = _block_fwd(qh1, k1, v1, p1, kp1, msk(s1), msk(ks1), st1)
+        st1 = block(False, qh1, k0, v0, p1, kp0, s1, ks0, st1)
+        st0 = block(True, qh0, k0, v0, p0, kp0, s0, ks0, st0)
+        st1 = block(True, qh1, k1, v1, p1, kp1, s1, ks1, st1)
         return (), (st0, st1)
 
     def step(kv, rest, j, state, hop):
         # Keys of rank j != r: query chunk 2C-1-r sees key chunk j; and j < r: query chunk
-        # r sees key chunk j too; j > r: chunk 2C-1-r sees 2C-1-j too.
+        # r sees key chunk j too; j > r: chunk 2C-1-r sees 2C-1-j too. All keys before
+        # all queries (no diagonal block).
         st0, st1 = state
         (k0, k1), (v0, v1), (kp0, kp1), (ks0, ks1) = _key_parts(kv, j, Lk, C)
-        st1 = _block_fwd(qh1, k0, v0, p1, kp0, msk(s1), msk(ks0), st1)
+        st1 = block(False, qh1, k0, v0, p1, kp0, s1, ks0, st1)
         lo = j < r
         qx, px, sx = _where(lo, (qh0, p0, s0), (qh1, p1, s1))
         kx, vx, kpx, ksx = _where(lo, (k0, v0, kp0, ks0), (k1, v1, kp1, ks1))
-        stx = _block_fwd(qx, kx, vx, px, kpx, msk(sx), msk(ksx), _where(lo, st0, st1))
+        stx = block(False, qx, kx, vx, px, kpx, sx, ksx, _where(lo, st0, st1))
         return rest, (_where(lo, stx, st0), _where(lo, st1, stx))
 
-    _, (st0, st1) = _ring_loop(C, axis, (kh, vh, seg), (_init_state(qh0), _init_state(qh1)),
+    _, (st0, st1) = _ring_loop(C, axis, (kh, vh, seg), (init(qh0), init(qh1)),
                                step0, step, pairs)
-    outs, lses = [], []
-    for m, l, acc in (st0, st1):
-        outs.append(acc / l)
-        lses.append(m + jnp.log(l))
-    o_h = jnp.concatenate(outs, axis=3).astype(q.dtype)  # [B, K, G, 2L, H]
-    lse = jnp.concatenate(lses, axis=3)
+    (o0, lse0), (o1, lse1) = finish(st0), finish(st1)
+    o_h = jnp.concatenate([o0, o1], axis=3).astype(q.dtype)  # [B, K, G, 2L, H]
+    lse = jnp.concatenate([lse0, lse1], axis=3)
     B, T2, N, H = q.shape
     o = o_h.transpose(0, 3, 1, 2, 4).reshape(B, T2, N, H)
     return o, (q, k, v, seg, o_h, lse)
 
 
-def _ring_bwd(C, axis, masked, window, pairs, res, do):
-    _block_bwd = partial(_ring_block_bwd, window=window)
+def _ring_bwd(C, axis, masked, window, pairs, kern, res, do):
+    block = _bwd_block(kern, window, masked)
     q, k, v, seg, o_h, lse = res
     r, pos = _ring_setup(q, seg, C, axis)
     qs = _scaled(_heads(q, k))
     do_h = _heads(do, k)
     delta = jnp.sum(do_h.astype(jnp.float32) * o_h.astype(jnp.float32), axis=-1, keepdims=True)
-    msk = (lambda x: x) if masked else (lambda x: None)
     qh0, qh1 = _halves(qs, 3)
+    o0, o1 = _halves(o_h, 3)
     do0, do1 = _halves(do_h, 3)
     dl0, dl1 = _halves(delta, 3)
     ls0, ls1 = _halves(lse, 3)
@@ -400,9 +462,9 @@ def _ring_bwd(C, axis, masked, window, pairs, res, do):
     def step0(kv, state):
         dq0, dq1 = state
         (k0, k1), (v0, v1), (kp0, kp1), (ks0, ks1) = _key_parts(kv, r, Lk, C)
-        a1, b1, c1 = _block_bwd(qh1, k0, v0, p1, kp0, msk(s1), msk(ks0), ls1, do1, dl1)
-        a0, b0, c0 = _block_bwd(qh0, k0, v0, p0, kp0, msk(s0), msk(ks0), ls0, do0, dl0)
-        a2, b2, c2 = _block_bwd(qh1, k1, v1, p1, kp1, msk(s1), msk(ks1), ls1, do1, dl1)
+        a1, b1, c1 = block(False, qh1, k0, v0, p1, kp0, s1, ks0, o1, ls1, do1, dl1)
+        a0, b0, c0 = block(True, qh0, k0, v0, p0, kp0, s0, ks0, o0, ls0, do0, dl0)
+        a2, b2, c2 = block(True, qh1, k1, v1, p1, kp1, s1, ks1, o1, ls1, do1, dl1)
         dk = add(zero_kv, b1 + b0, b2)
         dv = add(zero_kv, c1 + c0, c2)
         return (dk, dv), (dq0 + a0, dq1 + a1 + a2)
@@ -413,12 +475,12 @@ def _ring_bwd(C, axis, masked, window, pairs, res, do):
         # the K/V gradients of the last step's keys travel the hop that brought rank j's
         dk, dv = hop((dk, dv))
         (k0, k1), (v0, v1), (kp0, kp1), (ks0, ks1) = _key_parts(src, j, Lk, C)
-        a1, b1, c1 = _block_bwd(qh1, k0, v0, p1, kp0, msk(s1), msk(ks0), ls1, do1, dl1)
+        a1, b1, c1 = block(False, qh1, k0, v0, p1, kp0, s1, ks0, o1, ls1, do1, dl1)
         lo = j < r
-        qx, px, sx, lx, dox, dlx = _where(lo, (qh0, p0, s0, ls0, do0, dl0),
-                                          (qh1, p1, s1, ls1, do1, dl1))
+        qx, px, sx, ox, lx, dox, dlx = _where(lo, (qh0, p0, s0, o0, ls0, do0, dl0),
+                                              (qh1, p1, s1, o1, ls1, do1, dl1))
         kx, vx, kpx, ksx = _where(lo, (k0, v0, kp0, ks0), (k1, v1, kp1, ks1))
-        a, b, c_ = _block_bwd(qx, kx, vx, px, kpx, msk(sx), msk(ksx), lx, dox, dlx)
+        a, b, c_ = block(False, qx, kx, vx, px, kpx, sx, ksx, ox, lx, dox, dlx)
         zero = jnp.zeros_like(b)
         dk = add(dk, b1 + jnp.where(lo, b, zero), jnp.where(lo, zero, b))
         dv = add(dv, c1 + jnp.where(lo, c_, zero), jnp.where(lo, zero, c_))
@@ -519,11 +581,14 @@ _masked_attention.defvjp(_masked_fwd, _masked_bwd)
 
 def context_attention(impl: str, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT=None, *,
                       context: int, axis_name: str = CONTEXT_AXIS, window: int = 0,
-                      hops: RingHops = "permute"):
+                      hops: RingHops = "permute", blocks: RingBlocks = "xla",
+                      max_docs: int = 16):
     """`impl` (CONTEXT_ATTENTIONS) of this rank's zig-zag shard (`window` > 0: sliding;
-    `hops`: the ring's, ring_attention)."""
+    `hops`, `blocks`, `max_docs`: the ring's, ring_attention; the all-gather runs XLA's
+    blocks)."""
     if impl == "ring":
         return ring_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, context=context,
-                              axis_name=axis_name, window=window, hops=hops)
+                              axis_name=axis_name, window=window, hops=hops, blocks=blocks,
+                              max_docs=max_docs)
     return allgather_attention(q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, context=context,
                                axis_name=axis_name, window=window)

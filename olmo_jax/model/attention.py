@@ -40,6 +40,10 @@ model (`window_choices`, usually two: full and W) and runs the one its scanned
 one window (the default: all full) has a static core and no switch. Under context
 parallelism the ring and all-gather kernels mask keys outside the window and skip the
 blocks (ring) or keys (all-gather) it does not reach (kernels/ring_attention.py).
+
+Under context parallelism the core is the ring or the all-gather
+(kernels/ring_attention.py); where the core resolved to cudnn the ring's [L, L] blocks
+run on cuDNN's fused attention (kernels/ring_blocks.py), except in sliding-window layers.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from flax import nnx
 
 from olmo_jax import shapes
 from olmo_jax.kernels import ring_attention, select
+from olmo_jax.kernels.ring_blocks import packed_segments  # cuDNN's packed layout
 from olmo_jax.kernels.vma import cotangent_like
 from olmo_jax.model import mxfp8_gemm, rope
 from olmo_jax.model.config import TransformerConfig
@@ -90,25 +95,6 @@ def cudnn_attention(q_BTNH: jax.Array, k_BAKH: jax.Array, v_BAKH: jax.Array,
                       q_offsets=offsets_BM1, kv_offsets=offsets_BM1,
                       scale=q_BTNH.shape[-1] ** -0.5, mask_type=MaskType.PADDING_CAUSAL,
                       sliding_window_length=window if window > 0 else None)
-
-
-def packed_segments(segment_ids_BT: jax.Array, max_docs: int) -> tuple[jax.Array, jax.Array]:
-    """(offsets [B, M + 1], lengths [B, M]), int32, M = min(max_docs, T): row b's
-    documents' starts and lengths in order, then -1s (cuDNN's packed layout). A row with
-    more than M documents has its documents from the M-th on merged into the last slot."""
-    B, T = segment_ids_BT.shape
-    M = min(max_docs, T)
-    starts_BT = jnp.concatenate(
-        [jnp.ones((B, 1), bool), segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1)
-    doc_BT = jnp.minimum(jnp.cumsum(starts_BT, axis=1, dtype=jnp.int32) - 1, M - 1)
-    n_docs_B1 = doc_BT[:, -1:] + 1
-    rows_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-    lengths_BM = jnp.zeros((B, M), jnp.int32).at[rows_BT, doc_BT].add(1)
-    offsets_BM = jnp.cumsum(lengths_BM, axis=1, dtype=jnp.int32) - lengths_BM
-    used_BM = jnp.arange(M)[None, :] < n_docs_B1
-    offsets_BM = jnp.where(used_BM, offsets_BM, -1)
-    lengths_BM = jnp.where(used_BM, lengths_BM, -1)
-    return jnp.concatenate([offsets_BM, jnp.full((B, 1), -1, jnp.int32)], axis=1), lengths_BM
 
 
 @shapes.check("-> B T N H")
@@ -300,7 +286,8 @@ class Attention(nnx.Module):
              self.v_proj[...].reshape(D, K * H)], axis=1,
         ).astype(dt)
         qkv_SJ = self._proj("rd,dj->rj", x_BTD.astype(dt).reshape(B * T, D), w_qkv_DJ)
-        impl = "context" if self.context[0] > 1 else attention_impl(self.impl, dt)
+        core = attention_impl(self.impl, dt)
+        impl = "context" if self.context[0] > 1 else core
         if impl == "blas":  # QK-norm, clipping, RoPE and the core: CPU FFI calls
             from olmo_jax.kernels import cpu_attention
 
@@ -315,13 +302,13 @@ class Attention(nnx.Module):
                     q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, w), window_index)
         else:
             o_BTNH = self._xla_or_cudnn(impl, qkv_SJ, B, T, N, K, H, cos_TH, sin_TH,
-                                        segment_ids_BT, window_index)
+                                        segment_ids_BT, window_index, core)
         o_SJ = o_BTNH.reshape(B * T, N * H)
         y_SD = self._proj("rj,jd->rd", o_SJ, self.o_proj[...].reshape(N * H, D).astype(dt))
         return y_SD.reshape(B, T, D)
 
     def _xla_or_cudnn(self, impl, qkv_SJ, B, T, N, K, H, cos_TH, sin_TH, segment_ids_BT,
-                      window_index):
+                      window_index, core="xla"):
         # sliced as [B * T, J] rows (2-D slices, then free reshapes)
         q_BTNH = qkv_SJ[:, : N * H].reshape(B, T, N, H)
         k_BTKH = qkv_SJ[:, N * H : (N + K) * H].reshape(B, T, K, H)
@@ -335,11 +322,12 @@ class Attention(nnx.Module):
         q_BTNH = apply_rope(q_BTNH, cos_TH, sin_TH)
         k_BTKH = apply_rope(k_BTKH, cos_TH, sin_TH)
         with jax.named_scope("attention_scores"):  # named for olmo_jax/planner
-            if impl == "context":
+            if impl == "context":  # the ring's blocks on cuDNN where the core is cuDNN
                 C, how, hops = self.context
+                blocks = "cudnn" if core == "cudnn" else "xla"
                 return self._by_window(lambda w: ring_attention.context_attention(
                     how, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, context=C, window=w,
-                    hops=hops), window_index)
+                    hops=hops, blocks=blocks, max_docs=self.cudnn_max_docs), window_index)
             if impl == "cudnn":
                 return self._by_window(lambda w: cudnn_attention(
                     q_BTNH, k_BTKH, v_BTKH, segment_ids_BT, self.cudnn_max_docs, w),

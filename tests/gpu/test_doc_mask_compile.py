@@ -12,11 +12,13 @@ compiles on its path, the attention's collectives being the ring's K/V
 collective-permutes (under the pipeline its pair exchanges: all-gathers over groups of 2
 context ranks inside a stage, e.g. {{0,2},{1,3},{4,6},{5,7}}) or the all-gather's K/V
 all-gathers and dK/dV reduce-scatters,
-each attention block masked by segment (`hlo_cost.document_masks`), and the ring holding
-no score block that spans the whole sequence's keys (the all-gather's [2L, T] one is
-found by the same check). The blocks are XLA's own einsums, not cuDNN's fused attention
-(no cuDNN call: the per-block kernel under context parallelism is not done). Each cell
-is recorded in the session's table (tests/gpu/results.py)."""
+the ring holding no score block that spans the whole sequence's keys (the all-gather's
+[2L, T] one is found by the same check). The ring's [L, L] blocks are cuDNN's fused
+attention forward and backward (kernels/ring_blocks.py): the diagonal blocks
+padding-causal over model.cudnn_max_docs packed segment slots, the blocks before their
+queries a padding mask over dense rows (their keys rotated), and no XLA score block; the
+all-gather's block is XLA's einsum, masked by segment (`hlo_cost.document_masks`), with
+no cuDNN call. Each cell is recorded in the session's table (tests/gpu/results.py)."""
 
 from __future__ import annotations
 
@@ -67,6 +69,7 @@ def context_cell_config(how: str, pipe: int):
     context 2 x expert 2 (1F1B, 2 microbatches, 2 MoE blocks), with data.doc_mask."""
     cfg = cell_config(Cell("h200", 8, "rowwise", "auto", "bf16"))
     cfg.model.vocab_size, cfg.model.context_attention = 384, how
+    cfg.model.cudnn_max_docs = 4  # the ring's diagonal blocks: 4 packed segment slots
     cfg.data.doc_mask = True
     p = cfg.parallel
     p.data, p.context, p.expert = 2, 2, 2
@@ -93,18 +96,78 @@ def test_doc_masked_context_parallel_compiles_on_its_path(how, pipe):
     problems = []
     if kinds != want:
         problems.append(f"attention collectives {sorted(kinds)}, not {sorted(want)}")
-    if not hlo_cost.document_masks(step.module):
-        problems.append("no q-segment == k-segment mask in the attention blocks")
     if how == "ring" and pipe > 1 and any(c.group_size != 2 for c in colls):
         problems.append("the ring's pair exchanges span more than pairs of context ranks")
     if how == "ring" and whole:
         problems.append(f"whole-sequence score blocks next to the ring: {whole[:3]}")
     if how == "allgather" and not whole:
         problems.append("key_span_buffers no longer sees the all-gather's [2L, T] block")
-    if gpu_hlo.cudnn_attention(step.module):
-        problems.append("cuDNN attention under context parallelism: update the docs")
+    if how == "ring":
+        problems += ring_block_problems(step, cfg)
+    else:  # XLA's [2L, T] block, masked by segment; no cuDNN
+        if not hlo_cost.document_masks(step.module):
+            problems.append("no q-segment == k-segment mask in the attention blocks")
+        if gpu_hlo.cudnn_attention(step.module):
+            problems.append("cuDNN attention in the all-gather: update the docs")
     if pipe > 1 and gpu_hlo.collective_counts(step.module)["collective-permute"] == 0:
         problems.append("pipe=2 has no collective-permute between stages")
     results.record(cell_id, "wrongpath" if problems else "compiled", step.lower_s,
                    step.compile_s, "; ".join(problems))
     assert not problems, f"{cell_id}:\n  " + "\n  ".join(problems)
+
+
+def ring_block_problems(step, cfg) -> list[str]:
+    """What keeps the ring's [L, L] blocks from being cuDNN's fused attention with the
+    segment masks (kernels/ring_blocks.py): forward and backward calls in the attention's
+    scope, the diagonal blocks packed-segment padding-causal (model.cudnn_max_docs slots,
+    softmax statistics [B * slots, N, L] float32), the blocks before the queries one
+    packed segment with a padding mask (2 slots), and no score block of XLA's."""
+    calls = [c for c in gpu_hlo.cudnn_attention(step.module) if "attention" in c.op_name]
+    problems = []
+    targets = {c.target for c in calls}
+    if not {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"} <= targets:
+        problems.append(f"the ring's blocks are not cuDNN's forward and backward: {targets}")
+    fmha = [line for line in step.compiled.as_text().splitlines()
+            if "__cudnn$fmha" in line and "custom-call(" in line]
+    docs = cfg.model.cudnn_max_docs
+    for kind, slots in (("PADDING_CAUSAL", docs), ("PADDING", 1)):
+        mine = [line for line in fmha if re.search(rf'"mask_type":\s*"{kind}"', line)]
+        if not mine or not all(re.search(rf'"max_seg_per_batch":\s*"?{slots}\b', line)
+                                for line in mine):
+            problems.append(f"no {kind} blocks over {slots} packed segment slots")
+    if hlo_cost.score_buffers(step.module, SEQ_LEN // 4):
+        problems.append("XLA score blocks next to the cuDNN blocks: "
+                        f"{hlo_cost.score_buffers(step.module, SEQ_LEN // 4)[:3]}")
+    return problems
+
+
+def test_gpu_check_ring_blocks_compile_on_cudnn():
+    # tools/gpu_check's ring block program (jax_kernels.ring_block_program: the four block
+    # kinds, forward and backward from global statistics) compiles for an H200 with one
+    # cuDNN forward and one backward call of each kind's mask.
+    import collections
+    import sys
+    from pathlib import Path
+
+    import jax
+    from jax.sharding import SingleDeviceSharding
+
+    from olmo_jax.kernels import platform, ring_blocks
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "gpu_check"))
+    import jax_kernels
+
+    dev = targets.abstract_devices("h200", 1)[0]
+    cases = jax_kernels.ring_block_cases(128)
+    args = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=SingleDeviceSharding(dev))
+            for x in jax.eval_shape(lambda: jax_kernels.ring_block_inputs(128))]
+    run = jax_kernels.ring_block_program(ring_blocks.cudnn_kernels(4), cases)
+    with platform.targeting(platform.target_of([dev])):
+        hlo = jax.jit(run).lower(*args).compile().as_text()
+    calls = collections.Counter(
+        (re.search(r'custom_call_target="([^"]+)"', line).group(1),
+         re.search(r'"mask_type":\s*"(\w+)"', line).group(1))
+        for line in hlo.splitlines() if "__cudnn$fmha" in line and "custom-call(" in line)
+    want = {(t, m): 1 for t in ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")
+            for m in ("CAUSAL", "PADDING_CAUSAL", "NO_MASK", "PADDING")}
+    assert calls == want, calls

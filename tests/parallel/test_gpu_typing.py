@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from olmo_jax.kernels import grouped_matmul, grouped_matmul_tcgen05, platform, vma
+from olmo_jax.kernels import grouped_matmul, grouped_matmul_tcgen05, platform, ring_blocks, vma
 from olmo_jax.kernels import mxfp8_quant as mx
 from olmo_jax.model.abstract import abstract_model
 from olmo_jax.parallel.expert.ragged_a2a import ragged_all_to_all
@@ -96,6 +96,31 @@ def test_pallas_grouped_matmul_outputs_vary_like_their_inputs(kernels):
             jnp.zeros((M, K), jnp.bfloat16), jnp.zeros((1, G, K, N), jnp.bfloat16),
             jnp.zeros((M, N), jnp.bfloat16), gs)
     assert len(types) == 3 and all(_varies(t) for t in types), types
+
+
+@pytest.mark.jax011
+@pytest.mark.parametrize("diagonal", [True, False], ids=["diagonal", "before"])
+def test_cudnn_ring_block_backward_varies_like_its_inputs(diagonal):
+    # The ring's cuDNN block backward (kernels/ring_blocks.py: jax's backward primitive
+    # bound with the global O / LSE, compat.cudnn_sdpa_bwd) traced inside shard_map for
+    # one document-masked block: dq, dk and dv vary like q, k and v (an invariant dk would
+    # be psum-ed across the ring's devices by the pvary's transpose).
+    B, K, G, L, H = 1, 2, 2, 16, 32
+    kern = ring_blocks.cudnn_kernels(max_docs=4)
+
+    def bwd(qs, k, v, o, lse, do, seg):
+        mask = ring_blocks.block_mask(diagonal, seg, seg)
+        return kern.bwd(qs, k, v, mask, o, lse, do, None)
+
+    bf = jnp.bfloat16
+    args = [jnp.zeros((B, K, G, L, H), bf), jnp.zeros((B, K, L, H), bf),
+            jnp.zeros((B, K, L, H), bf), jnp.zeros((B, K, G, L, H), jnp.float32),
+            jnp.zeros((B, K, G, L, 1), jnp.float32), jnp.zeros((B, K, G, L, H), bf),
+            jnp.zeros((B, L), jnp.int32)]
+    types = _traced_types(bwd, *args)
+    assert [t.shape for t in types] == [(B, K, G, L, H), (B, K, L, H), (B, K, L, H)]
+    assert all(t.dtype == jnp.float32 for t in types)
+    assert all(_varies(t) for t in types), types
 
 
 @pytest.mark.jax011

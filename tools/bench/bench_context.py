@@ -7,12 +7,15 @@ working set beyond arguments and outputs).
 
     .venv/bin/python tools/bench/bench_context.py [--seq 16384 --context 4 8 --heads 8 ...]
     .venv-gpu/bin/python tools/bench/bench_context.py --target h200   # deviceless XLA:GPU
+    .venv-gpu/bin/python tools/bench/bench_context.py --target h200 --blocks cudnn
 
 Nothing runs: the numbers are the compiler's (each compiler's: XLA:CPU and XLA:GPU differ
 in what they widen and merge, so quote the --target ones for GPUs).
 With --target (a GPU kind of olmo_jax.targets) the layer is compiled by XLA:GPU for
 abstract GPUs and its schedule replayed (olmo_jax.planner.overlap): how much of each
 collective's link time the latency-hiding scheduler hides behind the attention's matmuls.
+--blocks cudnn (with --target): the ring's blocks on cuDNN's fused attention
+(olmo_jax/kernels/ring_blocks.py) instead of XLA's einsums; the all-gather is unchanged.
 """
 
 from __future__ import annotations
@@ -34,19 +37,25 @@ from olmo_jax.planner import comms  # noqa: E402
 
 
 def compile_layer(impl: str, C: int, T: int, B: int, N: int, K: int, H: int, segments: bool,
-                  dtype=jnp.bfloat16, target: str | None = None):
+                  dtype=jnp.bfloat16, target: str | None = None, blocks: str = "xla"):
     """The compiled forward + backward of one context-parallel attention call."""
+    import contextlib
+
+    scope = contextlib.nullcontext()
     if target:
         from olmo_jax import targets
+        from olmo_jax.kernels import platform
 
         mesh = targets.make_mesh(target, (C,), ("context",))
+        scope = platform.targeting(platform.target_of(mesh))  # cuDNN's capability checks
     else:
         mesh = Mesh(np.asarray(jax.devices()[:C]), ("context",))
     spec = PartitionSpec(None, "context")
 
     def local(q, k, v, seg, do):
         def f(q, k, v):
-            return context_attention(impl, q, k, v, seg if segments else None, context=C)
+            return context_attention(impl, q, k, v, seg if segments else None, context=C,
+                                     blocks=blocks)
         o, vjp = jax.vjp(f, q, k, v)
         return o, vjp(do)
 
@@ -56,11 +65,12 @@ def compile_layer(impl: str, C: int, T: int, B: int, N: int, K: int, H: int, seg
     args = [jax.ShapeDtypeStruct(s, d, sharding=sh) for s, d in (
         ((B, T, N, H), dtype), ((B, T, K, H), dtype), ((B, T, K, H), dtype),
         ((B, T), jnp.int32), ((B, T, N, H), dtype))]
-    return fn.lower(*args).compile()
+    with scope:
+        return fn.lower(*args).compile()
 
 
-def measure(impl, C, T, B, N, K, H, segments=True, target=None) -> dict:
-    compiled = compile_layer(impl, C, T, B, N, K, H, segments, target=target)
+def measure(impl, C, T, B, N, K, H, segments=True, target=None, blocks="xla") -> dict:
+    compiled = compile_layer(impl, C, T, B, N, K, H, segments, target=target, blocks=blocks)
     colls = comms.collectives(compiled.as_text())
     mem = compiled.memory_analysis()
     by_kind: dict[str, int] = {}
@@ -91,13 +101,18 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--target", default=None, help="a GPU kind (olmo_jax.targets): XLA:GPU")
+    ap.add_argument("--blocks", default="xla", choices=["xla", "cudnn"],
+                    help="the ring's blocks (cudnn: with --target)")
+    ap.add_argument("--impl", nargs="+", default=list(CONTEXT_ATTENTIONS))
     a = ap.parse_args()
     print(f"seq {a.seq}, batch {a.batch}, heads {a.heads}/{a.kv_heads} x {a.head_dim}, bf16, "
-          "document segments on; per device, forward + backward of one layer")
+          f"document segments on, ring blocks {a.blocks}; per device, forward + backward of "
+          "one layer")
     print(f"{'impl':10s} {'context':>7s} {'coll MiB':>9s} {'temp MiB':>9s}  collectives (MiB)")
     for C in a.context:
-        for impl in CONTEXT_ATTENTIONS:
-            m = measure(impl, C, a.seq, a.batch, a.heads, a.kv_heads, a.head_dim, target=a.target)
+        for impl in a.impl:
+            m = measure(impl, C, a.seq, a.batch, a.heads, a.kv_heads, a.head_dim, target=a.target,
+                        blocks=a.blocks)
             kinds = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in sorted(m["by_kind"].items()))
             print(f"{impl:10s} {C:7d} {m['bytes'] / 2**20:9.1f} {m['temp'] / 2**20:9.1f}  {kinds}")
             if "schedule" in m:

@@ -10,7 +10,12 @@
              bf16 and a float32 reference: relative error and TFLOP/s
   attention  the model's attention layer with model.attention_impl=cudnn against
              attention_impl=xla (same weights): forward output and input gradient
-             against a float32 run of the xla path, and forward+backward time
+             against a float32 run of the xla path, and forward+backward time; and
+             context parallelism's ring blocks on cuDNN (olmo_jax/kernels/ring_blocks.py)
+             against the blocks' float32 XLA reference, bf16 [L = 128] blocks: a
+             diagonal block (causal; packed documents) and a block before its queries
+             (all visible; one document crossing into the queries, a row with none),
+             forward (o, lse) and backward (dq, dk, dv) from given global O and LSE
   mxfp8      the MXFP8 path: the fused row+column quantize kernel bit for bit against
              its jnp reference, the quantize-dequantize error within e4m3's bound, and
              the model's MXFP8 GEMM (olmo_jax/model/mxfp8_gemm.py: cuDNN block-scaled MMA on
@@ -218,8 +223,80 @@ def section_attention(model_cfg, t_cfg, sz: Sizes, dry: bool) -> dict:
         out["checks"].append(check(f"attention {impl} input grad vs float32", dx, ref_dx))
     if "fwd_bwd_ms" in out.get("cudnn", {}):
         out["cudnn_speedup_over_xla"] = out["xla"]["fwd_bwd_ms"] / out["cudnn"]["fwd_bwd_ms"]
+    if "not_run" in out.get("cudnn", {}):  # the dry run: the reference against itself
+        out["ring_blocks"] = {"not_run": out["cudnn"]["not_run"]}
+        out["checks"] += ring_block_checks(L=16, cudnn=False)
+    else:
+        out["checks"] += ring_block_checks()
     out["all_ok"] = all(c["ok"] for c in out["checks"])
     return out
+
+
+def ring_block_cases(L: int = 128):
+    """(name, diagonal, q segment ids [2, L], key segment ids [2, L] or None) of the ring's
+    block kinds (olmo_jax/kernels/ring_blocks.py)."""
+    def runs(*lengths):
+        return np.repeat(np.arange(len(lengths)), lengths)
+
+    a, b, c = (L * f // 128 for f in (30, 40, 70))
+    diag = np.stack([runs(b, c - b, L - c), runs(L)]).astype(np.int32)
+    k_before = np.stack([runs(c, L - c), runs(L)]).astype(np.int32)
+    q_before = np.stack([runs(a, L - a) + 1, runs(L) + 1]).astype(np.int32)  # row 1: none
+    return [("diagonal causal", True, None, None), ("diagonal docs", True, diag, diag),
+            ("before", False, None, None), ("before one doc", False, q_before, k_before)]
+
+
+def ring_block_inputs(L: int = 128):
+    """bf16 (qs [B, K, G, L, H], k, v [B, K, L, H], do [B, K, G, L, H], a global output
+    o [B, K, G, L, H] float32 as if other blocks had contributed) of the block checks."""
+    B, K, G, H = 2, 2, 2, 64
+    keys = jax.random.split(jax.random.key(7), 5)
+    bf = jnp.bfloat16
+    qs = (jax.random.normal(keys[0], (B, K, G, L, H)) / 8).astype(bf)
+    k, v = (jax.random.normal(x, (B, K, L, H)).astype(bf) for x in keys[1:3])
+    do = jax.random.normal(keys[3], (B, K, G, L, H)).astype(bf)
+    o_global = jax.random.normal(keys[4], (B, K, G, L, H)).astype(bf).astype(jnp.float32)
+    return qs, k, v, do, o_global
+
+
+def ring_block_program(kern, cases):
+    """f(qs, k, v, do, o_global) -> per case (o, lse, dq, dk, dv) of `kern`'s blocks
+    (ring_blocks.block_fwd / block_bwd: the ring's masking), the backward from the global
+    o and the block's lse + 0.5 (the other blocks' keys: a larger normalizer)."""
+    from olmo_jax.kernels import ring_blocks as rb
+
+    def run(qs, k, v, do, o_global):
+        out = []
+        for _, diagonal, qseg, kseg in cases:
+            mask = rb.block_mask(diagonal, None if qseg is None else jnp.asarray(qseg),
+                                 None if kseg is None else jnp.asarray(kseg))
+            o, lse = rb.block_fwd(kern, qs, k, v, mask)
+            delta = jnp.sum(do.astype(jnp.float32) * o_global, axis=-1, keepdims=True)
+            out.append((o, lse) + rb.block_bwd(kern, qs, k, v, mask, o_global, lse + 0.5,
+                                               do, delta))
+        return out
+    return run
+
+
+def ring_block_checks(L: int = 128, cudnn: bool = True) -> list[dict]:
+    """cuDNN's ring blocks (forward, and backward from a given global O / LSE) against the
+    float32 reference kernels on the same bf16 inputs, all cases in one program each
+    (`cudnn` False: the bf16 reference in cuDNN's place, for the dry run)."""
+    from olmo_jax.kernels import ring_blocks as rb
+
+    cases = ring_block_cases(L)
+    args = ring_block_inputs(L)
+    kern = rb.cudnn_kernels(4) if cudnn else rb.REFERENCE
+    got = jax.jit(ring_block_program(kern, cases))(*args)
+    want = jax.jit(ring_block_program(rb.REFERENCE, cases))(
+        *(x.astype(jnp.float32) for x in args))
+    checks = []
+    for (name, *_), g, w in zip(cases, got, want, strict=True):
+        for part, a, b in zip(("o", "lse", "dq", "dk", "dv"), g, w, strict=True):
+            if part == "lse":  # rows without keys hold -1e30 in both: compared as 0
+                a, b = (jnp.where(x < -1e29, 0.0, x) for x in (a, b))
+            checks.append(check(f"ring block {name} {part}: {kern.name} vs float32", a, b))
+    return checks
 
 
 def section_mxfp8(model_cfg, t_cfg, sz: Sizes, dry: bool) -> dict:
