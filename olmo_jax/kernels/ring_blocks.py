@@ -39,8 +39,11 @@ slots, 1 without one), the natural-log log-sum-exp of the scaled scores. Dense r
 block but a diagonal one with documents) hold [B, N, Q]. In the packed layout this
 module reads the statistics of the s-th non-empty segment (counted over the whole batch)
 at row s, position = the token's place in its segment (`packed_rows`): an assumption
-about XLA's cuDNN graph that no CPU can check; the lent-GPU check compares these blocks'
-statistics and gradients with the reference (tools/gpu_check.sh, attention section).
+about XLA's cuDNN graph that no CPU can check. Until the lent-GPU check has compared
+these blocks' statistics and gradients with the reference (tools/gpu_check.sh, attention
+section, which runs the packed path), a diagonal block with documents runs XLA's block
+(`cudnn_kernels(packed_diagonal=False)`, the default): every other block reads dense
+statistics.
 
 Sliding windows are not expressed on cuDNN here: the blocks off the diagonal would need a
 window offset, so windowed layers stay on the XLA blocks.
@@ -309,13 +312,18 @@ def _jax_sdpa():
 
 
 @functools.cache
-def cudnn_kernels(max_docs: int = 16, sdpa=None) -> Kernels:
+def cudnn_kernels(max_docs: int = 16, sdpa=None, packed_diagonal: bool = False) -> Kernels:
     """cuDNN's fused attention as the ring's block kernels (module docstring); `max_docs`:
     the packed layout's document slots of a diagonal block (model.cudnn_max_docs; more
     documents share the last slot, as in model/attention.cudnn_attention). `sdpa`: the
     (forward, backward) pair called (default `_jax_sdpa`: cuDNN; the tests pass an XLA
-    emulation of cuDNN's masks to run this layout code on a CPU)."""
+    emulation of cuDNN's masks to run this layout code on a CPU). `packed_diagonal`:
+    diagonal blocks with documents on cuDNN's packed layout too (else XLA's block: the
+    packed statistics' layout is unverified on a GPU, module docstring)."""
     sdpa_fwd, sdpa_bwd = sdpa or _jax_sdpa()
+
+    def on_xla(mask):
+        return mask.diagonal and mask.qseg_BQ is not None and not packed_diagonal
 
     def args(lay: CudnnLayout):
         return dict(q_seqlen=lay.q_seqlen, kv_seqlen=lay.kv_seqlen, q_offsets=lay.q_offsets,
@@ -325,12 +333,16 @@ def cudnn_kernels(max_docs: int = 16, sdpa=None) -> Kernels:
         return x if lay.k_shift_B is None else _rotate(x, lay.k_shift_B, sign)
 
     def fwd(qs, k, v, mask):
+        if on_xla(mask):
+            return _xla_fwd(qs, k, v, mask)
         lay = cudnn_layout(mask, max_docs)
         o_BQNH, stats = sdpa_fwd(_btnh(qs), _kv(keys(k, lay)), _kv(keys(v, lay)), **args(lay))
         K = k.shape[1]
         return _heads(o_BQNH, K).astype(jnp.float32), _stats_to_lse(stats, lay.stats_at, K)
 
     def bwd(qs, k, v, mask, o, lse, do, delta):
+        if on_xla(mask):
+            return _xla_bwd(qs, k, v, mask, o, lse, do, delta)
         del delta  # cuDNN computes rowsum(do * o) from the global o itself
         lay = cudnn_layout(mask, max_docs)
         dq, dk, dv = sdpa_bwd(

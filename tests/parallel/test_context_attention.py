@@ -282,15 +282,17 @@ def emulated_cudnn():
 
 
 @pytest.mark.parametrize("C", [2, 4])
-@pytest.mark.parametrize("masked", [False, True], ids=["causal", "docs"])
-def test_ring_on_cudnn_layout_matches_naive(C, masked, reference):
+@pytest.mark.parametrize("masked,packed", [(False, False), (True, True), (True, False)],
+                         ids=["causal", "docs", "docs-xla-diagonal"])
+def test_ring_on_cudnn_layout_matches_naive(C, masked, packed, reference):
     # The cuDNN block kernels (ring_blocks.cudnn_kernels: the packed segments of a diagonal
     # block, a block before its queries as a padding mask over rotated keys, the
     # statistics gathered for the merge and scattered back for the backward) with an
-    # emulation of cuDNN's masks in cuDNN's place:
-    # the ring's output and gradients match one device.
+    # emulation of cuDNN's masks in cuDNN's place, and as a GPU plan runs them (diagonal
+    # blocks with documents on XLA's block): the ring's output and gradients match one
+    # device.
     q, k, v, w, seg = _inputs()
-    blocks = ring_blocks.cudnn_kernels(max_docs=4, sdpa=emulated_cudnn())
+    blocks = ring_blocks.cudnn_kernels(max_docs=4, sdpa=emulated_cudnn(), packed_diagonal=packed)
     mesh = Mesh(np.asarray(jax.devices()[:C]), ("context",))
     order = np.concatenate([zigzag_indices(T, C, r) for r in range(C)])
     spec = PartitionSpec(None, "context")

@@ -106,7 +106,7 @@ def test_cudnn_ring_block_backward_varies_like_its_inputs(diagonal):
     # one document-masked block: dq, dk and dv vary like q, k and v (an invariant dk would
     # be psum-ed across the ring's devices by the pvary's transpose).
     B, K, G, L, H = 1, 2, 2, 16, 32
-    kern = ring_blocks.cudnn_kernels(max_docs=4)
+    kern = ring_blocks.cudnn_kernels(max_docs=4, packed_diagonal=True)
 
     def bwd(qs, k, v, o, lse, do, seg):
         mask = ring_blocks.block_mask(diagonal, seg, seg)
