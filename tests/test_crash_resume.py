@@ -85,7 +85,7 @@ def test_a_crash_is_reported_with_its_stack_and_the_rest_runs_once_more(tmp_path
 def test_a_second_crash_fails_the_suite(tmp_path):
     p, out, runs = _run(tmp_path, crashes=2)
     assert p.returncode != 0
-    assert runs["a2"] == 2 and out.count("crashed while running") == 2, out
+    assert runs["a2"] == 2 and out.count("node down: Not properly terminated") == 2, out
 
 
 def test_a_real_failure_beside_a_crash_is_not_run_past(tmp_path):
