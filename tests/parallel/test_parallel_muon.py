@@ -38,7 +38,7 @@ def test_muon_step_matches_single_device(data, expert, zero1):
     errs = [rel_err(g - w0, w - w0) for g, w, w0 in
             zip(got, want, jax.tree.leaves(host_state(optim="muon")[4].params), strict=True)]
     print("param update rel err", max(errs))
-    assert max(errs) <= 1e-4, max(errs)
+    assert all(e <= 1e-4 for e in errs), errs  # a NaN fails (max() can skip it)
     adamw = reference_run()
     assert not np.allclose(ref.curve[1:], adamw.curve[1:])  # Muon really ran
 

@@ -135,6 +135,6 @@ def test_windowed_context_attention_matches_naive(impl):
         argnums=(0, 1, 2))(q, k, v)
     errs = [rel_err(np.asarray(o)[:, inverse], want_o)]
     errs += [rel_err(np.asarray(g)[:, inverse], x) for g, x in zip(grads, want_grads, strict=True)]
-    assert max(errs) <= 1e-5, errs
+    assert all(e <= 1e-5 for e in errs), errs  # a NaN fails (max() can skip it)
     full = naive_segment_attention(q, k, v, seg, T)
     assert rel_err(np.asarray(want_o), full) > 1e-2, "the window must matter"
