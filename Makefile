@@ -151,8 +151,9 @@ chromium:
 # of a crashed worker once left a --dist loadfile run waiting forever for the crashed
 # file), with the crashed thread's stack in the test's failure report. When crashes were
 # the run's only failures, tools/testing/pytest_resume.sh runs the tests that had not ended
-# once more (tests/crash_resume.py): a segmentation fault inside XLA:CPU has killed a worker
-# about once in several full runs, at a different test each time.
+# once more (tests/crash_resume.py): a segmentation fault in XLA:CPU's executable.serialize()
+# (jax's write to the suite's compilation cache) has killed a worker about once in a few
+# full runs, at a different test each time.
 RESUME := tools/testing/pytest_resume.sh
 # The suite in .venv (CPU), then the jax 0.11.2 subset in .venv-jax011, then tests/gpu in
 # .venv-gpu (README: "Compiling for GPUs without one"), one stage after the other. Beside

@@ -1,9 +1,10 @@
 """A crashed test process, reported with its stack and run past once (tests/conftest.py
 registers this plugin; tools/testing/pytest_resume.sh drives it).
 
-A segmentation fault inside a native library (XLA:CPU, about once in several full runs of
-the main suite on 2 cores, at different tests each time, not reproduced alone) kills an
-xdist worker. The run stops there (`--max-worker-restart=0`: xdist's replacement of a
+A segmentation fault in a native library kills an xdist worker about once in a few full
+runs of the main suite on 2 cores, at a different test each time, not reproduced alone
+(where its stack was seen: XLA:CPU's `executable.serialize()`, called by jax's write to
+the suite's persistent compilation cache). The run stops there (`--max-worker-restart=0`: xdist's replacement of a
 crashed worker once left a `--dist loadfile` run waiting forever), so the tests it had not
 reached never ran. This plugin:
 
