@@ -140,14 +140,8 @@ def _block_fwd(qs, k, v, qpos, kpos, qseg, kseg, state, window=0):
 def _block_bwd(qs, k, v, qpos, kpos, qseg, kseg, lse, do, delta, window=0):
     """dq (of the pre-scaled queries), dk, dv of one key block, in float32."""
     s, vis = _scores(qs, k, qpos, kpos, qseg, kseg, window)
-    p = jnp.where(vis, jnp.exp(s - lse), 0.0)
-    dv = jnp.einsum("bkgqa,bkgqh->bkah", p.astype(do.dtype), do,
-                    preferred_element_type=jnp.float32)
-    dp = jnp.einsum("bkgqh,bkah->bkgqa", do, v, preferred_element_type=jnp.float32)
-    ds = (p * (dp - delta)).astype(qs.dtype)
-    dqs = jnp.einsum("bkgqa,bkah->bkgqh", ds, k, preferred_element_type=jnp.float32)
-    dk = jnp.einsum("bkgqa,bkgqh->bkah", ds, qs, preferred_element_type=jnp.float32)
-    return dqs, dk, dv
+    return ring_blocks.grads_from_probs(jnp.where(vis, jnp.exp(s - lse), 0.0), qs, k, v, do,
+                                        delta)
 
 
 def block_in_window(qpos_Q, kpos_A, window: int):

@@ -159,9 +159,9 @@ def _xla_fwd(qs, k, v, mask):
     return o, m + jnp.log(jnp.maximum(l, 1e-30))
 
 
-def _xla_bwd(qs, k, v, mask, o, lse, do, delta):
-    s, vis = _xla_scores(qs, k, mask)
-    p = jnp.where(vis, jnp.exp(s - lse), 0.0)
+def grads_from_probs(p, qs, k, v, do, delta):
+    """(dqs, dk, dv) float32 of one block from its probabilities p = exp(s - lse) under the
+    global lse, and delta = rowsum(do * o) (flash attention's dS = P * (dP - delta))."""
     dv = jnp.einsum("bkgqa,bkgqh->bkah", p.astype(do.dtype), do,
                     preferred_element_type=jnp.float32)
     dp = jnp.einsum("bkgqh,bkah->bkgqa", do, v, preferred_element_type=jnp.float32)
@@ -169,6 +169,11 @@ def _xla_bwd(qs, k, v, mask, o, lse, do, delta):
     dqs = jnp.einsum("bkgqa,bkah->bkgqh", ds, k, preferred_element_type=jnp.float32)
     dk = jnp.einsum("bkgqa,bkgqh->bkah", ds, qs, preferred_element_type=jnp.float32)
     return dqs, dk, dv
+
+
+def _xla_bwd(qs, k, v, mask, o, lse, do, delta):
+    s, vis = _xla_scores(qs, k, mask)
+    return grads_from_probs(jnp.where(vis, jnp.exp(s - lse), 0.0), qs, k, v, do, delta)
 
 
 class Kernels(NamedTuple):
