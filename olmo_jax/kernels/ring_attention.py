@@ -68,7 +68,7 @@ ContextAttention = Literal["ring", "allgather"]  # model.context_attention
 CONTEXT_ATTENTIONS = get_args(ContextAttention)
 RingHops = Literal["permute", "pairs"]  # model.context_ring_hops (set by the plan)
 RING_HOPS = get_args(RingHops)
-_MASKED = -1e30
+_MASKED = ring_blocks.MASKED  # a score no query sees
 
 
 # ---- the zig-zag load balancer ---------------------------------------------------------
