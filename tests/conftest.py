@@ -15,6 +15,7 @@ processes (`compile_cache_env`).
 Shape annotations (`olmo_jax.shapes.check`) are checked at trace time in every test, and
 in the child processes tests start (they inherit OLMO_JAX_SHAPE_CHECKS)."""
 
+import gc
 import os
 import shutil
 import tempfile
@@ -134,6 +135,24 @@ def pytest_collection_modifyitems(config, items):
         if any(item.nodeid == p or item.nodeid.startswith((p + "::", p + "[")) for p in SLOW):
             item.add_marker(pytest.mark.slow)
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: files stay whole
+
+
+_frozen_module = [None]  # the test module whose first test last froze the heap
+
+
+def pytest_runtest_setup(item):
+    """Python's cyclic garbage collector skips what was alive when a test module started.
+    A test process keeps what its modules built (JAX's trace and compile caches, cached
+    runs, imported libraries), and each full collection walked all of it: 40 of the main
+    suite's 51 worker seconds of collection were 38 full collections, about 1 s each.
+    `gc.freeze()` at each module's first test moves what is alive then out of the
+    collector's reach (reference counting still frees it); garbage made since is
+    collected as before. Measured side by side on five files in one process (the
+    context-parallel doc masks, the parallel invariance, decoding, in-loop evals, the
+    transformer: 2.5 GB peak either way): 5.0 s of collection instead of 1.5 s."""
+    if item.module is not _frozen_module[0]:
+        _frozen_module[0] = item.module
+        gc.freeze()
 
 
 def pytest_unconfigure(config):
