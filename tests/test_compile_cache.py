@@ -36,3 +36,26 @@ def test_programs_compile_into_the_runs_folder(compile_cache):
 def test_a_marked_test_and_its_children_compile_without_it():
     assert jax.config.jax_compilation_cache_dir is None
     assert _child_cache_dir() == "None"
+
+
+class _Item:  # what pytest_collection_modifyitems reads of a collected test
+    def __init__(self, nodeid):
+        self.nodeid, self.markers = nodeid, set()
+
+    def add_marker(self, marker):
+        self.markers.add(marker.name)
+
+    def get_closest_marker(self, name):
+        return name if name in self.markers else None
+
+
+def test_the_uncached_packages_run_without_the_cache():
+    from tests import conftest
+
+    ids = ["tests/parallel/test_pipeline.py::test_a", "tests/model/test_router.py::test_b",
+           "tests/planner/test_plan_muon.py::test_c", "tests/trainer/test_faults.py::test_d",
+           "tests/test_compile_cache.py::test_e"]
+    items = [_Item(i) for i in ids]
+    conftest.pytest_collection_modifyitems(None, items)
+    marked = {i.nodeid.split("/")[1] for i in items if "no_compile_cache" in i.markers}
+    assert marked == {"parallel", "model", "planner"}
