@@ -7,6 +7,10 @@ block-scaled GEMM on Blackwell. Each is found in the compiled HLO by the helpers
 olmo_jax.planner.gpu_hlo, which this also checks."""
 
 import functools
+import os
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +48,40 @@ def test_all_to_all_and_ragged_all_to_all(mesh8):
     sizes = _spec(mesh8, (64,), jnp.int32, P("x"))
     counts = gpu_hlo.collective_counts(jax.jit(f).lower(x, x, sizes, sizes, sizes, sizes).compile())
     assert counts["ragged-all-to-all"] == 1
+
+
+# A matmul and an elementwise fusion for one abstract H200: LLVM's PTX for each kernel.
+_ASSEMBLE = textwrap.dedent("""
+    import os
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+    import jax, jax.numpy as jnp
+    from olmo_jax import targets
+    x = jax.ShapeDtypeStruct((256, 256), jnp.float32,
+                             sharding=jax.sharding.SingleDeviceSharding(targets.abstract_devices("h200", 1)[0]))
+    jax.jit(lambda a, b: jnp.tanh(a @ b) + 1.0).lower(x, x).compile()
+    print("compiled")
+""")
+
+
+def test_ptx_is_assembled_in_process_by_nvjitlink(tmp_path):
+    """XLA:GPU turns each kernel's PTX into GPU code in the compiling process, with nvJitLink
+    (the nvidia-nvjitlink-cu12 wheel of tools/requirements/gpu.txt), as a jax[cuda12]
+    install does: it runs no ptxas. Without the wheel XLA runs a ptxas binary from the
+    machine's PATH or CUDA folder for every kernel (one process each: 161 for an 8-GPU
+    matrix cell), so the compiles depended on the machine's CUDA toolkit and spent a fifth
+    of the GPU stages' CPU time in the kernel. Here the only ptxas on the PATH records that
+    it ran and fails."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    marker = tmp_path / "ptxas-ran"
+    (fake / "ptxas").write_text(f"#!/bin/sh\ntouch {marker}\nexit 1\n")
+    (fake / "ptxas").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-c", _ASSEMBLE], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert not marker.exists(), "XLA:GPU ran ptxas: is nvidia-nvjitlink-cu12 installed?"
+    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
 
 
 def test_cudnn_attention_forward_and_backward(mesh8):
