@@ -48,14 +48,22 @@ unexport PYTHONDONTWRITEBYTECODE
 # less wall time on tests/model's MoE and router files, measured side by side); the GPU
 # stages keep the default. The golden curve's runs drop it (tools/testing/golden_curve.py).
 CPU_TEST_XLA_FLAGS := $(XLA_FLAGS) --xla_backend_optimization_level=0
-# The CPU test stages' processes (and their children) ask glibc's malloc to back its large
+# Every test stage's processes (and their children) allocate with jemalloc where the
+# machine has it (tools/setup/jemalloc.sh, preloaded; `make system-packages` installs it):
+# XLA's compiler and runtime allocate and free at a rate at which glibc's malloc spent
+# about a tenth of a mesh test's CPU time in its own code and another tenth zeroing the
+# pages it had returned to the kernel and faulted in again. Measured one after the other
+# on 2 AMD EPYC cores: tests/parallel/test_window_parallel.py 43.8 s -> 31.6 s, a mix of
+# six main-suite files under -n 2 164 s -> 150 s, the Hopper GPU-compile stage 3:14 -> 2:35.
+# tcmalloc did less (35.7 s on the first), as did jemalloc's THP and no-purge options.
+TEST_MALLOC := LD_PRELOAD="$$(tools/setup/jemalloc.sh)$${LD_PRELOAD:+ $$LD_PRELOAD}"
+# Without jemalloc, the CPU test stages' processes ask glibc's malloc to back its large
 # blocks with transparent huge pages (glibc >= 2.35; where the kernel's THP mode is
 # `madvise`, as here, nothing else does): XLA:CPU mmaps each block over 32 MB afresh, and
 # first-touching it 4 KiB at a time was a fifth of the evals and context-parallel files'
 # CPU time (measured side by side: 91 instead of 109 CPU seconds, system time 18 instead
-# of 31; the golden curve's 8-device run 64 instead of 72). The GPU-compile stages gain
-# nothing from it and keep glibc's default.
-CPU_TEST_ENV := GLIBC_TUNABLES=glibc.malloc.hugetlb=1 XLA_FLAGS="$(CPU_TEST_XLA_FLAGS)"
+# of 31; the golden curve's 8-device run 64 instead of 72).
+CPU_TEST_ENV := $(TEST_MALLOC) GLIBC_TUNABLES=glibc.malloc.hugetlb=1 XLA_FLAGS="$(CPU_TEST_XLA_FLAGS)"
 # pip installs with --no-compile: Python writes the .pyc of what is imported when it is
 # first imported, instead of pip compiling every installed module up front (from a warm
 # wheel cache, measured side by side: .venv 58 s instead of 123 s, .venv-jax011 11 s
@@ -66,7 +74,7 @@ CPU_TEST_ENV := GLIBC_TUNABLES=glibc.malloc.hugetlb=1 XLA_FLAGS="$(CPU_TEST_XLA_
 EDITABLE := $(if $(shell command -v flock),flock .editable-install.lock)
 VENV_JOBS := $(if $(EDITABLE),-j4,-j1)
 
-.PHONY: train test test-gpu check docs venv oracle jax011 gpu-venv gpu-wheels chromium lint clean
+.PHONY: train test test-gpu check docs venv oracle jax011 gpu-venv gpu-wheels system-packages lint clean
 
 venv: $(VENV)/.installed
 
@@ -133,19 +141,27 @@ gpu-wheels: venv
 train: venv
 	XLA_FLAGS= $(PY) -m olmo_jax.train --config=$(CONFIG) $(ARGS)
 
-# Headless Chromium + chromedriver for the report's browser tests (tests/report), installed
-# with apt-get when missing (as root); where that is impossible those tests are skipped.
-chromium:
-	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then \
-	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    echo "installing chromium and chromium-driver (report browser tests)"; \
-	    (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver) \
-	      >/dev/null || echo "warning: could not install chromium: the report browser tests will be skipped"; \
-	  else \
-	    echo "warning: chromium/chromedriver missing and not installable here (needs root and apt-get):" \
-	         "the report browser tests will be skipped"; \
-	  fi; \
-	fi
+# The Debian packages the tests use, installed with apt-get when missing (as root):
+# headless Chromium + chromedriver for the report's browser tests and the docs' link check
+# (skipped where they cannot be installed), and jemalloc, which the test stages preload in
+# place of glibc's malloc (TEST_MALLOC; without it they run on glibc's, slower).
+system-packages:
+	@missing=""; \
+	  { [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; } || missing=" chromium chromium-driver"; \
+	  [ -n "$$(tools/setup/jemalloc.sh)" ] || missing="$$missing libjemalloc2"; \
+	  if [ -n "$$missing" ]; then \
+	    if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	      echo "installing$$missing (report browser tests, the test stages' allocator)"; \
+	      mkdir -p .artifacts; \
+	      (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing) \
+	        > .artifacts/apt-get.log 2>&1 || { tail -n 5 .artifacts/apt-get.log; \
+	        echo "warning: could not install$$missing (.artifacts/apt-get.log): without chromium the" \
+	             "browser tests are skipped, without libjemalloc2 the tests run on glibc's malloc (slower)"; }; \
+	    else \
+	      echo "warning:$$missing missing and not installable here (needs root and apt-get): without" \
+	           "chromium the browser tests are skipped, without libjemalloc2 the tests run on glibc's malloc (slower)"; \
+	    fi; \
+	  fi
 
 # A crashed test process ends its pytest run (--max-worker-restart=0: xdist's replacement
 # of a crashed worker once left a --dist loadfile run waiting forever for the crashed
@@ -166,7 +182,7 @@ RESUME := tools/testing/pytest_resume.sh
 # 0.11.2 and GPU runs never read the main run's programs.
 test:
 	@mkdir -p .artifacts; date +%s > .artifacts/test-start
-	@$(MAKE) --no-print-directory $(VENV_JOBS) --output-sync=target venv oracle jax011 gpu-venv chromium || { \
+	@$(MAKE) --no-print-directory $(VENV_JOBS) --output-sync=target venv oracle jax011 gpu-venv system-packages || { \
 	  echo "error: a venv could not be installed (see pip's message above): the tests cannot run" >&2; \
 	  exit 1; }
 	@$(MAKE) --no-print-directory docs
@@ -191,9 +207,9 @@ test:
 # compiled to future architecture"), so Hopper, B200 (sm_100) and B300 (sm_103) compile
 # in separate runs; tests/gpu/conftest.py refuses a selection that mixes them.
 test-gpu:
-	$(RESUME) $(GPU_PY) -m pytest -q -n $(GPU_TEST_WORKERS) $(GPU_PYTEST_ARGS) -k "not b200 and not b300"
-	$(RESUME) $(GPU_PY) -m pytest -q -n $(GPU_TEST_WORKERS) $(GPU_PYTEST_ARGS) -k b200
-	$(RESUME) $(GPU_PY) -m pytest -q -n $(GPU_TEST_WORKERS) $(GPU_PYTEST_ARGS) -k b300
+	$(TEST_MALLOC) $(RESUME) $(GPU_PY) -m pytest -q -n $(GPU_TEST_WORKERS) $(GPU_PYTEST_ARGS) -k "not b200 and not b300"
+	$(TEST_MALLOC) $(RESUME) $(GPU_PY) -m pytest -q -n $(GPU_TEST_WORKERS) $(GPU_PYTEST_ARGS) -k b200
+	$(TEST_MALLOC) $(RESUME) $(GPU_PY) -m pytest -q -n $(GPU_TEST_WORKERS) $(GPU_PYTEST_ARGS) -k b300
 
 # The docs site (mkdocs.yml) into the git-ignored site/; --strict fails on a broken link or anchor.
 docs: venv

@@ -44,9 +44,12 @@ print(json.dumps({"applied": applied, "faults": min(faults_per_call() for _ in r
 def _run(code: str, *args: str, **env: str) -> dict:
     out = subprocess.run(
         [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300,
-        # glibc's own defaults: no tunables (the Makefile's CPU test stages set
-        # glibc.malloc.hugetlb=1, which backs large blocks with huge pages: 65 faults a call)
-        env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "GLIBC_TUNABLES": "", **env},
+        # glibc's malloc with its own defaults: no preloaded allocator (the Makefile's test
+        # stages preload jemalloc, whose reuse makes both policies fault-free) and no
+        # tunables (its CPU test stages set glibc.malloc.hugetlb=1 for when jemalloc is
+        # missing, which backs large blocks with huge pages: 65 faults a call)
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "GLIBC_TUNABLES": "",
+             "LD_PRELOAD": "", **env},
     )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -3,7 +3,7 @@ standard library only (urllib): open a page, run JavaScript in it, move the poin
 an element, read the browser console, take a full-page screenshot.
 
 Needs the Debian packages `chromium` and `chromium-driver` (`make test` installs them
-when missing). `missing()` says what is absent.
+when missing: `make system-packages`). `missing()` says what is absent.
 """
 
 from __future__ import annotations
