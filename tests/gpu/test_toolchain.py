@@ -70,8 +70,8 @@ def test_ptx_is_assembled_in_process_by_nvjitlink(tmp_path):
     install does: it runs no ptxas. Without the wheel XLA runs a ptxas binary from the
     machine's PATH or CUDA folder for every kernel (one process each: 161 for an 8-GPU
     matrix cell), so the compiles depended on the machine's CUDA toolkit and spent a fifth
-    of the GPU stages' CPU time in the kernel. Here the only ptxas on the PATH records that
-    it ran and fails."""
+    of the GPU stages' CPU time in the kernel. Here a ptxas put first on the PATH records
+    that it ran and fails."""
     fake = tmp_path / "bin"
     fake.mkdir()
     marker = tmp_path / "ptxas-ran"
